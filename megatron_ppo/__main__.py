@@ -1,0 +1,3 @@
+from megatron_ppo.cli import main
+
+raise SystemExit(main())

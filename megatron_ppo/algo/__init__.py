@@ -1,0 +1,61 @@
+"""The PPO/KL algorithm core: pure torch, no Megatron, no torch.distributed.
+
+Argument order and names mirror `verl.trainer.ppo.core_algos` so a verl user can switch; each function's
+docstring states its equation, and tests compare it with verl or a closed form.
+"""
+
+from megatron_ppo.algo.advantages import gae_advantages, grpo_advantages
+from megatron_ppo.algo.aggregation import LOSS_AGG_MODES, agg_loss
+from megatron_ppo.algo.kl import KL_KINDS, kl_from_logits, kl_penalty
+from megatron_ppo.algo.kl_control import (
+    CONTROLLER_TYPES,
+    AdaptiveKLController,
+    BandKLController,
+    FixedKLController,
+    KLController,
+    PowerLawKLController,
+    build_kl_controller,
+)
+from megatron_ppo.algo.kl_schedule import KLStage, StagedKLSchedule
+from megatron_ppo.algo.logits import entropy_from_logits
+from megatron_ppo.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from megatron_ppo.algo.policy_loss import policy_loss, truncated_is_weights
+from megatron_ppo.algo.rewards import (
+    RunningRewardNormalizer,
+    clip_rewards,
+    kl_penalized_rewards,
+    scores_to_token_level,
+)
+from megatron_ppo.algo.value_loss import explained_variance, value_loss
+
+__all__ = [
+    "CONTROLLER_TYPES",
+    "KL_KINDS",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "BandKLController",
+    "FixedKLController",
+    "KLController",
+    "KLStage",
+    "PowerLawKLController",
+    "RunningRewardNormalizer",
+    "StagedKLSchedule",
+    "agg_loss",
+    "build_kl_controller",
+    "clip_rewards",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae_advantages",
+    "grpo_advantages",
+    "kl_from_logits",
+    "kl_penalized_rewards",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "policy_loss",
+    "scores_to_token_level",
+    "truncated_is_weights",
+    "value_loss",
+]

@@ -1,0 +1,141 @@
+"""KL-coefficient controllers: β for the KL loss, the KL-in-reward penalty, or both.
+
+Every controller has `value` (β for the next step), `update(current_kl, n_steps)`, `state_dict()` and
+`load_state_dict()`, and keeps β within [min_coef, max_coef]. A β that reaches 0 can never grow again under a
+multiplicative rule, so a positive `min_coef` keeps a controller alive.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+CONTROLLER_TYPES = ("fixed", "adaptive", "power_law", "band")
+
+
+class KLController:
+    """Base: a coefficient clamped to [min_coef, max_coef]; subclasses define `_next(kl, n_steps)`."""
+
+    kind = "base"
+
+    def __init__(self, kl_coef: float, min_coef: float = 0.0, max_coef: float = math.inf) -> None:
+        if not 0.0 <= min_coef <= max_coef:
+            raise ValueError(f"need 0 ≤ min_coef ≤ max_coef, got min_coef={min_coef}, max_coef={max_coef}")
+        self.min_coef, self.max_coef = min_coef, max_coef
+        self.value = self._clamp(kl_coef)
+
+    def _clamp(self, value: float) -> float:
+        return min(max(value, self.min_coef), self.max_coef)
+
+    def _next(self, current_kl: float, n_steps: int) -> float:
+        raise NotImplementedError
+
+    def update(self, current_kl: float, n_steps: int = 1) -> float:
+        """Set β from the KL measured at the last step; returns the new β."""
+        if not math.isfinite(current_kl):
+            raise ValueError(f"KL controller got a non-finite KL ({current_kl}); the step should have been skipped")
+        self.value = self._clamp(self._next(float(current_kl), n_steps))
+        return self.value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["kind"] != self.kind:
+            raise ValueError(f"checkpoint holds a {state['kind']!r} KL controller, the config builds {self.kind!r}")
+        self.value = float(state["value"])
+
+
+class FixedKLController(KLController):
+    """β stays where it is."""
+
+    kind = "fixed"
+
+    def _next(self, current_kl: float, n_steps: int) -> float:
+        return self.value
+
+
+class AdaptiveKLController(KLController):
+    """Ziegler et al. (2019): e = clip(KL/target − 1, −0.2, 0.2),  β ← β·(1 + e·n_steps/horizon).
+
+    The trajectory equals verl's `AdaptiveKLController` (n_steps there is the batch size)."""
+
+    kind = "adaptive"
+
+    def __init__(self, kl_coef: float, target_kl: float, horizon: float, **bounds: float) -> None:
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError(f"adaptive KL needs target_kl > 0 and horizon > 0, got {target_kl}, {horizon}")
+        super().__init__(kl_coef, **bounds)
+        self.target_kl, self.horizon = target_kl, horizon
+
+    def _next(self, current_kl: float, n_steps: int) -> float:
+        error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
+        return self.value * (1.0 + error * n_steps / self.horizon)
+
+
+class PowerLawKLController(KLController):
+    """β ← β·(KL/target)^α: raises β when KL is above target, lowers it when below (α > 0, default 1.5).
+
+    A non-positive KL (the k1 estimate can be < 0) counts as far below target: β falls to `min_coef`."""
+
+    kind = "power_law"
+
+    def __init__(self, kl_coef: float, target_kl: float, alpha: float = 1.5, **bounds: float) -> None:
+        if target_kl <= 0 or alpha <= 0:
+            raise ValueError(f"power-law KL needs target_kl > 0 and alpha > 0, got {target_kl}, {alpha}")
+        super().__init__(kl_coef, **bounds)
+        self.target_kl, self.alpha = target_kl, alpha
+
+    def _next(self, current_kl: float, n_steps: int) -> float:
+        if current_kl <= 0:
+            return self.min_coef
+        return self.value * (current_kl / self.target_kl) ** self.alpha
+
+
+class BandKLController(KLController):
+    """Band rule: β ← β·up if KL > high, β·down if KL < low, else unchanged (up 1.2, down 0.8)."""
+
+    kind = "band"
+
+    def __init__(
+        self, kl_coef: float, band: tuple[float, float], up: float = 1.2, down: float = 0.8, **bounds: float
+    ) -> None:
+        low, high = band
+        if not 0 <= low < high:
+            raise ValueError(f"KL band needs 0 ≤ low < high, got {band}")
+        super().__init__(kl_coef, **bounds)
+        self.band, self.up, self.down = (low, high), up, down
+
+    def _next(self, current_kl: float, n_steps: int) -> float:
+        low, high = self.band
+        if current_kl > high:
+            return self.value * self.up
+        if current_kl < low:
+            return self.value * self.down
+        return self.value
+
+
+def build_kl_controller(
+    kind: str,
+    kl_coef: float,
+    *,
+    target_kl: float | None = None,
+    horizon: float = 10000.0,
+    alpha: float = 1.5,
+    band: tuple[float, float] | None = None,
+    min_coef: float = 0.0,
+    max_coef: float = math.inf,
+) -> KLController:
+    """A controller of the given kind; `band` defaults to [target/1.5, target·1.5] for the band rule."""
+    bounds = {"min_coef": min_coef, "max_coef": max_coef}
+    if kind == "fixed":
+        return FixedKLController(kl_coef, **bounds)
+    if kind in ("adaptive", "power_law", "band") and target_kl is None and band is None:
+        raise ValueError(f"a {kind!r} KL controller needs target_kl")
+    if kind == "adaptive":
+        return AdaptiveKLController(kl_coef, target_kl, horizon, **bounds)
+    if kind == "power_law":
+        return PowerLawKLController(kl_coef, target_kl, alpha, **bounds)
+    if kind == "band":
+        return BandKLController(kl_coef, band or (target_kl / 1.5, target_kl * 1.5), **bounds)
+    raise ValueError(f"unknown KL controller {kind!r}; expected one of {', '.join(CONTROLLER_TYPES)}")
