@@ -9,8 +9,7 @@ LARGEST_DIFFERENCE: dict[str, float] = {}
 
 def assert_matches_verl(name: str, ours: torch.Tensor | float, theirs: torch.Tensor | float, tol: float = 1e-6) -> None:
     """|ours − theirs| ≤ tol·max(1, |theirs|) elementwise (float32), recording the largest difference seen."""
-    ours_t = torch.as_tensor(ours).detach().to(torch.float64)
-    theirs_t = torch.as_tensor(theirs).detach().to(torch.float64)
+    ours_t, theirs_t = _float64(ours), _float64(theirs)
     assert ours_t.shape == theirs_t.shape, f"{name}: shape {tuple(ours_t.shape)} vs verl {tuple(theirs_t.shape)}"
     both_nan = torch.isnan(ours_t) & torch.isnan(theirs_t)
     diff = torch.where(both_nan, 0.0, (ours_t - theirs_t).abs())
@@ -22,6 +21,12 @@ def assert_matches_verl(name: str, ours: torch.Tensor | float, theirs: torch.Ten
         f"{name}: differs from verl by {largest:.3e} (at flat index {worst}: ours "
         f"{ours_t.flatten()[worst].item():.9g}, verl {theirs_t.flatten()[worst].item():.9g})"
     )
+
+
+def _float64(value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64)
+    return torch.as_tensor(value, dtype=torch.float64)
 
 
 def make_batch(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,188 @@
+"""Compose a config: recipe YAML ← `defaults:` files ← `key=value` overrides, then type-check and resolve.
+
+Composition order (later wins): the files a recipe lists in `defaults:` (each may list its own), the recipe
+itself, then command-line overrides. `defaults:` entries are paths without `.yaml`, looked up next to the file
+that names them and then in `configs/` (or `$MEGATRON_PPO_CONFIG_DIR`). Lists are replaced, not merged.
+verl-style override paths are accepted as aliases (see `VERL_ALIASES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.config.validate import resolve, validate
+
+CONFIG_DIR = Path(os.environ.get("MEGATRON_PPO_CONFIG_DIR", Path(__file__).resolve().parents[2] / "configs"))
+
+# verl path prefix → ours. Longest prefix wins.
+VERL_ALIASES = {
+    "actor_rollout_ref.actor.": "actor.",
+    "actor_rollout_ref.ref.": "ref.",
+    "actor_rollout_ref.model.path": "model.hf_checkpoint",
+    "trainer.nnodes": "cluster.nodes",
+    "trainer.n_gpus_per_node": "cluster.gpus_per_node",
+}
+_UNSUPPORTED_VERL = {
+    "actor_rollout_ref.rollout.": "offline PPO trains on a fixed dataset and has no rollout; set data.* instead",
+    "reward_model.": "rewards come from the dataset (data.reward_key); shape them under reward.*",
+}
+
+
+def load_config(recipe: str | Path, overrides: Sequence[str] = ()) -> PPOConfig:
+    """Compose, override, type-check, resolve and validate; raises `ConfigError` listing every problem."""
+    recipe = Path(recipe)
+    raw = compose_file(recipe)
+    for override in overrides:
+        key, value = parse_override(override)
+        OmegaConf.update(raw, key, value, merge=True, force_add=True)
+    return build_config(raw, source=str(recipe))
+
+
+def build_config(raw: DictConfig, source: str | None = None) -> PPOConfig:
+    """Typed config from a composed tree: unknown keys and wrong types first, then resolution and validation."""
+    problems = unknown_key_problems(OmegaConf.to_container(raw, resolve=False), PPOConfig)
+    if problems:
+        raise ConfigError(problems, source)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(PPOConfig), raw)
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError([_describe_omegaconf_error(error)], source) from None
+    resolve(config)
+    problems = validate(config)
+    if problems:
+        raise ConfigError(problems, source)
+    return config
+
+
+def compose_file(path: Path, _stack: tuple[Path, ...] = ()) -> DictConfig:
+    """The file's tree merged over its `defaults:` (recursively)."""
+    path = path.resolve()
+    if path in _stack:
+        chain = " -> ".join(str(p) for p in (*_stack, path))
+        raise ConfigError([f"defaults form a cycle: {chain}; remove one of the entries"])
+    if not path.is_file():
+        raise ConfigError([f"config file {path} does not exist"])
+    try:
+        node = OmegaConf.load(path)
+    except yaml.YAMLError as error:
+        raise ConfigError([f"{path} is not valid YAML: {error}"]) from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError([f"{path} must hold a mapping of config groups, found a {type(node).__name__}"])
+    defaults = node.pop("defaults", [])
+    if not isinstance(defaults, ListConfig | list):
+        raise ConfigError([f"{path}: defaults must be a list of config paths like [defaults, kl/staged]"])
+    composed = OmegaConf.create()
+    for entry in defaults:
+        composed = OmegaConf.merge(composed, compose_file(_find_default(str(entry), path), (*_stack, path)))
+    return OmegaConf.merge(composed, node)
+
+
+def parse_override(override: str) -> tuple[str, Any]:
+    """`a.b.c=value` → (our dotted key, YAML-parsed value); verl aliases rewritten."""
+    key, sep, text = override.partition("=")
+    key = key.strip().lstrip("+")
+    if not sep or not key:
+        raise ConfigError([f"override {override!r} is not of the form key=value (e.g. actor.optim.lr=1e-6)"])
+    for prefix, reason in _UNSUPPORTED_VERL.items():
+        if key.startswith(prefix):
+            raise ConfigError([f"override {key}: {reason}"])
+    for prefix in sorted(VERL_ALIASES, key=len, reverse=True):
+        if key == prefix or key.startswith(prefix):
+            key = VERL_ALIASES[prefix] + key[len(prefix) :]
+            break
+    return key, _parse_value(text)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
+        return float(value)  # YAML 1.1 reads 1e-6 as a string
+    return value
+
+
+def unknown_key_problems(tree: Any, schema: type, prefix: str = "") -> list[str]:
+    """Keys in `tree` that the dataclass `schema` does not have, with the closest known names."""
+    if not isinstance(tree, dict):
+        return []
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    problems = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            problems.append(f"unknown key {path!r}{_suggest(str(key), list(fields), prefix)}")
+            continue
+        child = _dataclass_of(schema, key)
+        if child is not None and isinstance(value, dict):
+            problems += unknown_key_problems(value, child, f"{path}.")
+        elif child is not None and isinstance(value, list):
+            for index, item in enumerate(value):
+                problems += unknown_key_problems(item, child, f"{path}[{index}].")
+    return problems
+
+
+def _dataclass_of(schema: type, name: str) -> type | None:
+    """The dataclass held by field `name` (directly or as list items), if any."""
+    hints = typing.get_type_hints(schema)
+    hint = hints.get(name)
+    for candidate in (hint, *getattr(hint, "__args__", ())):
+        if dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def _suggest(key: str, siblings: list[str], prefix: str) -> str:
+    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {prefix + close[0]!r}?"
+    elsewhere = [path for path in _all_paths(PPOConfig) if path.rsplit(".", 1)[-1] == key]
+    if elsewhere:
+        return f"; {key!r} lives at {' or '.join(repr(p) for p in elsewhere)}"
+    return f"; known keys here: {', '.join(sorted(siblings))}"
+
+
+def _all_paths(schema: type, prefix: str = "") -> list[str]:
+    paths = []
+    for f in dataclasses.fields(schema):
+        child = _dataclass_of(schema, f.name)
+        paths += _all_paths(child, f"{prefix}{f.name}.") if child else [f"{prefix}{f.name}"]
+    return paths
+
+
+def _describe_omegaconf_error(error: OmegaConfBaseException) -> str:
+    key = getattr(error, "full_key", "") or "?"
+    message = str(getattr(error, "msg", error)).split("\n")[0]
+    return f"{key}: {message}; give a value of the type the schema declares (megatron_ppo/config/schema.py)"
+
+
+def _find_default(entry: str, including_file: Path) -> Path:
+    name = entry if entry.endswith(".yaml") else f"{entry}.yaml"
+    candidates = [including_file.parent / name, CONFIG_DIR / name]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    available = sorted(str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.rglob("*.yaml"))
+    suggestion = difflib.get_close_matches(entry, available, n=1)
+    hint = f"did you mean {suggestion[0]!r}? " if suggestion else ""
+    raise ConfigError(
+        [
+            f"{including_file}: defaults entry {entry!r} not found in {including_file.parent} or {CONFIG_DIR}; "
+            f"{hint}available: {', '.join(available)}"
+        ]
+    )

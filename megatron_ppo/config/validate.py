@@ -1,0 +1,404 @@
+"""Resolution of derived defaults, and validation of a typed config before anything heavy is built.
+
+`validate` returns every problem as one line: the key, the value, what is wrong and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from megatron_ppo.algo.aggregation import LOSS_AGG_MODES
+from megatron_ppo.algo.kl import KL_KINDS
+from megatron_ppo.algo.kl_control import CONTROLLER_TYPES
+from megatron_ppo.algo.kl_schedule import WARMUP
+from megatron_ppo.config.schema import ROLES, GuardsConfig, MegatronConfig, PPOConfig
+
+KL_ESTIMATORS = (*KL_KINDS, *(k + "+" for k in KL_KINDS))
+KL_CTRL_TYPES = (*CONTROLLER_TYPES, "staged")
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "model.position_embedding_type": ("rope", "learned_absolute"),
+    "model.normalization": ("RMSNorm", "LayerNorm"),
+    "model.activation": ("swiglu", "gelu"),
+    "model.params_dtype": ("bf16", "fp16", "fp32"),
+    "data.format": ("auto", "jsonl", "parquet"),
+    "data.overlong_policy": ("filter", "truncate"),
+    "data.on_bad_row": ("error", "skip"),
+    "actor.kl_loss_type": KL_ESTIMATORS,
+    "actor.loss_agg_mode": LOSS_AGG_MODES,
+    "actor.behavior_is_level": ("token", "sequence"),
+    "critic.loss_agg_mode": LOSS_AGG_MODES,
+    "algorithm.adv_estimator": ("gae", "grpo"),
+    "algorithm.kl_penalty": KL_ESTIMATORS,
+    "algorithm.kl_ctrl.type": KL_CTRL_TYPES,
+    "algorithm.kl_ctrl.stage_unit": ("fraction", "step"),
+    "trainer.resume_mode": ("auto", "disable", "resume_path"),
+    "cluster.device": ("cuda", "cpu"),
+    **{f"{role}.optim.optimizer": ("adam", "sgd") for role in ("actor", "critic")},
+    **{f"{role}.optim.lr_decay_style": ("constant", "linear", "cosine") for role in ("actor", "critic")},
+    **{f"{role}.megatron.recompute_granularity": (None, "full", "selective") for role in ROLES},
+    **{f"{role}.megatron.recompute_method": (None, "uniform", "block") for role in ROLES},
+}
+
+
+def resolve(config: PPOConfig) -> None:
+    """Fill the defaults that depend on other keys (in place).
+
+    `clip_ratio_low/high` default to `clip_ratio` — in verl they default to 0.2 on their own, so setting only
+    `clip_ratio` there silently changes nothing.
+    """
+    actor = config.actor
+    actor.clip_ratio_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
+    actor.clip_ratio_high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
+    for role in (config.actor, config.ref):
+        if role.log_prob_micro_batch_size_per_gpu is None:
+            role.log_prob_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+
+
+def get(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def validate(config: PPOConfig) -> list[str]:
+    """Every problem in `config`, one line each (empty when it is sound)."""
+    problems: list[str] = []
+    for key, allowed in CHOICES.items():
+        value = get(config, key)
+        if value not in allowed:
+            problems.append(f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}")
+    problems += _range_problems(config)
+    problems += _model_problems(config)
+    problems += _layout_problems(config)
+    problems += _batch_problems(config)
+    problems += _kl_problems(config)
+    problems += _reward_problems(config)
+    return problems
+
+
+def _check(problems: list[str], config: Any, keys: Iterable[str], ok: Callable[[Any], bool], rule: str) -> None:
+    for key in keys:
+        value = get(config, key)
+        if value is not None and not ok(value):
+            problems.append(f"{key}={value!r}: must be {rule}")
+
+
+def _range_problems(c: PPOConfig) -> list[str]:
+    p: list[str] = []
+    positive_ints = [
+        "model.num_layers",
+        "model.hidden_size",
+        "model.num_attention_heads",
+        "model.vocab_size",
+        "model.max_position_embeddings",
+        "model.ffn_hidden_size",
+        "model.num_query_groups",
+        "model.kv_channels",
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "data.train_batch_size",
+        "actor.ppo_mini_batch_size",
+        "actor.ppo_micro_batch_size_per_gpu",
+        "actor.ppo_epochs",
+        "actor.ppo_max_token_len_per_gpu",
+        "actor.log_prob_micro_batch_size_per_gpu",
+        "ref.log_prob_micro_batch_size_per_gpu",
+        "critic.ppo_mini_batch_size",
+        "critic.ppo_micro_batch_size_per_gpu",
+        "critic.ppo_epochs",
+        "critic.ppo_max_token_len_per_gpu",
+        "trainer.total_epochs",
+        "trainer.total_training_steps",
+        "cluster.nodes",
+        "cluster.gpus_per_node",
+        "guards.grad_norm_window",
+        *(
+            f"{r}.megatron.{k}"
+            for r in ROLES
+            for k in (
+                "tensor_model_parallel_size",
+                "pipeline_model_parallel_size",
+                "virtual_pipeline_model_parallel_size",
+                "context_parallel_size",
+                "recompute_num_layers",
+            )
+        ),
+    ]
+    _check(p, c, positive_ints, lambda v: v >= 1, "≥ 1")
+    _check(
+        p,
+        c,
+        [
+            "trainer.critic_warmup",
+            "trainer.save_freq",
+            "trainer.test_freq",
+            "guards.max_consecutive_skips",
+            "guards.max_rollbacks",
+            "trainer.max_ckpt_to_keep",
+        ],
+        lambda v: v >= 0,
+        "≥ 0",
+    )
+    _check(p, c, ["actor.clip_ratio", "actor.clip_ratio_high", "critic.cliprange_value"], lambda v: v > 0, "> 0")
+    _check(p, c, ["actor.clip_ratio_low"], lambda v: 0 < v < 1, "in (0, 1) (the ratio is clipped at 1 − low)")
+    _check(p, c, ["actor.clip_ratio_c"], lambda v: v > 1, "> 1 (dual clip caps −A·ρ at −A·c; try 3.0)")
+    _check(
+        p,
+        c,
+        ["actor.kl_loss_coef", "actor.entropy_coeff", "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.min_coef"],
+        lambda v: v >= 0,
+        "≥ 0 (a coefficient)",
+    )
+    _check(
+        p,
+        c,
+        [
+            "algorithm.kl_ctrl.target_kl",
+            "algorithm.kl_ctrl.horizon",
+            "algorithm.kl_ctrl.alpha",
+            "guards.kl_explosion_threshold",
+            "actor.behavior_is_cap",
+        ],
+        lambda v: v > 0,
+        "> 0",
+    )
+    _check(p, c, ["algorithm.gamma", "algorithm.lam"], lambda v: 0 <= v <= 1, "in [0, 1]")
+    _check(p, c, ["guards.lr_backoff_factor", "guards.rollback_lr_factor"], lambda v: 0 < v <= 1, "in (0, 1]")
+    _check(p, c, ["guards.grad_norm_spike_factor"], lambda v: v > 1, "> 1 (a multiple of the running grad norm)")
+    _check(p, c, ["cluster.gpu_memory_gib"], lambda v: v > 0, "> 0")
+    for role in ("actor", "critic"):
+        optim = f"{role}.optim"
+        _check(p, c, [f"{optim}.lr"], lambda v: v > 0, "> 0")
+        _check(
+            p,
+            c,
+            [f"{optim}.min_lr", f"{optim}.weight_decay", f"{optim}.clip_grad", f"{optim}.lr_warmup_steps"],
+            lambda v: v >= 0,
+            "≥ 0 (clip_grad 0 turns clipping off)",
+        )
+        _check(p, c, [f"{optim}.lr_warmup_steps_ratio"], lambda v: 0 <= v <= 1, "in [0, 1]")
+        _check(p, c, [f"{optim}.adam_beta1", f"{optim}.adam_beta2"], lambda v: 0 <= v < 1, "in [0, 1)")
+        if get(c, f"{optim}.min_lr") > get(c, f"{optim}.lr"):
+            p.append(
+                f"{optim}.min_lr={get(c, f'{optim}.min_lr')!r}: must not exceed {optim}.lr={get(c, f'{optim}.lr')!r}"
+            )
+    kl_ctrl = c.algorithm.kl_ctrl
+    if kl_ctrl.min_coef > kl_ctrl.max_coef:
+        p.append(f"algorithm.kl_ctrl.min_coef={kl_ctrl.min_coef!r}: must not exceed max_coef={kl_ctrl.max_coef!r}")
+    if c.trainer.resume_mode == "resume_path" and not c.trainer.resume_from_path:
+        p.append("trainer.resume_mode='resume_path' needs trainer.resume_from_path=<checkpoint dir>")
+    unknown_loggers = sorted(set(c.trainer.logger) - {"console", "tensorboard"})
+    if unknown_loggers:
+        p.append(f"trainer.logger={c.trainer.logger!r}: unknown {unknown_loggers}; use console and/or tensorboard")
+    return p
+
+
+def _model_problems(c: PPOConfig) -> list[str]:
+    m, p = c.model, []
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        p.append(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+            f"{m.num_attention_heads}; change one or set model.kv_channels"
+        )
+    if m.num_query_groups and m.num_attention_heads % m.num_query_groups:
+        p.append(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups="
+            f"{m.num_query_groups}; each query group must hold the same number of heads"
+        )
+    longest = c.data.max_prompt_length + c.data.max_response_length
+    if m.position_embedding_type == "learned_absolute" and longest > m.max_position_embeddings:
+        p.append(
+            f"data.max_prompt_length + data.max_response_length = {longest} exceeds "
+            f"model.max_position_embeddings={m.max_position_embeddings}; shorten the data or enlarge the table"
+        )
+    return p
+
+
+def world_size(c: PPOConfig) -> int:
+    return c.cluster.nodes * c.cluster.gpus_per_node
+
+
+def data_parallel_size(c: PPOConfig, megatron: MegatronConfig) -> int:
+    """DP = world / (TP × PP × CP); only meaningful once the layout validated."""
+    return world_size(c) // (
+        megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size * megatron.context_parallel_size
+    )
+
+
+def _layout_problems(c: PPOConfig) -> list[str]:
+    p: list[str] = []
+    world = world_size(c)
+    m = c.model
+    query_groups = m.num_query_groups or m.num_attention_heads
+    for role in ROLES:
+        mg: MegatronConfig = get(c, f"{role}.megatron")
+        key = f"{role}.megatron"
+        tp, pp, cp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size
+        vpp = mg.virtual_pipeline_model_parallel_size or 1
+        if min(tp, pp, cp, vpp) < 1:
+            continue  # reported by the range check
+        if world % (tp * pp * cp):
+            p.append(
+                f"{key}: TP×PP×CP = {tp}×{pp}×{cp} = {tp * pp * cp} does not divide the world size {world} "
+                f"(cluster.nodes={c.cluster.nodes} × cluster.gpus_per_node={c.cluster.gpus_per_node}); make "
+                f"TP×PP×CP one of {_divisors(world)} or use a GPU count that is a multiple of {tp * pp * cp}"
+            )
+        if m.num_attention_heads % tp:
+            p.append(
+                f"{key}.tensor_model_parallel_size={tp}: model.num_attention_heads={m.num_attention_heads} "
+                f"must be divisible by TP; use a TP among {_divisors(m.num_attention_heads)}"
+            )
+        if query_groups % tp:
+            p.append(
+                f"{key}.tensor_model_parallel_size={tp}: model.num_query_groups={query_groups} must be "
+                f"divisible by TP; use a TP among {_divisors(query_groups)}"
+            )
+        if m.num_layers % (pp * vpp):
+            p.append(
+                f"{key}: model.num_layers={m.num_layers} must be divisible by PP×VPP = {pp}×{vpp}; "
+                f"use PP×VPP among {_divisors(m.num_layers)}"
+            )
+        if mg.virtual_pipeline_model_parallel_size is not None and pp < 2:
+            p.append(
+                f"{key}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size ≥ 2; "
+                "unset it or raise PP"
+            )
+        if mg.sequence_parallel and tp < 2:
+            p.append(f"{key}.sequence_parallel=True needs tensor_model_parallel_size > 1; set it to false")
+        if c.cluster.device == "cpu" and mg.sequence_parallel:
+            p.append(f"{key}.sequence_parallel=True needs Transformer Engine norms (GPU); set it to false on CPU")
+        if c.cluster.device == "cpu" and cp > 1:
+            p.append(f"{key}.context_parallel_size={cp} needs Transformer Engine attention (GPU); use 1 on CPU")
+        if mg.recompute_method is not None and mg.recompute_granularity != "full":
+            p.append(f"{key}.recompute_method={mg.recompute_method!r} only applies with recompute_granularity='full'")
+        if mg.recompute_granularity == "full" and (mg.recompute_method is None or mg.recompute_num_layers is None):
+            p.append(
+                f"{key}.recompute_granularity='full' needs recompute_method (uniform|block) and recompute_num_layers"
+            )
+    return p
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _batch_problems(c: PPOConfig) -> list[str]:
+    p: list[str] = []
+    train = c.data.train_batch_size
+    longest = c.data.max_prompt_length + c.data.max_response_length
+    for role in ("actor", "critic"):
+        cfg = get(c, role)
+        mini, micro = cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu
+        if min(train, mini, micro or 1) < 1:
+            continue  # reported by the range check
+        if train % mini:
+            p.append(
+                f"data.train_batch_size={train} is not divisible by {role}.ppo_mini_batch_size={mini}; "
+                f"use a mini-batch among {_divisors(train)}"
+            )
+        layout = cfg.megatron
+        model_parallel = (
+            layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size * layout.context_parallel_size
+        )
+        if model_parallel < 1 or world_size(c) % model_parallel:
+            continue  # the layout problem is reported on its own
+        dp = data_parallel_size(c, layout)
+        if mini % dp:
+            p.append(
+                f"{role}.ppo_mini_batch_size={mini} is not divisible by the data-parallel size {dp}; "
+                f"use a multiple of {dp}"
+            )
+        elif cfg.use_dynamic_bsz:
+            if cfg.ppo_max_token_len_per_gpu < longest:
+                p.append(
+                    f"{role}.ppo_max_token_len_per_gpu={cfg.ppo_max_token_len_per_gpu} is below one full "
+                    f"sequence ({longest} = max_prompt_length + max_response_length); raise it"
+                )
+        elif micro is None:
+            p.append(f"{role}.ppo_micro_batch_size_per_gpu is unset; set it or use_dynamic_bsz=true")
+        elif (mini // dp) % micro:
+            p.append(
+                f"{role}.ppo_mini_batch_size={mini} over data-parallel size {dp} gives {mini // dp} rows per "
+                f"rank, not divisible by {role}.ppo_micro_batch_size_per_gpu={micro}; use a micro-batch among "
+                f"{_divisors(mini // dp)}"
+            )
+    return p
+
+
+def _kl_problems(c: PPOConfig) -> list[str]:
+    p: list[str] = []
+    kl = c.algorithm.kl_ctrl
+    prefix = "algorithm.kl_ctrl"
+    unknown_terms = sorted(set(kl.apply_to) - {"loss", "reward"})
+    if unknown_terms:
+        p.append(f"{prefix}.apply_to={kl.apply_to!r}: unknown {unknown_terms}; use 'loss' and/or 'reward'")
+    driven = [
+        t
+        for t in kl.apply_to
+        if (t == "loss" and c.actor.use_kl_loss) or (t == "reward" and c.algorithm.use_kl_in_reward)
+    ]
+    if kl.type != "fixed" and not driven:
+        p.append(
+            f"{prefix}.type={kl.type!r} drives no KL term: enable actor.use_kl_loss or "
+            f"algorithm.use_kl_in_reward and list it in {prefix}.apply_to"
+        )
+    if kl.band is not None:
+        p += _band_problems(f"{prefix}.band", kl.band)
+    if kl.type != "staged":
+        if kl.stages:
+            p.append(f"{prefix}.stages is set but {prefix}.type={kl.type!r}; set type=staged or drop the stages")
+        return p
+    if not kl.stages:
+        return [*p, f"{prefix}.type='staged' needs {prefix}.stages (see configs/kl/staged.yaml)"]
+    guard_names = {f.name for f in dataclasses.fields(GuardsConfig)}
+    names = [s.name for s in kl.stages]
+    for name in {n for n in names if names.count(n) > 1}:
+        p.append(f"{prefix}.stages: the name {name!r} is used twice; stage names must be unique")
+    total = c.trainer.total_training_steps
+    previous_end = 0.0
+    for index, stage in enumerate(kl.stages):
+        key = f"{prefix}.stages[{index}] ({stage.name})"
+        if stage.end <= previous_end:
+            p.append(f"{key}.end={stage.end}: stages must be ordered, each ending after the previous ({previous_end})")
+        if kl.stage_unit == "fraction" and not 0 < stage.end <= 1:
+            p.append(f"{key}.end={stage.end}: with stage_unit='fraction' an end is a fraction of the run in (0, 1]")
+        previous_end = stage.end
+        if stage.controller not in (WARMUP, *CONTROLLER_TYPES):
+            p.append(f"{key}.controller={stage.controller!r} is not one of {', '.join((WARMUP, *CONTROLLER_TYPES))}")
+        if stage.controller == WARMUP and index > 0:
+            p.append(f"{key}: only the first stage may be a warm-up (a later ramp from 0 breaks β's continuity)")
+        needs_target = stage.controller in ("adaptive", "power_law") or (
+            stage.controller == "band" and stage.band is None
+        )
+        if needs_target and (stage.target_kl is None or stage.target_kl <= 0):
+            p.append(f"{key}.target_kl={stage.target_kl!r}: a {stage.controller} stage needs a target KL > 0")
+        if stage.band is not None:
+            p += _band_problems(f"{key}.band", stage.band)
+        if stage.horizon <= 0 or stage.alpha <= 0:
+            p.append(f"{key}: horizon={stage.horizon} and alpha={stage.alpha} must be > 0")
+        for guard in sorted(set(stage.guards) - guard_names):
+            p.append(f"{key}.guards.{guard}: unknown guard; known: {', '.join(sorted(guard_names))}")
+    last = kl.stages[-1].end
+    if kl.stage_unit == "fraction" and last != 1.0:
+        p.append(f"{prefix}.stages[-1].end={last}: the stages must cover the whole run; end the last one at 1.0")
+    if kl.stage_unit == "step" and total is not None and last < total:
+        p.append(
+            f"{prefix}.stages[-1].end={last}: the stages must cover trainer.total_training_steps={total}; "
+            f"end the last one at {total} or later"
+        )
+    return p
+
+
+def _band_problems(key: str, band: list[float]) -> list[str]:
+    if len(band) != 2 or not 0 <= band[0] < band[1]:
+        return [f"{key}={list(band)!r}: a KL band is [low, high] with 0 ≤ low < high"]
+    return []
+
+
+def _reward_problems(c: PPOConfig) -> list[str]:
+    clip = c.reward.clip_range
+    if clip is not None and (len(clip) != 2 or clip[0] >= clip[1]):
+        return [f"reward.clip_range={list(clip)!r}: give [low, high] with low < high, e.g. [-2, 2]"]
+    return []

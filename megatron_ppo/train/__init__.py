@@ -1,0 +1,1 @@
+"""Training: the PPO loop and what it needs around it (KL coefficients, guards, checkpoints, metrics)."""

@@ -1,0 +1,54 @@
+"""The KL coefficients of a run, built from the config: one controller per enabled KL term."""
+
+from __future__ import annotations
+
+from megatron_ppo.algo import KLController, KLStage, StagedKLSchedule, build_kl_controller
+from megatron_ppo.config import PPOConfig
+
+KLCoefficient = KLController | StagedKLSchedule
+
+
+def build_kl_coefficients(config: PPOConfig, total_steps: int) -> dict[str, KLCoefficient]:
+    """β for each enabled KL term: "loss" (starts at actor.kl_loss_coef) and/or "reward" (algorithm.kl_ctrl.kl_coef).
+
+    Terms listed in `algorithm.kl_ctrl.apply_to` follow `kl_ctrl.type`; other enabled terms keep a fixed β
+    (which is verl's behaviour for the KL loss).
+    """
+    kl_ctrl = config.algorithm.kl_ctrl
+    starts = {}
+    if config.actor.use_kl_loss:
+        starts["loss"] = config.actor.kl_loss_coef
+    if config.algorithm.use_kl_in_reward:
+        starts["reward"] = kl_ctrl.kl_coef
+    bounds = {"min_coef": kl_ctrl.min_coef, "max_coef": kl_ctrl.max_coef}
+    coefficients: dict[str, KLCoefficient] = {}
+    for term, start in starts.items():
+        kind = kl_ctrl.type if term in kl_ctrl.apply_to else "fixed"
+        if kind == "staged":
+            stages = [
+                KLStage(
+                    name=s.name,
+                    end=s.end,
+                    controller=s.controller,
+                    target_kl=s.target_kl,
+                    band=tuple(s.band) if s.band else None,
+                    horizon=s.horizon,
+                    alpha=s.alpha,
+                    guards=dict(s.guards),
+                )
+                for s in kl_ctrl.stages
+            ]
+            coefficients[term] = StagedKLSchedule(stages, total_steps, start, unit=kl_ctrl.stage_unit, **bounds)
+        elif kind == "fixed":
+            coefficients[term] = build_kl_controller("fixed", start)
+        else:
+            coefficients[term] = build_kl_controller(
+                kind,
+                start,
+                target_kl=kl_ctrl.target_kl,
+                horizon=kl_ctrl.horizon,
+                alpha=kl_ctrl.alpha,
+                band=tuple(kl_ctrl.band) if kl_ctrl.band else None,
+                **bounds,
+            )
+    return coefficients

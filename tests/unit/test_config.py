@@ -1,0 +1,194 @@
+"""Config composition, aliases, resolution and validation — and every config file in the repo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ppo.config import ConfigError, load_config
+from megatron_ppo.config.compose import CONFIG_DIR
+from megatron_ppo.train.kl_coefficients import build_kl_coefficients
+
+REPO = CONFIG_DIR.parent
+TINY = REPO / "recipes" / "tiny-cpu.yaml"
+ALL_CONFIGS = sorted([*CONFIG_DIR.rglob("*.yaml"), *(REPO / "recipes").glob("*.yaml")])
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_recipe_and_preset_validates(path: Path) -> None:
+    load_config(path)
+
+
+def test_recipes_open_with_a_launch_line_and_hardware() -> None:
+    for recipe in (REPO / "recipes").glob("*.yaml"):
+        header = recipe.read_text().split("\n\n")[0]
+        assert "Launch:" in header and "Hardware:" in header, f"{recipe.name} header lacks Launch:/Hardware:"
+
+
+def test_later_files_then_overrides_win(tmp_path: Path) -> None:
+    (tmp_path / "base.yaml").write_text("actor:\n  clip_ratio: 0.1\n  ppo_epochs: 3\n")
+    (tmp_path / "recipe.yaml").write_text("defaults: [defaults, base]\nactor:\n  ppo_epochs: 5\n")
+    config = load_config(tmp_path / "recipe.yaml", ["actor.ppo_epochs=7"])
+    assert (config.actor.clip_ratio, config.actor.ppo_epochs) == (0.1, 7)
+    assert config.actor.kl_loss_type == "low_var_kl", "configs/defaults.yaml must be found from anywhere"
+
+
+def test_lists_are_replaced_not_merged() -> None:
+    config = load_config(
+        CONFIG_DIR / "kl" / "staged.yaml", ["algorithm.kl_ctrl.stages=[{name: all, end: 1.0, controller: fixed}]"]
+    )
+    assert [s.name for s in config.algorithm.kl_ctrl.stages] == ["all"]
+
+
+def test_verl_paths_are_aliases() -> None:
+    config = load_config(
+        TINY,
+        [
+            "actor_rollout_ref.actor.clip_ratio_low=0.25",
+            "actor_rollout_ref.actor.optim.lr=3e-6",
+            "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1",
+            "trainer.n_gpus_per_node=2",
+        ],
+    )
+    assert config.actor.clip_ratio_low == 0.25
+    assert config.actor.optim.lr == 3e-6
+    assert config.ref.megatron.tensor_model_parallel_size == 1
+    assert config.cluster.gpus_per_node == 2
+
+
+def test_clip_ratio_is_the_default_of_low_and_high() -> None:
+    config = load_config(TINY, ["actor.clip_ratio=0.3"])
+    assert (config.actor.clip_ratio_low, config.actor.clip_ratio_high) == (0.3, 0.3)
+    config = load_config(TINY, ["actor.clip_ratio=0.3", "actor.clip_ratio_high=0.4"])
+    assert (config.actor.clip_ratio_low, config.actor.clip_ratio_high) == (0.3, 0.4)
+
+
+def _problems(*overrides: str, recipe: Path = TINY) -> str:
+    with pytest.raises(ConfigError) as error:
+        load_config(recipe, overrides)
+    return str(error.value)
+
+
+INVALID = [
+    (["actor.clip_ratoi=0.3"], ["actor.clip_ratoi", "did you mean 'actor.clip_ratio'"]),
+    (["actor.gamma=0.9"], ["actor.gamma", "lives at 'algorithm.gamma'"]),
+    (["actor.optim.lr=fast"], ["actor.optim.lr", "fast"]),
+    (["actor.clip_ratio_c=1.0"], ["actor.clip_ratio_c=1.0", "> 1"]),
+    (["actor.kl_loss_coef=-0.1"], ["actor.kl_loss_coef=-0.1", "≥ 0"]),
+    (["algorithm.lam=1.5"], ["algorithm.lam=1.5", "[0, 1]"]),
+    (["actor.loss_agg_mode=mean"], ["actor.loss_agg_mode='mean'", "token-mean"]),
+    (["actor.kl_loss_type=k5"], ["actor.kl_loss_type='k5'", "low_var_kl"]),
+    (["data.train_batch_size=500"], ["data.train_batch_size=500", "actor.ppo_mini_batch_size=128"]),
+    (["actor.ppo_micro_batch_size_per_gpu=48"], ["actor.ppo_micro_batch_size_per_gpu=48", "use a micro-batch among"]),
+    (
+        ["actor.megatron.tensor_model_parallel_size=1", "actor.ppo_mini_batch_size=127", "data.train_batch_size=127"],
+        ["actor.ppo_mini_batch_size=127", "data-parallel size 2"],
+    ),
+    (
+        ["actor.megatron.tensor_model_parallel_size=3", "cluster.gpus_per_node=3"],
+        ["actor.megatron.tensor_model_parallel_size=3", "num_attention_heads=4"],
+    ),
+    (
+        ["model.num_query_groups=2", "cluster.gpus_per_node=4", "actor.megatron.tensor_model_parallel_size=4"],
+        ["num_query_groups=2", "divisible by TP"],
+    ),
+    (["model.num_layers=3"], ["critic.megatron", "num_layers=3", "PP×VPP"]),
+    (["cluster.gpus_per_node=3"], ["world size 3", "multiple of 2"]),
+    (
+        ["actor.megatron.sequence_parallel=true", "actor.megatron.tensor_model_parallel_size=1"],
+        ["sequence_parallel=True needs tensor_model_parallel_size > 1"],
+    ),
+    (
+        ["critic.megatron.virtual_pipeline_model_parallel_size=2", "critic.megatron.pipeline_model_parallel_size=1"],
+        ["virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size ≥ 2"],
+    ),
+    (["algorithm.kl_ctrl.type=adaptive", "actor.use_kl_loss=false"], ["drives no KL term"]),
+    (["reward.clip_range=[2, -2]"], ["reward.clip_range=[2.0, -2.0]", "low < high"]),
+    (["trainer.resume_mode=resume_path"], ["trainer.resume_from_path"]),
+    (["actor_rollout_ref.rollout.n=4"], ["has no rollout"]),
+    (["actor.optim.lr"], ["key=value"]),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), INVALID, ids=lambda v: " ".join(v)[:60])
+def test_invalid_config_names_the_key_and_the_fix(overrides: list[str], expected: list[str]) -> None:
+    message = _problems(*overrides)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} missing from:\n{message}"
+
+
+STAGED = CONFIG_DIR / "kl" / "staged.yaml"
+INVALID_STAGES = [
+    (["algorithm.kl_ctrl.stages[1].end=0.01"], ["stages[1] (early).end=0.01", "ordered"]),
+    (["algorithm.kl_ctrl.stages[3].end=0.9"], ["cover the whole run", "1.0"]),
+    (["algorithm.kl_ctrl.stages[2].target_kl=0"], ["stages[2] (mid).target_kl=0", "target KL > 0"]),
+    (["algorithm.kl_ctrl.stages[2].controller=warmup"], ["only the first stage may be a warm-up"]),
+    (["algorithm.kl_ctrl.stages[2].guards={kl_explode: 0.3}"], ["guards.kl_explode", "kl_explosion_threshold"]),
+    (["algorithm.kl_ctrl.stages[2].name=early"], ["'early' is used twice"]),
+    (["algorithm.kl_ctrl.type=fixed"], ["stages is set but algorithm.kl_ctrl.type='fixed'"]),
+    (
+        ["algorithm.kl_ctrl.stage_unit=step", "trainer.total_training_steps=10"],
+        ["must cover trainer.total_training_steps=10"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), INVALID_STAGES, ids=lambda v: " ".join(v)[:60])
+def test_invalid_kl_stages_are_reported(overrides: list[str], expected: list[str]) -> None:
+    message = _problems(*overrides, recipe=STAGED)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} missing from:\n{message}"
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    message = _problems("algorithm.lam=2", "actor.clip_ratio_c=0.5", "cluster.gpus_per_node=3")
+    assert "5 config problems" in message, "one per bad key, and the world size once per role"
+    assert all(k in message for k in ("algorithm.lam", "actor.clip_ratio_c", "world size 3"))
+
+
+def test_defaults_errors_are_clear(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("defaults: [b]\n")
+    (tmp_path / "b.yaml").write_text("defaults: [a]\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("defaults: [kl/stagd]\n")
+    with pytest.raises(ConfigError, match="did you mean 'kl/staged'"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_staged_preset_builds_the_documented_schedule() -> None:
+    config = load_config(STAGED)
+    schedule = build_kl_coefficients(config, total_steps=1000)["loss"]
+    assert schedule.stage_ends == [50, 200, 700, 1000]
+    assert [s.target_kl for s in schedule.stages] == [None, 0.008, 0.012, 0.015]
+    assert {s.alpha for s in schedule.stages[1:]} == {1.5}
+    assert schedule.value == 0.0 and schedule.kl_coef == 0.001
+
+
+def test_controller_drives_only_the_terms_listed_in_apply_to() -> None:
+    both = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"]
+    coefficients = build_kl_coefficients(load_config(TINY, both), total_steps=10)
+    assert {t: c.kind for t, c in coefficients.items()} == {"loss": "adaptive", "reward": "adaptive"}
+    assert coefficients["loss"].value == 0.05 and coefficients["reward"].value == 0.001
+    only_reward = load_config(TINY, [*both, "algorithm.kl_ctrl.apply_to=[reward]"])
+    coefficients = build_kl_coefficients(only_reward, total_steps=10)
+    assert {t: c.kind for t, c in coefficients.items()} == {"loss": "fixed", "reward": "adaptive"}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_ppo", *args], capture_output=True, text=True, cwd=REPO)
+
+
+def test_cli_validate_prints_the_resolved_config() -> None:
+    result = _cli("validate", str(TINY), "actor.clip_ratio=0.3")
+    assert result.returncode == 0, result.stderr
+    assert "clip_ratio_low: 0.3" in result.stdout
+
+
+def test_cli_validate_exits_2_with_the_message_and_no_traceback() -> None:
+    result = _cli("validate", str(TINY), "algorithm.lam=3")
+    assert result.returncode == 2
+    assert "algorithm.lam=3" in result.stderr and "Traceback" not in result.stderr
