@@ -22,6 +22,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.normalization": ("RMSNorm", "LayerNorm"),
     "model.activation": ("swiglu", "gelu"),
     "model.params_dtype": ("bf16", "fp16", "fp32"),
+    "model.transformer_impl": ("auto", "local", "transformer_engine"),
     "data.format": ("auto", "jsonl", "parquet"),
     "data.overlong_policy": ("filter", "truncate"),
     "data.on_bad_row": ("error", "skip"),
@@ -94,6 +95,7 @@ def _range_problems(c: PPOConfig) -> list[str]:
         "model.vocab_size",
         "model.max_position_embeddings",
         "model.ffn_hidden_size",
+        "model.make_vocab_size_divisible_by",
         "model.num_query_groups",
         "model.kv_channels",
         "data.max_prompt_length",
@@ -207,6 +209,11 @@ def _model_problems(c: PPOConfig) -> list[str]:
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups="
             f"{m.num_query_groups}; each query group must hold the same number of heads"
         )
+    if m.transformer_impl == "transformer_engine" and c.cluster.device == "cpu":
+        p.append(
+            "model.transformer_impl='transformer_engine' needs CUDA, but cluster.device='cpu'; "
+            "use 'auto' or 'local' on CPU"
+        )
     longest = c.data.max_prompt_length + c.data.max_response_length
     if m.position_embedding_type == "learned_absolute" and longest > m.max_position_embeddings:
         p.append(
@@ -227,8 +234,18 @@ def data_parallel_size(c: PPOConfig, megatron: MegatronConfig) -> int:
     )
 
 
+# Megatron's parallel_state holds one layout per process; roles with different layouts need per-model process
+# groups, which the trainer does not build yet.
+SHARED_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+
+
 def _layout_problems(c: PPOConfig) -> list[str]:
     p: list[str] = []
+    for key in SHARED_LAYOUT_KEYS:
+        values = {role: getattr(get(c, f"{role}.megatron"), key) for role in ROLES}
+        if len(set(values.values())) > 1:
+            listed = ", ".join(f"{role}.megatron.{key}={value}" for role, value in values.items())
+            p.append(f"{listed}: actor, ref and critic must share one parallel layout for now; make them equal")
     world = world_size(c)
     m = c.model
     query_groups = m.num_query_groups or m.num_attention_heads

@@ -49,13 +49,13 @@ def test_verl_paths_are_aliases() -> None:
         [
             "actor_rollout_ref.actor.clip_ratio_low=0.25",
             "actor_rollout_ref.actor.optim.lr=3e-6",
-            "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1",
+            "actor_rollout_ref.ref.megatron.recompute_granularity=selective",
             "trainer.n_gpus_per_node=2",
         ],
     )
     assert config.actor.clip_ratio_low == 0.25
     assert config.actor.optim.lr == 3e-6
-    assert config.ref.megatron.tensor_model_parallel_size == 1
+    assert config.ref.megatron.recompute_granularity == "selective"
     assert config.cluster.gpus_per_node == 2
 
 
@@ -72,6 +72,11 @@ def _problems(*overrides: str, recipe: Path = TINY) -> str:
     return str(error.value)
 
 
+PP2 = [
+    f"{role}.megatron.{key}"
+    for role in ("actor", "ref", "critic")
+    for key in ("tensor_model_parallel_size=1", "pipeline_model_parallel_size=2")
+]
 INVALID = [
     (["actor.clip_ratoi=0.3"], ["actor.clip_ratoi", "did you mean 'actor.clip_ratio'"]),
     (["actor.gamma=0.9"], ["actor.gamma", "lives at 'algorithm.gamma'"]),
@@ -95,7 +100,8 @@ INVALID = [
         ["model.num_query_groups=2", "cluster.gpus_per_node=4", "actor.megatron.tensor_model_parallel_size=4"],
         ["num_query_groups=2", "divisible by TP"],
     ),
-    (["model.num_layers=3"], ["critic.megatron", "num_layers=3", "PP×VPP"]),
+    ([*PP2, "model.num_layers=3"], ["critic.megatron", "num_layers=3", "PP×VPP"]),
+    (["critic.megatron.tensor_model_parallel_size=1"], ["critic.megatron.tensor_model_parallel_size=1", "share one"]),
     (["cluster.gpus_per_node=3"], ["world size 3", "multiple of 2"]),
     (
         ["actor.megatron.sequence_parallel=true", "actor.megatron.tensor_model_parallel_size=1"],

@@ -1,0 +1,119 @@
+"""Run Megatron-Core on CPU processes (gloo): the one place that bends Megatron towards a machine without CUDA.
+
+`enable_cpu_compat()` is a no-op when CUDA is available. Without CUDA it
+  1. makes `torch.cuda.current_device()` answer 0 and `torch.cuda.synchronize()` do nothing (Megatron allocates
+     buffers "on the current device" at ~175 sites and synchronises around p2p calls);
+  2. enters a `TorchFunctionMode` that moves every tensor-factory `device=` that names CUDA to the CPU, turns
+     `Tensor.cuda()` / `Tensor.to("cuda")` into no-ops, and answers `Tensor.type()` with the CUDA type name for the
+     optimizer's and gradient clipping's "torch.cuda.FloatTensor" assertions;
+  3. installs an RNG-states tracker backed by `torch.get/set_rng_state`, so `get_cuda_rng_tracker().fork()`
+     (tensor-parallel weight init and dropout) works.
+Sequence parallelism and context parallelism need Transformer Engine and stay off on CPU (config validation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE_MODE: _CpuDeviceMode | None = None
+
+
+def _names_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Redirects CUDA placements to the CPU for every torch call made while it is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        if "device" in kwargs and _names_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple(a for i, a in enumerate(args) if i == 0 or not _names_cuda(a))
+            if len(args) == 1 and not kwargs:
+                return args[0]
+        return func(*args, **kwargs)
+
+
+class CpuRNGStatesTracker:
+    """Megatron's `CudaRNGStatesTracker` contract (add / fork / get_states / set_states) on the CPU generator."""
+
+    def __init__(self, *_, **__) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_ or name in self.states_:
+            raise ValueError(f"RNG state {name!r} or seed {seed} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise ValueError(f"RNG state {name!r} was never added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def enable_cpu_compat() -> bool:
+    """Make Megatron-Core usable on CPU; returns True if it did anything (False on a CUDA machine)."""
+    global _ACTIVE_MODE
+    if torch.cuda.is_available():
+        return False
+    if _ACTIVE_MODE is None:
+        torch.cuda.current_device = lambda: 0
+        torch.cuda.synchronize = lambda device=None: None
+        _ACTIVE_MODE = _CpuDeviceMode()
+        _ACTIVE_MODE.__enter__()
+    return True
+
+
+def seed_model_parallel_rng(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
+    """CPU twin of `model_parallel_cuda_manual_seed`: the same seeds per tracker name, kept on the CPU generator."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)

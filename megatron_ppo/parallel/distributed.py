@@ -1,0 +1,119 @@
+"""Process groups for a run: torch.distributed from torchrun or Slurm variables, then Megatron's parallel_state."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from megatron_ppo.config.schema import MegatronConfig
+from megatron_ppo.parallel.cpu_compat import enable_cpu_compat, seed_model_parallel_rng
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def dist_env_from_environment(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, else Slurm's SLURM_PROCID/SLURM_NTASKS/
+    SLURM_LOCALID with the master on the first host of SLURM_JOB_NODELIST; a single process otherwise."""
+    env = os.environ if environ is None else environ
+    port = int(env.get("MASTER_PORT", DEFAULT_PORT))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=port,
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=env.get("MASTER_ADDR", first_host(nodelist)),
+            master_port=port,
+        )
+    return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=port)
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a Slurm node list: "gpu[003-005,010],cpu01" → "gpu003" (zero padding kept)."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise ValueError(f"cannot read the Slurm node list {nodelist!r}")
+    prefix, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{first}"
+
+
+def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0) -> DistEnv:
+    """Start torch.distributed (NCCL on CUDA, gloo on CPU), then Megatron's TP/PP/VPP/CP/DP groups, then seed.
+
+    Seeding follows Megatron: the data-parallel RNG state gets `seed`, the tensor-parallel one `seed + 2718 + tp_rank`.
+    """
+    env = dist_env_from_environment()
+    on_cpu = enable_cpu_compat()
+    if not dist.is_initialized():
+        if not on_cpu:
+            torch.cuda.set_device(env.local_rank)
+        dist.init_process_group(
+            backend="gloo" if on_cpu else "nccl",
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    initialize_model_parallel(layout)
+    seed_everything(seed)
+    return env
+
+
+def initialize_model_parallel(layout: MegatronConfig) -> None:
+    """(Re)build Megatron's process groups for `layout` on the running world."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """torch's global generator (same on every rank: identical CPU-initialised master weights) and Megatron's
+    tracked RNG states."""
+    torch.manual_seed(seed)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        seed_model_parallel_rng(seed, tp_rank)
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
