@@ -34,7 +34,7 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = True
     params_dtype: str = "bf16"  # bf16 | fp16 | fp32
     init_method_std: float = 0.02
-    make_vocab_size_divisible_by: int = 128  # × TP; padded logits are masked out of every log-prob
+    make_vocab_size_divisible_by: int = 128  # lcm with TP; padded logits are masked out of every log-prob
     transformer_impl: str = "auto"  # auto (Transformer Engine on CUDA when installed) | local | transformer_engine
     hf_checkpoint: str | None = None  # Hugging Face directory to convert from on first use
     tokenizer: str | None = None  # sentencepiece .model or HF tokenizer.json / directory

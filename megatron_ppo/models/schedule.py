@@ -1,0 +1,78 @@
+"""Forward (and backward) over micro-batches through Megatron's pipeline schedule, with our loss on the last stage.
+
+`run_micro_batches` hands each micro-batch to `get_forward_backward_func()` — no pipelining, 1F1B, or the
+interleaved schedule with virtual stages — and calls `loss_fn(micro_batch, output)` on the last stage, where
+`output` is the model's last-stage output `[batch, seq, vocab/TP]` (actor/ref) or `[batch, seq, 1]` (critic).
+
+Loss normalisation: `loss_fn` must return the micro-batch's share of the mini-batch loss, normalised by global
+counts and multiplied by the data-parallel size (as `megatron_ppo.algo.agg_loss(..., dp_size=DP,
+batch_num_tokens=N_global)` does). Megatron divides each micro-batch loss by the number of micro-batches and
+multiplies it by the context-parallel size, and its DDP averages gradients over DP×CP ranks; this module
+multiplies by the number of micro-batches, so the gradient is exactly ∇(Σ_global / N_global).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_ppo.models.gpt import RoleModel
+
+MicroBatch = dict[str, torch.Tensor]
+LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Megatron's boolean mask `[1, 1, s, s]`, True where attention is *not* allowed (the future)."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def run_micro_batches(
+    model: RoleModel,
+    micro_batches: Sequence[MicroBatch],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool,
+) -> list[dict[str, Any]]:
+    """Run the schedule over `micro_batches` (each with `input_ids` `[b, s]`, optional `position_ids` and
+    `attention_mask`); returns, on the last pipeline stage, the metrics dict `loss_fn` gave for each micro-batch
+    (an empty list on other stages). Gradients accumulate in the DDP buffers when not `forward_only`."""
+    num_micro_batches = len(micro_batches)
+    seq_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
+    micro_batch_size = max(batch["input_ids"].shape[0] for batch in micro_batches)
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        input_ids = batch["input_ids"]
+        seq_len = input_ids.shape[1]
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
+        attention_mask = batch.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = causal_attention_mask(seq_len, input_ids.device)
+        output = chunk(input_ids, position_ids, attention_mask)
+        return output, partial(_scaled_loss, loss_fn, batch, num_micro_batches)
+
+    iterators = [iter(micro_batches) for _ in model.chunks]
+    forward_backward = get_forward_backward_func()
+    results = forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=model.chunks if len(model.chunks) > 1 else model.chunks[0],
+        num_microbatches=num_micro_batches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+    return list(results) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else []
+
+
+def _scaled_loss(loss_fn: LossFn, batch: MicroBatch, num_micro_batches: int, output: torch.Tensor):
+    loss, metrics = loss_fn(batch, output)
+    return loss * num_micro_batches, metrics

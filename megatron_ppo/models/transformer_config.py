@@ -1,0 +1,71 @@
+"""Megatron `TransformerConfig` from our model and layout configs, with the CPU path's settings."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+
+from megatron_ppo.config.schema import MegatronConfig, ModelConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def padded_vocab_size(model: ModelConfig, tensor_parallel_size: int) -> int:
+    """Vocabulary rounded up to a multiple of lcm(make_vocab_size_divisible_by, TP): each TP rank holds an equal
+    slice, and with the default of 128 the padded size — so the checkpoint — is the same for every TP in 1..128."""
+    multiple = math.lcm(model.make_vocab_size_divisible_by, tensor_parallel_size)
+    return math.ceil(model.vocab_size / multiple) * multiple
+
+
+def build_transformer_config(model: ModelConfig, layout: MegatronConfig, *, use_gpu_kernels: bool) -> TransformerConfig:
+    """The Megatron config for one role. On CPU (`use_gpu_kernels=False`): weights initialised on the CPU (a full
+    master weight is drawn, then split, so every TP layout starts from the same weights), no fused kernels, and
+    point-to-point pipeline messages sent one by one (gloo pairs batched messages out of order at PP=2 with VPP,
+    which silently corrupts the interleaved schedule's gradients)."""
+    dtype = DTYPES[model.params_dtype]
+    swiglu = model.activation == "swiglu"
+    config = TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        normalization=model.normalization,
+        layernorm_epsilon=model.layernorm_epsilon,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+        sequence_parallel=layout.sequence_parallel,
+        recompute_granularity=layout.recompute_granularity,
+        recompute_method=layout.recompute_method,
+        recompute_num_layers=layout.recompute_num_layers,
+        use_cpu_initialization=not use_gpu_kernels,
+        bias_activation_fusion=use_gpu_kernels and swiglu and not model.add_bias_linear,
+        bias_dropout_fusion=use_gpu_kernels,
+        masked_softmax_fusion=use_gpu_kernels,
+        apply_rope_fusion=use_gpu_kernels,
+        gradient_accumulation_fusion=use_gpu_kernels,
+        persist_layer_norm=use_gpu_kernels,
+        batch_p2p_comm=use_gpu_kernels,
+    )
+    # Micro-batches differ in length; the constructor refuses this flag for the default MoE dispatcher even
+    # without experts, so it is set afterwards. Shapes then travel ahead of each pipeline message.
+    config.variable_seq_lengths = True
+    return config

@@ -1,0 +1,90 @@
+"""Megatron's optimizer for a trained role, with a step that skips non-finite gradients instead of applying them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+from megatron_ppo.config.schema import MegatronConfig, OptimConfig
+from megatron_ppo.models.gpt import RoleModel
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did: the gradient norm before clipping (TP/PP/DP-reduced, TP duplicates counted
+    once) and whether the update was skipped because that norm was NaN or infinite."""
+
+    grad_norm: float
+    skipped: bool
+
+
+def build_optimizer(model: RoleModel, optim: OptimConfig, layout: MegatronConfig) -> MegatronOptimizer:
+    """Megatron's optimizer over the role's chunks (the distributed optimizer when the layout asks for it), and the
+    schedule hooks that reduce gradients across data-parallel ranks and pipeline-tied embeddings."""
+    if not model.is_trained:
+        raise ValueError(f"the {model.role} model is frozen and gets no optimizer")
+    config = model.config
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=optim.optimizer,
+            lr=optim.lr,
+            min_lr=optim.min_lr,
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1,
+            adam_beta2=optim.adam_beta2,
+            adam_eps=optim.adam_eps,
+            clip_grad=optim.clip_grad,
+            bf16=config.bf16,
+            fp16=config.fp16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=layout.use_distributed_optimizer,
+        ),
+        model.chunks,
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    no_sync = [chunk.no_sync for chunk in model.chunks]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return optimizer
+
+
+def zero_grads(model: RoleModel, optimizer: MegatronOptimizer) -> None:
+    """Clear the DDP gradient buffers and the optimizer's main grads before a new accumulation."""
+    for chunk in model.chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def optimizer_step(optimizer: MegatronOptimizer, clip_grad: float) -> StepResult:
+    """Clip by the global norm and step — unless the norm is not finite, in which case nothing is applied.
+
+    The norm is reduced over the model-parallel ranks; whether it is finite is then agreed over all ranks, so a
+    gradient that went bad on one data-parallel replica after the reduction cannot make the replicas diverge.
+    (Megatron's plain fp32 optimizer would apply a NaN update; its distributed optimizer skips only with a loss
+    scaler.)
+    """
+    found_inf = optimizer.prepare_grads()
+    grad_norm = math.inf if found_inf else float(optimizer.get_grad_norm())
+    any_bad = torch.tensor(
+        [0.0 if math.isfinite(grad_norm) else 1.0], device="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    if dist.is_initialized():
+        dist.all_reduce(any_bad, op=dist.ReduceOp.MAX)
+    if any_bad.item() > 0:
+        grad_norm = grad_norm if not math.isfinite(grad_norm) else math.nan
+        optimizer.zero_grad()
+        return StepResult(grad_norm=grad_norm, skipped=True)
+    if clip_grad > 0:
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            parameters = inner.get_parameters()
+            if parameters:
+                clip_grad_by_total_norm_fp32(parameters, clip_grad, grad_norm)
+    if not optimizer.step_with_ready_grads():
+        return StepResult(grad_norm=grad_norm, skipped=True)
+    return StepResult(grad_norm=grad_norm, skipped=False)

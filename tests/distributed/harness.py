@@ -1,0 +1,74 @@
+"""Run a function on N CPU processes joined by gloo, as torchrun would, and collect what each returns."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: mp.Queue) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+    """fn(rank, world_size, *args) on `world_size` spawned processes (one thread each, a fresh port); returns the
+    results by rank, or raises with the first failing rank's traceback."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_child, args=(fn, rank, world_size, port, args, results), daemon=False)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    collected: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                errors.append(
+                    f"no answer within {timeout_s} s from ranks {sorted(set(range(world_size)) - set(collected))}"
+                )
+                break
+            if status == "ok":
+                collected[rank] = value
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+    finally:
+        for process in processes:
+            process.join(timeout=5 if errors else timeout_s)
+            if process.is_alive():
+                process.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [collected[rank] for rank in range(world_size)]

@@ -1,0 +1,62 @@
+"""Spawned-rank code for the vocabulary-parallel log-prob tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_ppo.config.schema import MegatronConfig
+from megatron_ppo.models import vocab_parallel_log_probs
+from megatron_ppo.parallel import init_distributed
+
+BATCH, SEQ, PADDED_VOCAB, VOCAB = 3, 5, 48, 45
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an operation produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def compare_with_full_softmax(rank: int, world_size: int, temperature: float) -> dict[str, Any]:
+    init_distributed(MegatronConfig(tensor_model_parallel_size=world_size), seed=0)
+    gen = torch.Generator().manual_seed(3)
+    full_logits = torch.randn(BATCH, SEQ, PADDED_VOCAB, generator=gen) * 4
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    weights = torch.rand(BATCH, SEQ, generator=gen)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    width = PADDED_VOCAB // world_size
+
+    local = full_logits[..., tp_rank * width : (tp_rank + 1) * width].clone().requires_grad_(True)
+    with LargestTensor() as probe:
+        log_prob, entropy = vocab_parallel_log_probs(
+            local, labels, vocab_size=VOCAB, temperature=temperature, with_entropy=True
+        )
+        ((log_prob + 0.3 * entropy) * weights).sum().backward()
+
+    reference_logits = full_logits.clone().requires_grad_(True)
+    log_softmax = F.log_softmax(reference_logits[..., :VOCAB] / temperature, dim=-1)
+    ref_log_prob = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    ((ref_log_prob + 0.3 * ref_entropy) * weights).sum().backward()
+    ref_grad = reference_logits.grad[..., tp_rank * width : (tp_rank + 1) * width]
+    return {
+        "log_prob": float((log_prob - ref_log_prob).abs().max()),
+        "entropy": float((entropy - ref_entropy).abs().max()),
+        "grad": float((local.grad - ref_grad).abs().max()),
+        "largest_tensor": probe.largest,
+        "full_vocab_tensor": BATCH * SEQ * PADDED_VOCAB,
+    }

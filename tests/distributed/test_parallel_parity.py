@@ -1,0 +1,72 @@
+"""Actor and critic under TP, PP, TP×PP, PP with virtual stages, and DP, against the same weights at TP=1 PP=1."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from megatron_ppo.config.schema import MegatronConfig
+from tests.distributed import workers
+from tests.distributed.harness import run_distributed
+
+LAYOUTS = {
+    "tp2": (2, MegatronConfig(tensor_model_parallel_size=2)),
+    "pp2": (2, MegatronConfig(pipeline_model_parallel_size=2)),
+    "pp2-vpp2": (2, MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+    "dp2-distopt": (2, MegatronConfig(use_distributed_optimizer=True)),
+    "tp2-pp2": (4, MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory) -> dict:
+    workdir = tmp_path_factory.mktemp("parity")
+    run_distributed(workers.reference, 1, str(workdir))
+    reports = {name: run_distributed(workers.parallel_layout, world, str(workdir), name, layout)
+               for name, (world, layout) in LAYOUTS.items()}  # fmt: skip
+    weights = run_distributed(workers.compare_updated_weights, 1, str(workdir), list(LAYOUTS))[0]
+    return {"reports": reports, "weights": weights, "workdir": Path(workdir)}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_log_probs_entropy_and_values_match_single_process(parity, name: str) -> None:
+    last_stage = [r for r in parity["reports"][name] if r["last_stage"]]
+    assert last_stage, "no rank reported last-stage outputs"
+    for report in last_stage:
+        for key in ("log_prob", "entropy", "values"):
+            assert report[key] < 1e-5, f"{name}: {key} differs from TP=1 by {report[key]:.2e}"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_grad_norm_and_updated_weights_match_single_process(parity, name: str) -> None:
+    for report in parity["reports"][name]:
+        for role in ("actor", "critic"):
+            ours, reference = report[f"{role}_grad_norm"]
+            assert math.isclose(ours, reference, rel_tol=1e-5), f"{name}: {role} grad norm {ours} vs {reference}"
+    for role in ("actor", "critic"):
+        diff = parity["weights"][f"{name}/{role}"]
+        assert diff < 1e-6, f"{name}: {role} weights after one clipped optimizer step differ by {diff:.2e}"
+
+
+@pytest.mark.parametrize("name", ["pp2", "pp2-vpp2", "tp2-pp2"])
+def test_value_head_lives_only_on_the_last_stage(parity, name: str) -> None:
+    for report in parity["reports"][name]:
+        assert report["value_head_on_this_rank"] == report["last_stage"]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_reference_model_is_frozen_through_training(parity, name: str) -> None:
+    for report in parity["reports"][name]:
+        assert report["ref_has_no_grad"], f"{name}: a reference parameter requires grad"
+        assert report["ref_weights_unchanged"], f"{name}: reference weights changed during the actor's step"
+
+
+@pytest.mark.parametrize("layout", [MegatronConfig(tensor_model_parallel_size=2), MegatronConfig()], ids=["tp2", "dp2"])
+def test_nan_gradient_on_one_rank_skips_the_step_everywhere(layout: MegatronConfig) -> None:
+    for rank, report in enumerate(run_distributed(workers.nan_gradient_is_skipped, 2, layout)):
+        assert report["poisoned_skipped"] and not math.isfinite(report["poisoned_norm"]), f"rank {rank}: {report}"
+        assert report["weights_unchanged"], f"rank {rank}: a NaN step changed the weights"
+        assert not report["clean_skipped"] and math.isfinite(report["clean_norm"]), f"rank {rank}: {report}"
+        assert report["weights_changed_after"], f"rank {rank}: training did not continue after the skipped step"
