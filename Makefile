@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint validate
+.PHONY: setup test lint validate bench
 
 setup: $(STAMP)
 
@@ -21,9 +21,14 @@ test: setup
 	$(PY) -m pytest -q
 
 lint: setup
-	$(VENV)/bin/ruff check megatron_ppo tests
-	$(VENV)/bin/ruff format --check megatron_ppo tests
+	$(VENV)/bin/ruff check megatron_ppo tests bench
+	$(VENV)/bin/ruff format --check megatron_ppo tests bench
 
 RECIPE ?= recipes/tiny-cpu.yaml
 validate: setup
 	$(PY) -m megatron_ppo validate $(RECIPE) $(OVERRIDES)
+
+# Benchmarks print ratios measured side by side in one run (not timed tests).
+bench: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29655 bench/bench_logprobs.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 1 --master_port 29656 bench/bench_actor_step.py

@@ -1,0 +1,95 @@
+"""One actor forward-backward with the PPO loss, against the same tokens through plain Megatron (its own
+cross-entropy loss, no PPO code), both through Megatron's schedule at TP=1: the overhead of our path.
+
+Run: torchrun --nproc_per_node 1 bench/bench_actor_step.py   (or `make bench`)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import measure  # noqa: E402
+
+from megatron_ppo import algo  # noqa: E402
+from megatron_ppo.config.schema import MegatronConfig, ModelConfig  # noqa: E402
+from megatron_ppo.models import (  # noqa: E402
+    build_role_model,
+    causal_attention_mask,
+    run_micro_batches,
+    vocab_parallel_log_probs,
+)
+from megatron_ppo.parallel import destroy_distributed, init_distributed  # noqa: E402
+
+MODEL = ModelConfig(
+    num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=8192, max_position_embeddings=256,
+    params_dtype="fp32", position_embedding_type="rope",
+)  # fmt: skip
+MICRO_BATCHES, MICRO_BATCH, SEQ, REPEATS = 4, 4, 256, 3
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    init_distributed(MegatronConfig(), seed=0)
+    actor = build_role_model("actor", MODEL, MegatronConfig())
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(MICRO_BATCHES):
+        input_ids = torch.randint(0, MODEL.vocab_size, (MICRO_BATCH, SEQ), generator=gen)
+        batches.append(
+            {
+                "input_ids": input_ids,
+                "labels": torch.roll(input_ids, -1, 1),
+                "mask": torch.ones(MICRO_BATCH, SEQ),
+                "old_log_prob": -torch.rand(MICRO_BATCH, SEQ, generator=gen) * 8,
+                "advantages": torch.randn(MICRO_BATCH, SEQ, generator=gen),
+            }
+        )
+    tokens = MICRO_BATCHES * MICRO_BATCH * SEQ
+
+    def ppo_loss(batch, logits):
+        log_prob, entropy = vocab_parallel_log_probs(logits, batch["labels"], with_entropy=True)
+        counts = {"batch_num_tokens": tokens}
+        pg_loss, metrics = algo.policy_loss(
+            batch["old_log_prob"], log_prob, batch["advantages"], batch["mask"], clip_ratio_low=0.2,
+            clip_ratio_high=0.28, clip_ratio_c=3.0, **counts,
+        )  # fmt: skip
+        return pg_loss - 0.01 * algo.agg_loss(entropy, batch["mask"], "token-mean", **counts), metrics
+
+    def ours() -> None:
+        for chunk in actor.chunks:
+            chunk.zero_grad_buffer()
+        run_micro_batches(actor, batches, ppo_loss, forward_only=False)
+
+    def plain_forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        position_ids = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+        loss = model(batch["input_ids"], position_ids, causal_attention_mask(SEQ), labels=batch["labels"])
+        return loss, partial(lambda b, out: (out.float().mean(), {}), batch)
+
+    def plain() -> None:
+        for chunk in actor.chunks:
+            chunk.zero_grad_buffer()
+        get_forward_backward_func()(
+            forward_step_func=plain_forward_step, data_iterator=iter(batches), model=actor.chunks[0],
+            num_microbatches=MICRO_BATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
+        )  # fmt: skip
+
+    t_plain, m_plain = measure(plain, REPEATS)
+    t_ours, m_ours = measure(ours, REPEATS)
+    print(f"actor forward+backward, {tokens} tokens, {MODEL.num_layers}×{MODEL.hidden_size}, vocab {MODEL.vocab_size}")
+    print("TP=1, 1 thread")
+    print(f"  plain Megatron (cross-entropy) : {t_plain * 1e3:8.1f} ms   peak +{m_plain:7.1f} MiB")
+    print(f"  megatron-ppo (PPO loss)        : {t_ours * 1e3:8.1f} ms   peak +{m_ours:7.1f} MiB")
+    ratio_time, ratio_memory = t_ours / t_plain, m_ours / max(m_plain, 1e-9)
+    print(f"  overhead ratio ours/plain      : time {ratio_time:.2f}   peak memory {ratio_memory:.2f}")
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

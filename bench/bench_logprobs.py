@@ -1,0 +1,63 @@
+"""Vocabulary-parallel log-probs + entropy against gather-then-log_softmax, forward and backward, at TP=2.
+
+Run: torchrun --nproc_per_node 2 bench/bench_logprobs.py   (or `make bench`)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import measure  # noqa: E402
+
+from megatron_ppo.config.schema import MegatronConfig  # noqa: E402
+from megatron_ppo.models import vocab_parallel_log_probs  # noqa: E402
+from megatron_ppo.parallel import destroy_distributed, init_distributed  # noqa: E402
+
+TOKENS, VOCAB, REPEATS = 2048, 32768, 5
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    init_distributed(MegatronConfig(tensor_model_parallel_size=2), seed=0)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    local_vocab = VOCAB // 2
+    gen = torch.Generator().manual_seed(rank)
+    local_logits = torch.randn(1, TOKENS, local_vocab, generator=gen).requires_grad_(True)
+    labels = torch.randint(0, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+
+    def ours() -> None:
+        log_prob, entropy = vocab_parallel_log_probs(local_logits, labels, with_entropy=True)
+        (log_prob.sum() + entropy.sum()).backward()
+        local_logits.grad = None
+
+    def gathered() -> None:
+        full = gather_from_tensor_model_parallel_region(local_logits)  # [1, T, V] on every rank
+        log_softmax = F.log_softmax(full.float(), dim=-1)
+        log_prob = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+        (log_prob.sum() + entropy.sum()).backward()
+        local_logits.grad = None
+
+    results = {}
+    for name, fn in (("gather+log_softmax", gathered), ("vocab-parallel", ours)):
+        dist.barrier()
+        results[name] = measure(fn, REPEATS)
+    if dist.get_rank() == 0:
+        (t_base, m_base), (t_ours, m_ours) = results["gather+log_softmax"], results["vocab-parallel"]
+        print(f"log-probs + entropy, fwd+bwd, {TOKENS} tokens × {VOCAB} vocab, TP=2 (rank 0, 1 thread per rank)")
+        print(f"  gather+log_softmax : {t_base * 1e3:8.1f} ms   peak +{m_base:7.1f} MiB")
+        print(f"  vocab-parallel     : {t_ours * 1e3:8.1f} ms   peak +{m_ours:7.1f} MiB")
+        print(f"  ratio ours/baseline: time {t_ours / t_base:.2f}   peak memory {m_ours / max(m_base, 1e-9):.2f}")
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Helpers shared by the benchmarks: wall time and the process's peak resident memory."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's high-water mark of this process's resident memory (Linux: clear_refs 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("VmHWM not found in /proc/self/status")
+
+
+def current_rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("VmRSS not found in /proc/self/status")
+
+
+def measure(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tuple[float, float]:
+    """(median seconds, peak resident MiB above the level before the first timed call) of `fn`."""
+    for _ in range(warmup):
+        fn()
+    reset_peak_rss()
+    base = current_rss_mib()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), peak_rss_mib() - base
