@@ -30,5 +30,5 @@ validate: setup
 
 # Benchmarks print ratios measured side by side in one run (not timed tests).
 bench: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29655 bench/bench_logprobs.py
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 1 --master_port 29656 bench/bench_actor_step.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29655 -m bench.bench_logprobs
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 1 --master_port 29656 -m bench.bench_actor_step

@@ -1,30 +1,26 @@
 """One actor forward-backward with the PPO loss, against the same tokens through plain Megatron (its own
 cross-entropy loss, no PPO code), both through Megatron's schedule at TP=1: the overhead of our path.
 
-Run: torchrun --nproc_per_node 1 bench/bench_actor_step.py   (or `make bench`)
+Run: torchrun --nproc_per_node 1 -m bench.bench_actor_step   (or `make bench`)
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from functools import partial
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import measure  # noqa: E402
-
-from megatron_ppo import algo  # noqa: E402
-from megatron_ppo.config.schema import MegatronConfig, ModelConfig  # noqa: E402
-from megatron_ppo.models import (  # noqa: E402
+from bench.common import measure
+from megatron_ppo import algo
+from megatron_ppo.config.schema import MegatronConfig, ModelConfig
+from megatron_ppo.models import (
     build_role_model,
     causal_attention_mask,
     run_micro_batches,
     vocab_parallel_log_probs,
 )
-from megatron_ppo.parallel import destroy_distributed, init_distributed  # noqa: E402
+from megatron_ppo.parallel import destroy_distributed, init_distributed
 
 MODEL = ModelConfig(
     num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=8192, max_position_embeddings=256,

@@ -1,12 +1,9 @@
 """Vocabulary-parallel log-probs + entropy against gather-then-log_softmax, forward and backward, at TP=2.
 
-Run: torchrun --nproc_per_node 2 bench/bench_logprobs.py   (or `make bench`)
+Run: torchrun --nproc_per_node 2 -m bench.bench_logprobs   (or `make bench`)
 """
 
 from __future__ import annotations
-
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -14,12 +11,10 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import measure  # noqa: E402
-
-from megatron_ppo.config.schema import MegatronConfig  # noqa: E402
-from megatron_ppo.models import vocab_parallel_log_probs  # noqa: E402
-from megatron_ppo.parallel import destroy_distributed, init_distributed  # noqa: E402
+from bench.common import measure
+from megatron_ppo.config.schema import MegatronConfig
+from megatron_ppo.models import vocab_parallel_log_probs
+from megatron_ppo.parallel import destroy_distributed, init_distributed
 
 TOKENS, VOCAB, REPEATS = 2048, 32768, 5
 
