@@ -17,6 +17,13 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from megatron_ppo.train.run import train
+
+    train(load_config(args.recipe, args.overrides))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron_ppo", description="Offline RLHF with PPO on Megatron-Core.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -24,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-cpu.yaml")
     validate.add_argument("overrides", nargs="*", help="key=value overrides (verl-style paths accepted)")
     validate.set_defaults(run=_validate)
+    train = commands.add_parser("train", help="run a recipe (under torchrun for several processes)")
+    train.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-cpu.yaml")
+    train.add_argument("overrides", nargs="*", help="key=value overrides (verl-style paths accepted)")
+    train.set_defaults(run=_train)
     return parser
 
 

@@ -2,7 +2,8 @@
 
 Progress is split into ordered, named stages; stage i covers steps [end_{i−1}, end_i), with `end` given as a
 fraction of the total steps (`unit="fraction"`) or as a step number (`unit="step"`); the last stage also covers
-any step past the planned end. A stage's `controller` is one of
+any step past the planned end. In a run too short for every stage to get a step (fractions rounded to steps), a
+stage of zero steps is skipped. A stage's `controller` is one of
 
     warmup     the KL term is off at the first step and β ramps linearly to `kl_coef` at the stage's end:
                β_t = kl_coef · (t − start)/(end − start)   (only the first stage may be a warm-up)
@@ -66,8 +67,8 @@ class StagedKLSchedule:
         self.total_steps = total_steps
         self.kl_coef, self.min_coef, self.max_coef = kl_coef, min_coef, max_coef
         self.stage_ends = [round(s.end * total_steps) if unit == "fraction" else int(s.end) for s in stages]
-        if any(b <= a for a, b in zip(self.stage_ends, self.stage_ends[1:], strict=False)):
-            raise ValueError(f"KL stage ends must increase strictly, got steps {self.stage_ends}")
+        if any(b < a for a, b in zip(self.stage_ends, self.stage_ends[1:], strict=False)):
+            raise ValueError(f"KL stage ends must not decrease, got steps {self.stage_ends}")
         self.step = 0
         self.value = self._ramp(0) if self._is_warmup(0) else self._clamp(kl_coef)
 

@@ -37,6 +37,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128  # lcm with TP; padded logits are masked out of every log-prob
     transformer_impl: str = "auto"  # auto (Transformer Engine on CUDA when installed) | local | transformer_engine
     hf_checkpoint: str | None = None  # Hugging Face directory to convert from on first use
+    init_checkpoint: str | None = None  # megatron-ppo checkpoint whose "actor" initialises actor, ref, critic trunk
     tokenizer: str | None = None  # sentencepiece .model or HF tokenizer.json / directory
 
 
@@ -75,6 +76,20 @@ class OptimConfig:
 
 
 @dataclass
+class AdditionTaskConfig:
+    """The embedded demo task (data.task=addition): prompts, SFT of the initial policy, the sampled dataset."""
+
+    num_prompts: int = 2000
+    num_heldout: int = 200
+    samples_per_prompt: int = 4
+    sample_temperature: float = 1.0
+    sft_steps: int = 1000
+    sft_batch_size: int = 128
+    sft_lr: float = 2.0e-3
+    work_dir: str = "outputs/tiny"
+
+
+@dataclass
 class DataConfig:
     """Offline dataset: rows of (prompt, response, reward) and how they are batched."""
 
@@ -91,6 +106,8 @@ class DataConfig:
     train_batch_size: int = 512
     shuffle: bool = True
     seed: int = 1
+    task: str | None = None  # "addition": build the tiny recipe's data (tokenizer, SFT policy, sampled rows) first
+    addition: AdditionTaskConfig = field(default_factory=AdditionTaskConfig)
 
 
 @dataclass

@@ -26,6 +26,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "data.format": ("auto", "jsonl", "parquet"),
     "data.overlong_policy": ("filter", "truncate"),
     "data.on_bad_row": ("error", "skip"),
+    "data.task": (None, "addition"),
     "actor.kl_loss_type": KL_ESTIMATORS,
     "actor.loss_agg_mode": LOSS_AGG_MODES,
     "actor.behavior_is_level": ("token", "sequence"),

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ppo.config.schema import MegatronConfig, OptimConfig
 from megatron_ppo.models.gpt import RoleModel
@@ -88,3 +89,24 @@ def optimizer_step(optimizer: MegatronOptimizer, clip_grad: float) -> StepResult
     if not optimizer.step_with_ready_grads():
         return StepResult(grad_norm=grad_norm, skipped=True)
     return StepResult(grad_norm=grad_norm, skipped=False)
+
+
+def build_scheduler(optimizer: MegatronOptimizer, optim: OptimConfig, total_steps: int) -> OptimizerParamScheduler:
+    """Megatron's learning-rate (and constant weight-decay) schedule: linear warm-up from 0, then
+    `lr_decay_style` down to `min_lr` over the remaining optimizer steps. Stepped once per optimizer step."""
+    warmup = optim.lr_warmup_steps
+    if warmup is None:
+        warmup = int(optim.lr_warmup_steps_ratio * total_steps)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_steps, warmup + 1),
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )

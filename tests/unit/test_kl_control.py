@@ -169,5 +169,12 @@ def test_restoring_into_a_different_schedule_is_refused() -> None:
 def test_invalid_schedules_are_refused() -> None:
     with pytest.raises(ValueError, match="only the first"):
         StagedKLSchedule([KLStage("a", 0.5, "fixed"), KLStage("b", 1.0, "warmup")], 10, 0.01)
-    with pytest.raises(ValueError, match="increase strictly"):
-        StagedKLSchedule([KLStage("a", 0.5, "fixed"), KLStage("b", 0.5, "fixed")], 10, 0.01)
+    with pytest.raises(ValueError, match="must not decrease"):
+        StagedKLSchedule([KLStage("a", 0.5, "fixed"), KLStage("b", 0.4, "fixed")], 10, 0.01)
+
+
+def test_stages_too_short_for_a_step_are_skipped_in_a_short_run() -> None:
+    schedule = StagedKLSchedule(STAGES, total_steps=2, kl_coef=0.001)
+    assert schedule.stage_ends == [0, 0, 1, 2]
+    assert [schedule.stage_index_at(s) for s in (0, 1, 5)] == [2, 3, 3]
+    assert schedule.value == 0.001, "no warm-up step: the run starts at the start value"

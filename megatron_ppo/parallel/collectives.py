@@ -1,0 +1,55 @@
+"""Moving small Python objects between the ranks of the trainer's groups (torch.distributed object collectives).
+
+Last-stage results (log-probs, values, metrics, sampled tokens) exist only on the last pipeline stage; experience
+is computed per data-parallel replica and then shared so that advantages are whitened over the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def is_last_stage() -> bool:
+    return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def broadcast_from_last_stage(obj: Any) -> Any:
+    """`obj` as held by the last pipeline stage, on every stage of this rank's pipeline."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return box[0]
+
+
+def data_parallel_share(num_items: int) -> list[int]:
+    """The indices of `num_items` this data-parallel rank handles (strided, so shares differ by at most one)."""
+    return list(
+        range(parallel_state.get_data_parallel_rank(), num_items, parallel_state.get_data_parallel_world_size())
+    )
+
+
+def gather_data_parallel(obj: Any) -> list[Any]:
+    """Every data-parallel rank's `obj`, in data-parallel rank order."""
+    world = parallel_state.get_data_parallel_world_size()
+    if world == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, obj, group=parallel_state.get_data_parallel_group())
+    return gathered
+
+
+def undo_share(parts: list[list[Any]]) -> list[Any]:
+    """Interleave per-rank lists produced from `data_parallel_share` back into the original order."""
+    total = sum(len(p) for p in parts)
+    out: list[Any] = [None] * total
+    for rank, part in enumerate(parts):
+        out[rank :: len(parts)] = part
+    return out

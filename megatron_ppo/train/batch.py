@@ -1,0 +1,81 @@
+"""Token batches: rows of (prompt, response) as right-padded tensors, and micro-batch slices of them.
+
+For a row with P prompt and R response tokens, `input_ids` holds the P + R tokens then padding; `labels[t]` is
+`input_ids[t + 1]`; `loss_mask[t]` is 1 where `labels[t]` is a response token, i.e. t ∈ [P − 1, P + R − 2].
+Every per-token quantity of the algorithm (log-probs, values, rewards, advantages) lives at these label positions,
+shape `[rows, max_len]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatron_ppo.data.rows import Row
+
+Batch = dict[str, torch.Tensor]
+
+
+def collate(rows: Sequence[Row], pad_id: int) -> Batch:
+    """input_ids, labels, loss_mask, position_ids, lengths, sequence scores (`scores`, NaN where the row gives
+    token rewards), `token_level_scores` (the token rewards at their label positions, else zeros), `group` (dense
+    uid ids for GRPO) and, when any row has them, `behavior_log_prob`."""
+    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
+    width = max(lengths)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), width)
+    token_level_scores = torch.zeros(len(rows), width)
+    behavior_log_prob = torch.zeros(len(rows), width)
+    scores = torch.full((len(rows),), float("nan"))
+    for i, row in enumerate(rows):
+        prompt, response = len(row.prompt_ids), len(row.response_ids)
+        input_ids[i, : prompt + response] = torch.tensor(row.prompt_ids + row.response_ids)
+        loss_mask[i, prompt - 1 : prompt + response - 1] = 1.0
+        if row.token_rewards is not None:
+            token_level_scores[i, prompt - 1 : prompt + response - 1] = torch.tensor(row.token_rewards)
+        else:
+            scores[i] = row.reward
+        if row.behavior_log_probs is not None:
+            behavior_log_prob[i, prompt - 1 : prompt + response - 1] = torch.tensor(row.behavior_log_probs)
+    batch = {
+        "input_ids": input_ids,
+        "labels": torch.roll(input_ids, -1, dims=1),
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(width).expand(len(rows), width).clone(),
+        "lengths": torch.tensor(lengths),
+        "scores": scores,
+        "token_level_scores": token_level_scores,
+        "group": _dense_ids([r.uid for r in rows]),
+    }
+    if any(r.behavior_log_probs is not None for r in rows):
+        batch["behavior_log_prob"] = behavior_log_prob
+    return batch
+
+
+def select(batch: Batch, indices: Sequence[int]) -> Batch:
+    """The rows `indices` of `batch`, token tensors trimmed to the longest of those rows."""
+    index = torch.as_tensor(list(indices), dtype=torch.long)
+    width = int(batch["lengths"][index].max())
+    out = {}
+    for key, value in batch.items():
+        rows = value[index]
+        out[key] = rows[:, :width] if rows.dim() == 2 else rows
+    return out
+
+
+def concat(parts: Sequence[Batch], width: int) -> Batch:
+    """Stack batches row-wise, padding token tensors to `width` with zeros."""
+    out: Batch = {}
+    for key in parts[0]:
+        tensors = [p[key] for p in parts]
+        if tensors[0].dim() == 2:
+            tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
+        out[key] = torch.cat(tensors)
+    return out
+
+
+def _dense_ids(labels: Sequence[str]) -> torch.Tensor:
+    """Group labels (uids) → ids 0..G−1 in order of first appearance (GRPO groups)."""
+    dense: dict[str, int] = {}
+    return torch.tensor([dense.setdefault(label, len(dense)) for label in labels], dtype=torch.long)

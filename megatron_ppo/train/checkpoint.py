@@ -1,0 +1,142 @@
+"""Checkpoints: Megatron `dist_checkpointing` for models and optimizers, plus the trainer's own state.
+
+A checkpoint is written to `<root>/.tmp_step_N`, published by renaming it to `<root>/step_N`, and only then
+named in `<root>/latest` (itself replaced atomically). A save killed at any point therefore leaves the previous
+checkpoint as the newest complete one; `find_resumable` skips anything incomplete with a warning. Loading goes
+through Megatron's sharded state dicts, so a checkpoint saved at one TP/PP layout loads at another.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megatron_ppo.models import RoleModel, unwrap
+
+logger = logging.getLogger(__name__)
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def model_sharded_state(model: RoleModel, prefix: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The role's sharded state dict (one entry per virtual-pipeline chunk), keys prefixed, `drop` keys removed."""
+    state = {}
+    for index, chunk in enumerate(model.chunks):
+        chunk_state = unwrap(chunk).sharded_state_dict(prefix=prefix)
+        state[f"model{index}"] = {k: v for k, v in chunk_state.items() if not any(d in k for d in drop)}
+    return state
+
+
+def _load_model_state(model: RoleModel, state: dict[str, Any], prefix: str, strict: bool) -> None:
+    for index, chunk in enumerate(model.chunks):
+        chunk_state = {key.removeprefix(prefix): value for key, value in state[f"model{index}"].items()}
+        unwrap(chunk).load_state_dict(chunk_state, strict=strict)
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    models: dict[str, RoleModel],
+    optimizers: dict[str, Any],
+    trainer_state: dict[str, Any],
+    keep: int | None = None,
+) -> Path:
+    """Save models (and their optimizers) under their role names, and `trainer_state` (plain Python/tensors)."""
+    root = Path(root)
+    final, temporary = root / f"step_{step}", root / f".tmp_step_{step}"
+    if _rank() == 0:
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir(parents=True)
+    _barrier()
+    sharded: dict[str, Any] = {}
+    for role, model in models.items():
+        sharded[role] = model_sharded_state(model, f"{role}.")
+        if role in optimizers:
+            sharded[f"{role}_optimizer"] = optimizers[role].sharded_state_dict(sharded[role])
+    dist_checkpointing.save(sharded, str(temporary))
+    torch.save({"cpu": torch.get_rng_state()}, temporary / f"rng_rank{_rank()}.pt")
+    if _rank() == 0:
+        torch.save(trainer_state, temporary / TRAINER_STATE)
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        temporary.rename(final)
+        tracker = root / f".{LATEST}.tmp"
+        tracker.write_text(final.name)
+        tracker.replace(root / LATEST)
+        if keep:
+            for old in sorted(_complete_steps(root))[:-keep]:
+                shutil.rmtree(root / f"step_{old}", ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / TRAINER_STATE).is_file() and dist_checkpointing.check_is_distributed_checkpoint(str(path))
+
+
+def _complete_steps(root: Path) -> list[int]:
+    steps = []
+    for child in root.iterdir() if root.is_dir() else []:
+        match = _STEP_DIR.match(child.name)
+        if match and _is_complete(child):
+            steps.append(int(match.group(1)))
+    return steps
+
+
+def find_resumable(root: str | Path) -> Path | None:
+    """The checkpoint named by `latest` if complete, else the newest complete `step_N` (with a warning)."""
+    root = Path(root)
+    tracker = root / LATEST
+    if tracker.is_file():
+        named = root / tracker.read_text().strip()
+        if _is_complete(named):
+            return named
+        logger.warning("checkpoint %s named by %s is incomplete; looking for an older one", named, tracker)
+    for partial in root.glob(".tmp_step_*") if root.is_dir() else []:
+        logger.warning("ignoring %s: a save that did not finish", partial)
+    steps = _complete_steps(root)
+    return root / f"step_{max(steps)}" if steps else None
+
+
+def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: dict[str, Any]) -> dict[str, Any]:
+    """Restore models, optimizers and this rank's RNG state; returns the trainer state saved with them."""
+    path = Path(path)
+    sharded: dict[str, Any] = {}
+    for role, model in models.items():
+        sharded[role] = model_sharded_state(model, f"{role}.")
+        if role in optimizers:
+            sharded[f"{role}_optimizer"] = optimizers[role].sharded_state_dict(sharded[role], is_loading=True)
+    state = dist_checkpointing.load(sharded, str(path))
+    for role, model in models.items():
+        _load_model_state(model, state[role], f"{role}.", strict=True)
+        if role in optimizers:
+            optimizers[role].load_state_dict(state[f"{role}_optimizer"])
+    rng_file = path / f"rng_rank{_rank()}.pt"
+    if rng_file.is_file():
+        torch.set_rng_state(torch.load(rng_file, weights_only=True)["cpu"])
+    return torch.load(path / TRAINER_STATE, weights_only=True)
+
+
+def load_weights(model: RoleModel, path: str | Path, source_role: str, drop: tuple[str, ...] = ()) -> None:
+    """Initialise `model` from `source_role`'s weights in a checkpoint (any layout), except keys containing `drop`
+    (e.g. the critic takes the actor's trunk but not its vocabulary output layer)."""
+    state = dist_checkpointing.load(model_sharded_state(model, f"{source_role}.", drop), str(path))
+    _load_model_state(model, state, f"{source_role}.", strict=not drop)

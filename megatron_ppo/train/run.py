@@ -1,0 +1,44 @@
+"""`train`: start the process groups, then the embedded task or offline PPO on the configured dataset."""
+
+from __future__ import annotations
+
+import os
+
+from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.config.validate import world_size
+from megatron_ppo.data.rows import read_rows
+from megatron_ppo.data.tokenizer import SentencePieceTokenizer
+from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
+from megatron_ppo.train.ppo import PPOTrainer
+
+
+def train(config: PPOConfig) -> dict[str, float] | list[dict[str, float]]:
+    env = dist_env_from_environment()
+    expected = world_size(config)
+    if env.world_size != expected:
+        raise ValueError(
+            f"{env.world_size} process(es) started, but cluster.nodes × cluster.gpus_per_node = {expected}; launch "
+            f"with `torchrun --nproc_per_node {expected} -m megatron_ppo train ...` or set cluster.gpus_per_node"
+        )
+    os.makedirs(config.trainer.default_local_dir, exist_ok=True)
+    init_distributed(config.actor.megatron, seed=config.trainer.seed)
+    try:
+        if config.data.task == "addition":
+            from megatron_ppo.train.tiny import run_addition_recipe
+
+            return run_addition_recipe(config)
+        if not config.model.tokenizer or not config.data.train_files:
+            raise ValueError("offline PPO needs model.tokenizer (a SentencePiece .model) and data.train_files")
+        tokenizer = SentencePieceTokenizer(config.model.tokenizer)
+        rows, report = read_rows(
+            config.data.train_files, tokenizer, config.data,
+            rejects_path=os.path.join(config.trainer.default_local_dir, "rejects.jsonl"),
+        )  # fmt: skip
+        trainer = PPOTrainer(config, rows, tokenizer.pad_id)
+        trainer.logger.event(0, "data", report.summary())
+        trainer.resume()
+        history = trainer.fit()
+        trainer.close()
+        return history
+    finally:
+        destroy_distributed()

@@ -1,0 +1,68 @@
+"""Supervised fine-tuning on (prompt, response) rows: the tiny recipe's initial policy, and critic warm-up data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from megatron_ppo import algo
+from megatron_ppo.data.batching import EpochSampler, fixed_micro_batches
+from megatron_ppo.data.rows import Row
+from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
+from megatron_ppo.parallel.collectives import broadcast_from_last_stage, data_parallel_share
+from megatron_ppo.train.batch import collate, select
+from megatron_ppo.train.optimizer import optimizer_step, zero_grads
+
+
+def sft_loss(vocab_size: int, dp_size: int, num_tokens: float):
+    """−(1/N) Σ log π(response token), N = response tokens in the whole step (all micro-batches and replicas)."""
+
+    def loss_fn(batch, logits):
+        log_prob, _ = vocab_parallel_log_probs(logits, batch["labels"], vocab_size=vocab_size)
+        loss = algo.agg_loss(-log_prob, batch["loss_mask"], "token-mean", dp_size=dp_size, batch_num_tokens=num_tokens)
+        return loss, {
+            "nll_sum": float((-log_prob * batch["loss_mask"]).sum()),
+            "tokens": float(batch["loss_mask"].sum()),
+        }
+
+    return loss_fn
+
+
+def run_sft(
+    actor: RoleModel,
+    optimizer,
+    scheduler,
+    rows: Sequence[Row],
+    *,
+    steps: int,
+    batch_size: int,
+    micro_batch_size: int,
+    clip_grad: float,
+    pad_id: int,
+    seed: int,
+    on_step: Callable[[int, float], None] | None = None,
+) -> float:
+    """`steps` optimizer steps of next-token NLL on the responses; returns the last step's mean NLL per token."""
+    from megatron.core import parallel_state
+
+    sampler = EpochSampler(len(rows), seed=seed)
+    dp_size = parallel_state.get_data_parallel_world_size()
+    nll = float("nan")
+    for step in range(steps):
+        batch = collate([rows[i] for i in sampler.next_batch(batch_size)], pad_id)
+        share = data_parallel_share(batch_size)
+        micro = [
+            select(batch, [share[i] for i in group])
+            for group in fixed_micro_batches([0] * len(share), micro_batch_size)
+        ]
+        zero_grads(actor, optimizer)
+        outputs = run_micro_batches(
+            actor, micro, sft_loss(actor.vocab_size, dp_size, float(batch["loss_mask"].sum())), forward_only=False
+        )
+        optimizer_step(optimizer, clip_grad)
+        scheduler.step(1)
+        if outputs:
+            nll = sum(o["nll_sum"] for o in outputs) / max(sum(o["tokens"] for o in outputs), 1.0)
+        nll = broadcast_from_last_stage(nll)
+        if on_step is not None:
+            on_step(step, nll)
+    return nll

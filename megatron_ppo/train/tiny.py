@@ -1,0 +1,169 @@
+"""The embedded default (data.task=addition): tokenizer → SFT policy → sampled offline dataset → PPO → table.
+
+Every stage caches its product under `data.addition.work_dir` (tokenizer, SFT checkpoint, dataset), so a second
+run goes straight to PPO. The PPO run itself writes checkpoints and TensorBoard logs where `trainer.*` says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.data.rows import Row, read_rows
+from megatron_ppo.data.synthetic import AdditionProblem, corpus, demonstrate, reward, split_problems
+from megatron_ppo.data.tokenizer import SentencePieceTokenizer, train_char_tokenizer
+from megatron_ppo.models import RoleModel, build_role_model
+from megatron_ppo.train import checkpoint
+from megatron_ppo.train.generation import generate
+from megatron_ppo.train.metrics import is_logging_rank
+from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
+from megatron_ppo.train.ppo import PPOTrainer
+from megatron_ppo.train.sft import run_sft
+
+MAX_NEW_TOKENS = 4  # three digits and the end marker
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _tokenizer(work: Path, problems: list[AdditionProblem]) -> SentencePieceTokenizer:
+    path = work / "tokenizer.model"
+    if is_logging_rank() and not path.is_file():
+        train_char_tokenizer(corpus(problems), path)
+    _barrier()
+    return SentencePieceTokenizer(path)
+
+
+def score(model: RoleModel, tokenizer: SentencePieceTokenizer, problems: list[AdditionProblem]) -> dict[str, float]:
+    """Greedy answers to `problems`: mean reward and exact-match accuracy."""
+    responses = generate(
+        model, [tokenizer.encode(p.prompt) for p in problems], max_new_tokens=MAX_NEW_TOKENS,
+        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, greedy=True,
+    )  # fmt: skip
+    rewards = [reward(p, tokenizer.decode(tokens) if finished else None)
+               for p, (tokens, finished) in zip(problems, responses, strict=True)]  # fmt: skip
+    return {"reward_mean": sum(rewards) / len(rewards), "accuracy": sum(r == 1.0 for r in rewards) / len(rewards)}
+
+
+def _sft_checkpoint(config: PPOConfig, tokenizer, train: list[AdditionProblem], work: Path) -> Path:
+    root = work / "sft"
+    found = checkpoint.find_resumable(root)
+    if found is not None:
+        return found
+    task = config.data.addition
+    rng = random.Random(config.trainer.seed)
+    rows = []
+    for problem in train:
+        for _ in range(task.sft_steps * task.sft_batch_size // len(train) + 1):
+            answer = demonstrate(problem, rng)
+            response = [*tokenizer.encode(answer), tokenizer.eos_id]
+            rows.append(Row(tokenizer.encode(problem.prompt), response, 0.0, None, None, problem.uid,
+                            "addition-demonstrator", "demonstrator"))  # fmt: skip
+    actor = build_role_model("actor", config.model, config.actor.megatron)
+    optim = dataclasses.replace(config.actor.optim, lr=task.sft_lr, lr_decay_style="cosine", lr_warmup_steps=20)
+    optimizer = build_optimizer(actor, optim, config.actor.megatron)
+    scheduler = build_scheduler(optimizer, optim, task.sft_steps)
+    console = Console(stderr=True)
+
+    def report(step: int, nll: float) -> None:
+        if is_logging_rank() and (step + 1) % 100 == 0:
+            console.log(f"sft step {step + 1}/{task.sft_steps}: nll/token {nll:.4f}")
+
+    run_sft(actor, optimizer, scheduler, rows, steps=task.sft_steps, batch_size=task.sft_batch_size,
+            micro_batch_size=config.actor.ppo_micro_batch_size_per_gpu or task.sft_batch_size,
+            clip_grad=optim.clip_grad, pad_id=tokenizer.pad_id, seed=config.trainer.seed, on_step=report)  # fmt: skip
+    return checkpoint.save_checkpoint(root, task.sft_steps, {"actor": actor}, {}, {"step": task.sft_steps})
+
+
+def _offline_dataset(config, tokenizer, train, sft_path: Path, work: Path) -> Path:
+    path = work / "data" / "train.jsonl"
+    if path.is_file():
+        return path
+    task = config.data.addition
+    actor = build_role_model("ref", config.model, config.actor.megatron)
+    checkpoint.load_weights(actor, sft_path, "actor")
+    prompts = [p for p in train for _ in range(task.samples_per_prompt)]
+    responses = generate(
+        actor, [tokenizer.encode(p.prompt) for p in prompts], max_new_tokens=MAX_NEW_TOKENS, eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id, temperature=task.sample_temperature, seed=config.trainer.seed,
+    )  # fmt: skip
+    if is_logging_rank():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        empty = 0
+        with temporary.open("w") as out:
+            for problem, (tokens, finished) in zip(prompts, responses, strict=True):
+                text = tokenizer.decode(tokens)
+                if not text:  # ended at once: nothing to train on, and not representable as a row
+                    empty += 1
+                    continue
+                out.write(json.dumps({"prompt": problem.prompt, "response": text,
+                                      "reward": reward(problem, text if finished else None),
+                                      "uid": problem.uid, "data_source": "addition-sft-samples"}) + "\n")  # fmt: skip
+        temporary.replace(path)
+        Console(stderr=True).log(f"offline dataset: {len(prompts) - empty} samples in {path} ({empty} empty dropped)")
+    _barrier()
+    return path
+
+
+def run_addition_recipe(config: PPOConfig) -> dict[str, float]:
+    """The whole embedded default; returns the summary numbers it prints."""
+    task = config.data.addition
+    work = Path(task.work_dir)
+    train, heldout = split_problems(task.num_prompts, task.num_heldout, seed=config.data.seed)
+    tokenizer = _tokenizer(work, train + heldout)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size={config.model.vocab_size}"
+        )
+    sft_path = _sft_checkpoint(config, tokenizer, train, work)
+    data_path = _offline_dataset(config, tokenizer, train, sft_path, work)
+    config.model.init_checkpoint = str(sft_path)
+    rows, report = read_rows([data_path], tokenizer, config.data, rejects_path=work / "data" / "rejects.jsonl")
+    trainer = PPOTrainer(config, rows, tokenizer.pad_id, evaluate=lambda actor: score(actor, tokenizer, heldout))
+    before = score(trainer.actor, tokenizer, heldout)
+    trainer.resume()
+    history = trainer.fit()
+    after = score(trainer.actor, tokenizer, heldout)
+    trainer.close()
+    summary = _summary(config, trainer, history, before, after, report.summary())
+    return summary
+
+
+def _summary(config: PPOConfig, trainer: PPOTrainer, history, before, after, data_line: str) -> dict[str, float]:
+    max_grad_norm = max((h.get("actor/grad_norm_max", 0.0) for h in history), default=float("nan"))
+    summary = {"reward_before": before["reward_mean"], "reward_after": after["reward_mean"],
+               "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
+               "skipped_steps": float(trainer.skipped_steps), "max_grad_norm": max_grad_norm}  # fmt: skip
+    if not is_logging_rank():
+        return summary
+    table = Table(title="megatron-ppo · tiny recipe (two-digit addition, offline PPO)")
+    table.add_column("")
+    table.add_column("SFT start", justify="right")
+    table.add_column("after PPO", justify="right")
+    table.add_row("held-out reward (mean)", f"{before['reward_mean']:.3f}", f"{after['reward_mean']:.3f}")
+    table.add_row("held-out accuracy", f"{before['accuracy']:.3f}", f"{after['accuracy']:.3f}")
+    stages: dict[float, list[float]] = {}
+    for h in history:
+        if "kl/mean" in h:
+            stages.setdefault(h.get("kl/stage", 0.0), []).append(h["kl/mean"])
+    for stage, values in sorted(stages.items()):
+        target = next((h.get("kl/target") for h in history if h.get("kl/stage", 0.0) == stage), None)
+        table.add_row(f"KL per token, stage {int(stage)}", f"target {target:.4g}" if target is not None else "",
+                      f"{sum(values) / len(values):.4g}")  # fmt: skip
+    table.add_row("max actor grad norm", "", f"{summary['max_grad_norm']:.3g}")
+    table.add_row("skipped steps", "", f"{trainer.skipped_steps}")
+    table.add_row("data", "", data_line)
+    table.add_row("checkpoints", "", config.trainer.default_local_dir)
+    table.add_row("TensorBoard", "", config.trainer.log_dir)
+    Console().print(table)
+    return summary
