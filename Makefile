@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint validate bench
+.PHONY: setup test lint validate bench train
 
 setup: $(STAMP)
 
@@ -25,6 +25,12 @@ lint: setup
 	$(VENV)/bin/ruff format --check megatron_ppo tests bench
 
 RECIPE ?= recipes/tiny-cpu.yaml
+NPROC  ?= 2
+
+# The main job: the tiny recipe end to end on CPU (data, SFT, offline PPO, evaluation table).
+train: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node $(NPROC) --master_port 29650 -m megatron_ppo train $(RECIPE) $(OVERRIDES)
+
 validate: setup
 	$(PY) -m megatron_ppo validate $(RECIPE) $(OVERRIDES)
 

@@ -226,8 +226,8 @@ class PPOTrainer:
             out[name] = controller.value
             if isinstance(controller, StagedKLSchedule):
                 out["kl/stage"] = float(controller.stage_index)
-                target = controller.stage.target_kl
-                out["kl/target"] = float("nan") if target is None else target
+                if controller.stage.target_kl is not None:  # a warm-up stage has none
+                    out["kl/target"] = controller.stage.target_kl
             elif controller.kind != "fixed":
                 out["kl/target"] = self.config.algorithm.kl_ctrl.target_kl
             if current_kl is not None and math.isfinite(current_kl):

@@ -20,7 +20,7 @@ def sft_loss(vocab_size: int, dp_size: int, num_tokens: float):
         log_prob, _ = vocab_parallel_log_probs(logits, batch["labels"], vocab_size=vocab_size)
         loss = algo.agg_loss(-log_prob, batch["loss_mask"], "token-mean", dp_size=dp_size, batch_num_tokens=num_tokens)
         return loss, {
-            "nll_sum": float((-log_prob * batch["loss_mask"]).sum()),
+            "nll_sum": float((-log_prob.detach() * batch["loss_mask"]).sum()),
             "tokens": float(batch["loss_mask"].sum()),
         }
 

@@ -131,6 +131,7 @@ def run_addition_recipe(config: PPOConfig) -> dict[str, float]:
     rows, report = read_rows([data_path], tokenizer, config.data, rejects_path=work / "data" / "rejects.jsonl")
     trainer = PPOTrainer(config, rows, tokenizer.pad_id, evaluate=lambda actor: score(actor, tokenizer, heldout))
     before = score(trainer.actor, tokenizer, heldout)
+    trainer.logger.log(0, {f"eval/{k}": v for k, v in before.items()})
     trainer.resume()
     history = trainer.fit()
     after = score(trainer.actor, tokenizer, heldout)
@@ -157,8 +158,8 @@ def _summary(config: PPOConfig, trainer: PPOTrainer, history, before, after, dat
         if "kl/mean" in h:
             stages.setdefault(h.get("kl/stage", 0.0), []).append(h["kl/mean"])
     for stage, values in sorted(stages.items()):
-        target = next((h.get("kl/target") for h in history if h.get("kl/stage", 0.0) == stage), None)
-        table.add_row(f"KL per token, stage {int(stage)}", f"target {target:.4g}" if target is not None else "",
+        target = next((h["kl/target"] for h in history if h.get("kl/stage") == stage and "kl/target" in h), None)
+        table.add_row(f"KL per token, stage {int(stage)}", "warm-up" if target is None else f"target {target:.4g}",
                       f"{sum(values) / len(values):.4g}")  # fmt: skip
     table.add_row("max actor grad norm", "", f"{summary['max_grad_norm']:.3g}")
     table.add_row("skipped steps", "", f"{trainer.skipped_steps}")

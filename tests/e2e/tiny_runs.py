@@ -1,0 +1,84 @@
+"""Running the real CLI (`torchrun -m megatron_ppo train recipes/tiny-cpu.yaml ...`) in tests, and reading back
+the TensorBoard event files it writes with TensorBoard's own reader."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.distributed.harness import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
+# A shortened tiny recipe: half the prompts, half-size batches, and (set per test) a dozen PPO steps or fewer.
+# The SFT stage keeps its full length: a weaker start policy gives PPO too little signal to improve on.
+SHORT = [
+    "data.addition.num_prompts=1000", "data.addition.num_heldout=200",
+    "data.train_batch_size=256", "actor.ppo_mini_batch_size=64", "actor.ppo_micro_batch_size_per_gpu=64",
+    "critic.ppo_mini_batch_size=64", "critic.ppo_micro_batch_size_per_gpu=64", "trainer.test_freq=4",
+]  # fmt: skip
+
+
+def command(nproc: int, overrides: list[str]) -> list[str]:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    return [str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={free_port()}", "-m", "megatron_ppo", "train",
+            str(RECIPE), *SHORT, f"cluster.gpus_per_node={nproc}", *overrides]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run(nproc: int, overrides: list[str], log: Path, timeout_s: float = 900) -> None:
+    """Run to completion; on failure, raise with the end of the log."""
+    with log.open("w") as out:
+        result = subprocess.run(command(nproc, overrides), cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                timeout=timeout_s, check=False)  # fmt: skip
+    if result.returncode != 0:
+        raise AssertionError(f"training exited {result.returncode}; log tail:\n{log.read_text()[-4000:]}")
+
+
+def run_and_kill_after_checkpoint(
+    nproc: int, overrides: list[str], checkpoint_root: Path, step: int, log: Path
+) -> None:
+    """Start a run and SIGKILL it, workers included, as soon as `step_<step>` is named in `latest`."""
+    with log.open("w") as out:
+        process = subprocess.Popen(command(nproc, overrides), cwd=REPO, env=_env(), stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 900
+        latest = checkpoint_root / "latest"
+        while time.monotonic() < deadline and process.poll() is None:
+            if latest.is_file() and latest.read_text().strip() == f"step_{step}":
+                _kill_tree(process.pid)
+                process.wait()
+                return
+            time.sleep(0.05)
+        process.kill()
+        raise AssertionError(
+            f"no checkpoint step_{step} appeared (exit {process.poll()}); log:\n{log.read_text()[-4000:]}"
+        )
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun's workers live in process groups of their own)."""
+    parent = psutil.Process(pid)
+    for process in [*parent.children(recursive=True), parent]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGKILL)
+
+
+def scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    """tag → {step: value} from the event files under `log_dir` (the last value written for a step wins)."""
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {
+        tag: {event.step: event.value for event in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]
+    }
