@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint validate bench train
+.PHONY: setup test lint validate bench train compare-kl
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ NPROC  ?= 2
 # The main job: the tiny recipe end to end on CPU (data, SFT, offline PPO, evaluation table).
 train: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node $(NPROC) --master_port 29650 -m megatron_ppo train $(RECIPE) $(OVERRIDES)
+
+# The tiny recipe with the KL term off, fixed, adaptive and staged: one table side by side.
+compare-kl: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node $(NPROC) --master_port 29651 -m megatron_ppo compare-kl $(RECIPE) $(OVERRIDES)
 
 validate: setup
 	$(PY) -m megatron_ppo validate $(RECIPE) $(OVERRIDES)

@@ -24,6 +24,13 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_kl(args: argparse.Namespace) -> int:
+    from megatron_ppo.train.run import compare_kl
+
+    compare_kl(load_config(args.recipe, args.overrides))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron_ppo", description="Offline RLHF with PPO on Megatron-Core.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -35,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-cpu.yaml")
     train.add_argument("overrides", nargs="*", help="key=value overrides (verl-style paths accepted)")
     train.set_defaults(run=_train)
+    compare = commands.add_parser("compare-kl", help="the tiny recipe with KL off, fixed, adaptive and staged")
+    compare.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-cpu.yaml")
+    compare.add_argument("overrides", nargs="*", help="key=value overrides")
+    compare.set_defaults(run=_compare_kl)
     return parser
 
 

@@ -12,7 +12,20 @@ from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment
 from megatron_ppo.train.ppo import PPOTrainer
 
 
-def train(config: PPOConfig) -> dict[str, float] | list[dict[str, float]]:
+def compare_kl(config: PPOConfig) -> dict[str, dict[str, float]]:
+    """The tiny recipe under four KL controls (see `compare_kl.py`)."""
+    if config.data.task != "addition":
+        raise ValueError("compare-kl runs the tiny recipe's task (data.task=addition)")
+    _start(config)
+    try:
+        from megatron_ppo.train.compare_kl import compare_kl as run_comparison
+
+        return run_comparison(config)
+    finally:
+        destroy_distributed()
+
+
+def _start(config: PPOConfig) -> None:
     env = dist_env_from_environment()
     expected = world_size(config)
     if env.world_size != expected:
@@ -22,6 +35,10 @@ def train(config: PPOConfig) -> dict[str, float] | list[dict[str, float]]:
         )
     os.makedirs(config.trainer.default_local_dir, exist_ok=True)
     init_distributed(config.actor.megatron, seed=config.trainer.seed)
+
+
+def train(config: PPOConfig) -> dict[str, float] | list[dict[str, float]]:
+    _start(config)
     try:
         if config.data.task == "addition":
             from megatron_ppo.train.tiny import run_addition_recipe

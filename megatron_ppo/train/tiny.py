@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -115,8 +116,19 @@ def _offline_dataset(config, tokenizer, train, sft_path: Path, work: Path) -> Pa
     return path
 
 
-def run_addition_recipe(config: PPOConfig) -> dict[str, float]:
-    """The whole embedded default; returns the summary numbers it prints."""
+@dataclass
+class AdditionTask:
+    """What the PPO runs of the tiny recipe need: tokenizer, held-out prompts, the offline rows, and the SFT start."""
+
+    tokenizer: SentencePieceTokenizer
+    heldout: list[AdditionProblem]
+    rows: list[Row]
+    data_line: str
+    sft_checkpoint: str
+
+
+def prepare_addition_task(config: PPOConfig) -> AdditionTask:
+    """Tokenizer, SFT policy and offline dataset (each built once and cached in data.addition.work_dir)."""
     task = config.data.addition
     work = Path(task.work_dir)
     train, heldout = split_problems(task.num_prompts, task.num_heldout, seed=config.data.seed)
@@ -127,17 +139,29 @@ def run_addition_recipe(config: PPOConfig) -> dict[str, float]:
         )
     sft_path = _sft_checkpoint(config, tokenizer, train, work)
     data_path = _offline_dataset(config, tokenizer, train, sft_path, work)
-    config.model.init_checkpoint = str(sft_path)
     rows, report = read_rows([data_path], tokenizer, config.data, rejects_path=work / "data" / "rejects.jsonl")
-    trainer = PPOTrainer(config, rows, tokenizer.pad_id, evaluate=lambda actor: score(actor, tokenizer, heldout))
-    before = score(trainer.actor, tokenizer, heldout)
+    return AdditionTask(tokenizer, heldout, rows, report.summary(), str(sft_path))
+
+
+def train_on_task(config: PPOConfig, task: AdditionTask) -> tuple[PPOTrainer, list[dict[str, float]], dict, dict]:
+    """One PPO run from the SFT policy: (trainer, history, held-out scores before, after)."""
+    config.model.init_checkpoint = task.sft_checkpoint
+    trainer = PPOTrainer(config, task.rows, task.tokenizer.pad_id,
+                         evaluate=lambda actor: score(actor, task.tokenizer, task.heldout))  # fmt: skip
+    before = score(trainer.actor, task.tokenizer, task.heldout)
     trainer.logger.log(0, {f"eval/{k}": v for k, v in before.items()})
     trainer.resume()
     history = trainer.fit()
-    after = score(trainer.actor, tokenizer, heldout)
+    after = score(trainer.actor, task.tokenizer, task.heldout)
     trainer.close()
-    summary = _summary(config, trainer, history, before, after, report.summary())
-    return summary
+    return trainer, history, before, after
+
+
+def run_addition_recipe(config: PPOConfig) -> dict[str, float]:
+    """The whole embedded default; returns the summary numbers it prints."""
+    task = prepare_addition_task(config)
+    trainer, history, before, after = train_on_task(config, task)
+    return _summary(config, trainer, history, before, after, task.data_line)
 
 
 def _summary(config: PPOConfig, trainer: PPOTrainer, history, before, after, data_line: str) -> dict[str, float]:

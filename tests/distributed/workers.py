@@ -140,6 +140,8 @@ def reference(rank: int, world_size: int, workdir: str) -> None:
     workdir = Path(workdir)
     init_distributed(MegatronConfig(), seed=SEED)
     actor, critic = _build(MegatronConfig())
+    with torch.no_grad():  # the value head starts at zero; give it weights so the values test something
+        unwrap(critic.chunks[-1]).output_layer.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(5))
     save(actor, workdir / "initial" / "actor")
     save(critic, workdir / "initial" / "critic")
     batches = micro_batches()
