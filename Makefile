@@ -42,3 +42,4 @@ validate: setup
 bench: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29655 -m bench.bench_logprobs
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 1 --master_port 29656 -m bench.bench_actor_step
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29657 -m bench.bench_ppo_step

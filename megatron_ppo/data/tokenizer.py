@@ -1,12 +1,15 @@
-"""Tokenizers: a SentencePiece model file (trained here for the tiny task, or a model's own `.model`)."""
+"""Tokenizers: a SentencePiece `.model` (trained here for the tiny task, or a model's own) or a Hugging Face
+`tokenizer.json` (with `tokenizer_config.json` beside it naming the end and padding tokens)."""
 
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import sentencepiece as spm
+import tokenizers
 
 
 class SentencePieceTokenizer:
@@ -54,3 +57,46 @@ def train_char_tokenizer(texts: Iterable[str], model_path: str | Path) -> Senten
     temporary.write_bytes(buffer.getvalue())
     temporary.replace(model_path)
     return SentencePieceTokenizer(model_path)
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer file; `eos_token`/`pad_token` come from `tokenizer_config.json`."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        self.path = str(file)
+        self.tokenizer = tokenizers.Tokenizer.from_file(self.path)
+        config_file = file.parent / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        eos, pad = _token_text(config.get("eos_token")), _token_text(config.get("pad_token"))
+        eos_id = self.tokenizer.token_to_id(eos) if eos else None
+        if eos_id is None:
+            raise ValueError(
+                f"{config_file} names no eos_token known to {file} (found {eos!r}); responses need an end token"
+            )
+        self.eos_id = eos_id
+        pad_id = self.tokenizer.token_to_id(pad) if pad else None
+        self.pad_id = eos_id if pad_id is None else pad_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i != self.eos_id])
+
+
+def _token_text(token: str | dict | None) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def load_tokenizer(path: str | Path) -> SentencePieceTokenizer | HFTokenizer:
+    """SentencePiece for a `.model` file, Hugging Face for `tokenizer.json` or a directory holding one."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer {path} does not exist; set model.tokenizer to a .model or tokenizer.json")
+    return SentencePieceTokenizer(path) if path.suffix == ".model" else HFTokenizer(path)

@@ -23,6 +23,7 @@ from megatron_ppo.models import RoleModel, unwrap
 logger = logging.getLogger(__name__)
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
+OPTIMIZERS_SAVED = "checkpoint/optimizers_saved"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -68,12 +69,15 @@ def save_checkpoint(
     sharded: dict[str, Any] = {}
     for role, model in models.items():
         sharded[role] = model_sharded_state(model, f"{role}.")
-        if role in optimizers:
-            sharded[f"{role}_optimizer"] = optimizers[role].sharded_state_dict(sharded[role])
+    # An optimizer that has not stepped yet (the actor during critic warm-up) has no state: it is recorded as
+    # fresh and left fresh on load.
+    stateful = [role for role in models if role in optimizers and not _stateless(optimizers[role])]
+    for role in stateful:
+        sharded[f"{role}_optimizer"] = optimizers[role].sharded_state_dict(sharded[role])
     dist_checkpointing.save(sharded, str(temporary))
     torch.save({"cpu": torch.get_rng_state()}, temporary / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
-        torch.save(trainer_state, temporary / TRAINER_STATE)
+        torch.save({**trainer_state, OPTIMIZERS_SAVED: stateful}, temporary / TRAINER_STATE)
     _barrier()
     if _rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -86,6 +90,11 @@ def save_checkpoint(
                 shutil.rmtree(root / f"step_{old}", ignore_errors=True)
     _barrier()
     return final
+
+
+def _stateless(optimizer: Any) -> bool:
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return all(not getattr(o, "optimizer", None) or not o.optimizer.state for o in inner)
 
 
 def _is_complete(path: Path) -> bool:
@@ -119,20 +128,20 @@ def find_resumable(root: str | Path) -> Path | None:
 def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: dict[str, Any]) -> dict[str, Any]:
     """Restore models, optimizers and this rank's RNG state; returns the trainer state saved with them."""
     path = Path(path)
-    sharded: dict[str, Any] = {}
-    for role, model in models.items():
-        sharded[role] = model_sharded_state(model, f"{role}.")
-        if role in optimizers:
-            sharded[f"{role}_optimizer"] = optimizers[role].sharded_state_dict(sharded[role], is_loading=True)
+    trainer_state = torch.load(path / TRAINER_STATE, weights_only=True)
+    saved_optimizers = [role for role in trainer_state.pop(OPTIMIZERS_SAVED) if role in optimizers]
+    sharded: dict[str, Any] = {role: model_sharded_state(model, f"{role}.") for role, model in models.items()}
+    for role in saved_optimizers:
+        sharded[f"{role}_optimizer"] = optimizers[role].sharded_state_dict(sharded[role], is_loading=True)
     state = dist_checkpointing.load(sharded, str(path))
     for role, model in models.items():
         _load_model_state(model, state[role], f"{role}.", strict=True)
-        if role in optimizers:
-            optimizers[role].load_state_dict(state[f"{role}_optimizer"])
+    for role in saved_optimizers:
+        optimizers[role].load_state_dict(state[f"{role}_optimizer"])
     rng_file = path / f"rng_rank{_rank()}.pt"
     if rng_file.is_file():
         torch.set_rng_state(torch.load(rng_file, weights_only=True)["cpu"])
-    return torch.load(path / TRAINER_STATE, weights_only=True)
+    return trainer_state
 
 
 def load_weights(model: RoleModel, path: str | Path, source_role: str, drop: tuple[str, ...] = ()) -> None:

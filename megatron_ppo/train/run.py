@@ -7,7 +7,7 @@ import os
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.config.validate import world_size
 from megatron_ppo.data.rows import read_rows
-from megatron_ppo.data.tokenizer import SentencePieceTokenizer
+from megatron_ppo.data.tokenizer import load_tokenizer
 from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 from megatron_ppo.train.ppo import PPOTrainer
 
@@ -45,8 +45,8 @@ def train(config: PPOConfig) -> dict[str, float] | list[dict[str, float]]:
 
             return run_addition_recipe(config)
         if not config.model.tokenizer or not config.data.train_files:
-            raise ValueError("offline PPO needs model.tokenizer (a SentencePiece .model) and data.train_files")
-        tokenizer = SentencePieceTokenizer(config.model.tokenizer)
+            raise ValueError("offline PPO needs model.tokenizer (.model or tokenizer.json) and data.train_files")
+        tokenizer = load_tokenizer(config.model.tokenizer)
         rows, report = read_rows(
             config.data.train_files, tokenizer, config.data,
             rejects_path=os.path.join(config.trainer.default_local_dir, "rejects.jsonl"),

@@ -1,0 +1,17 @@
+"""Guards: a grad-norm spike backs the learning rate off, a KL explosion (with the stage's own threshold) asks for
+a rollback, and too many non-finite iterations in a row stop the run — each with a message for the logs."""
+
+from __future__ import annotations
+
+from tests.distributed import guard_workers
+from tests.distributed.harness import run_distributed
+
+
+def test_guards_back_off_roll_back_and_stop() -> None:
+    report = run_distributed(guard_workers.guards_act, 1)[0]
+    assert report["lr_after_spike"] == report["lr_before_spike"] * 0.5
+    assert any("grad norm 50" in e and "learning rate × 0.5" in e for e in report["events"]), report["events"]
+    assert not report["rollback_before"]
+    assert report["rollback_after_stage_override"], "KL 0.5 is above the stage's threshold 0.4 (base 1.0)"
+    assert any("roll back" in e for e in report["events"])
+    assert report["too_many_skips"] and "max_consecutive_skips=2" in report["too_many_skips"]
