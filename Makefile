@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint validate bench train compare-kl
+.PHONY: setup test lint validate bench train compare-kl plan
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ train: setup
 # The tiny recipe with the KL term off, fixed, adaptive and staged: one table side by side.
 compare-kl: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node $(NPROC) --master_port 29651 -m megatron_ppo compare-kl $(RECIPE) $(OVERRIDES)
+
+# Layout check, per-GPU memory and step-time estimate before any job (exit 1 when it does not fit).
+plan: setup
+	$(PY) -m megatron_ppo plan $(RECIPE) $(OVERRIDES)
 
 validate: setup
 	$(PY) -m megatron_ppo validate $(RECIPE) $(OVERRIDES)

@@ -1,0 +1,262 @@
+"""Plan a recipe on its cluster before any job: parameter counts, per-GPU memory per role and phase, pipeline
+bubble, whether it fits, the nearest layout that does, and a FLOP-based step-time estimate.
+
+Memory model (bytes per parameter on a GPU holding N / (TP·PP) of them; see docs/planner.md for the sources):
+    weights      2 (bf16/fp16) or 4 (fp32)
+    gradients    4 (Megatron DDP reduces gradients in fp32)
+    optimizer    12 (fp32 master weights + Adam m and v), divided by DP with the distributed optimizer
+    activations  per layer s·b·h·(34 + 5·a·s/h) / TP bytes (Korthikanti et al. 2022, sequence parallel),
+                 34·s·b·h / TP with selective recompute, 2·s·b·h with full recompute; the first pipeline stage
+                 keeps min(PP, micro-batches) micro-batches in flight (1F1B); plus fp32 log-probs of the output
+    reserved     3 GiB per GPU (CUDA context, NCCL buffers, allocator fragmentation)
+Roles share the GPUs. A role with `param_offload` / `optimizer_offload` keeps those on the host outside its own
+phase, so the peak is the largest of the three phases: experience (three forwards), critic update, actor update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from dataclasses import dataclass
+
+from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
+from megatron_ppo.config.validate import validate, world_size
+
+GIB = 1024**3
+RESERVED_GIB = 3.0
+MARGIN = 0.10  # keep 10 % of the GPU free
+PEAK_TFLOPS = {"h100-80gb": 989.0, "a100-80gb": 312.0, "cpu": 1.0}  # dense bf16 tensor-core peak
+ASSUMED_MFU = {"h100-80gb": 0.35, "a100-80gb": 0.40, "cpu": 0.1}
+
+
+def parameter_count(model: ModelConfig) -> int:
+    """Parameters of a Llama/Qwen2-style GPT (untied or tied embeddings, optional QKV bias)."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    kv_heads = model.num_query_groups or heads
+    head_dim = model.kv_channels or h // heads
+    ffn = model.ffn_hidden_size or 4 * h
+    attention = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
+    if model.add_qkv_bias:
+        attention += (heads + 2 * kv_heads) * head_dim
+    mlp = (3 if model.activation == "swiglu" else 2) * h * ffn
+    layer = attention + mlp + 2 * h
+    embeddings = model.vocab_size * h * (2 if model.untie_embeddings_and_output_weights else 1)
+    return model.num_layers * layer + embeddings + h
+
+
+@dataclass
+class RolePlan:
+    role: str
+    params: int
+    params_per_gpu: int
+    weights_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    param_offload: bool
+    optimizer_offload: bool
+
+
+@dataclass
+class Plan:
+    recipe: str
+    world_size: int
+    layout: str
+    roles: dict[str, RolePlan]
+    phases_gib: dict[str, float]
+    peak_gib: float
+    budget_gib: float
+    fits: bool
+    bubble_fraction: float
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    problems: list[str]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+def _activations_gib(config: PPOConfig, layout: MegatronConfig, micro_batch: int, train: bool) -> float:
+    m = config.model
+    s, h, tp, pp = config.data.max_prompt_length + config.data.max_response_length, m.hidden_size, \
+        layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size  # fmt: skip
+    s_local = s / layout.context_parallel_size
+    layers = m.num_layers / pp
+    if not train:  # forward only: one layer's working set and the output
+        per_layer, layers_kept = s_local * micro_batch * h * 34 / tp, 1
+    elif layout.recompute_granularity == "full":
+        per_layer, layers_kept = 2 * s_local * micro_batch * h, layers
+    elif layout.recompute_granularity == "selective":
+        per_layer, layers_kept = 34 * s_local * micro_batch * h / tp, layers
+    else:
+        per_layer = s_local * micro_batch * h * (34 + 5 * m.num_attention_heads * s_local / h) / tp
+        layers_kept = layers
+    in_flight = min(pp, max(1, config.actor.ppo_mini_batch_size // max(1, micro_batch))) if train else 1
+    logits = 2 * 4 * s_local * micro_batch * m.vocab_size / tp  # fp32 log p and its gradient
+    return (per_layer * layers_kept * in_flight + logits) / GIB
+
+
+def plan_role(config: PPOConfig, role: str) -> RolePlan:
+    layout: MegatronConfig = getattr(config, role).megatron
+    params = parameter_count(config.model)
+    if role == "critic":  # value head instead of the vocabulary output layer
+        params -= config.model.vocab_size * config.model.hidden_size - config.model.hidden_size - 1
+    model_parallel = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+    dp = max(1, world_size(config) // (model_parallel * layout.context_parallel_size))
+    per_gpu = math.ceil(params / model_parallel)
+    weight_bytes = 4 if config.model.params_dtype == "fp32" else 2
+    trained = role != "ref"
+    grads = 4 * per_gpu if trained else 0
+    optimizer = 12 * per_gpu / (dp if layout.use_distributed_optimizer else 1) if trained else 0
+    if role == "ref":
+        micro = config.ref.log_prob_micro_batch_size_per_gpu or 1
+    else:
+        micro = getattr(config, role).ppo_micro_batch_size_per_gpu or 1
+    return RolePlan(
+        role=role,
+        params=params,
+        params_per_gpu=per_gpu,
+        weights_gib=weight_bytes * per_gpu / GIB,
+        grads_gib=grads / GIB,
+        optimizer_gib=optimizer / GIB,
+        activations_gib=_activations_gib(config, layout, micro, train=trained),
+        param_offload=layout.param_offload,
+        optimizer_offload=layout.optimizer_offload,
+    )
+
+
+def _resident(plan: RolePlan, active: bool, with_training_state: bool = True) -> float:
+    """GiB a role holds on the GPU during a phase in which it is (or is not) the one computing. With
+    `param_offload` an idle role's weights and gradients wait on the host; with `optimizer_offload` the optimizer
+    states stay on the host and the step runs there (Megatron's hybrid CPU optimizer)."""
+    if not active and plan.param_offload:
+        return 0.0
+    gib = plan.weights_gib
+    if with_training_state:
+        gib += plan.grads_gib + (0.0 if plan.optimizer_offload else plan.optimizer_gib)
+    return gib
+
+
+def plan(config: PPOConfig, recipe: str = "") -> Plan:
+    roles = {role: plan_role(config, role) for role in ("actor", "critic", "ref")}
+    forward_activations = max(_activations_gib(config, getattr(config, r).megatron, 1, train=False) for r in roles)
+    phases = {
+        # every role runs a forward pass: all weights are on the GPU, idle training state may be on the host
+        "experience": sum(
+            _resident(r, True, False) + _resident(r, False) - _resident(r, False, False) for r in roles.values()
+        )
+        + forward_activations,
+        "critic update": sum(_resident(r, r.role == "critic") for r in roles.values())
+        + roles["critic"].activations_gib,
+        "actor update": sum(_resident(r, r.role == "actor") for r in roles.values()) + roles["actor"].activations_gib,
+    }
+    phases = {k: v + RESERVED_GIB for k, v in phases.items()}
+    peak = max(phases.values())
+    budget = config.cluster.gpu_memory_gib * (1 - MARGIN)
+    layout = config.actor.megatron
+    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size or 1
+    dp = max(1, world_size(config) // (layout.tensor_model_parallel_size * pp * layout.context_parallel_size))
+    micro_batches = max(
+        1, config.actor.ppo_mini_batch_size // dp // max(1, config.actor.ppo_micro_batch_size_per_gpu or 1)
+    )
+    bubble = (pp - 1) / (vpp * micro_batches + pp - 1)
+    step_time, tokens_per_gpu = step_time_estimate(config, roles, bubble)
+    return Plan(
+        recipe=recipe,
+        world_size=world_size(config),
+        layout=f"TP{layout.tensor_model_parallel_size} PP{pp}"
+        + (f" VPP{vpp}" if vpp > 1 else "")
+        + f" CP{layout.context_parallel_size} DP{dp}",
+        roles=roles,
+        phases_gib=phases,
+        peak_gib=peak,
+        budget_gib=budget,
+        fits=peak <= budget,
+        bubble_fraction=bubble,
+        step_time_s=step_time,
+        tokens_per_s_per_gpu=tokens_per_gpu,
+        problems=validate(config),
+    )
+
+
+def step_time_estimate(config: PPOConfig, roles: dict[str, RolePlan], bubble: float) -> tuple[float, float]:
+    """FLOPs of one iteration at the assumed MFU: 6·N per token for each training pass (8·N with full recompute),
+    2·N per token for each forward-only experience pass, plus attention 12·L·h·s (training) / 4·L·h·s (forward)."""
+    m = config.model
+    seq = config.data.max_prompt_length + config.data.max_response_length
+    tokens = config.data.train_batch_size * seq
+    attention_train = 12 * m.num_layers * m.hidden_size * seq
+    attention_forward = 4 * m.num_layers * m.hidden_size * seq
+    flops = 0.0
+    for role, epochs in (("actor", config.actor.ppo_epochs), ("critic", config.critic.ppo_epochs)):
+        recompute = 8 if getattr(config, role).megatron.recompute_granularity == "full" else 6
+        flops += epochs * tokens * (recompute * roles[role].params + attention_train)
+    flops += 3 * tokens * (2 * roles["actor"].params + attention_forward)
+    gpus = world_size(config)
+    peak = PEAK_TFLOPS.get(config.cluster.gpu_type, 989.0) * 1e12
+    mfu = ASSUMED_MFU.get(config.cluster.gpu_type, 0.35)
+    seconds = flops / (gpus * peak * mfu) / (1 - bubble)
+    return seconds, tokens / seconds / gpus
+
+
+def suggest(config: PPOConfig) -> tuple[MegatronConfig, Plan] | None:
+    """The smallest model-parallel layout (then the least pipeline, then offload) that fits the same GPUs."""
+    world = world_size(config)
+    candidates = []
+    for tp, pp, offload in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (False, True)):
+        if world % (tp * pp):
+            continue
+        layout = dataclasses.replace(
+            config.actor.megatron, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=None, sequence_parallel=tp > 1 and config.cluster.device == "cuda",
+            use_distributed_optimizer=True, param_offload=offload, optimizer_offload=offload,
+        )  # fmt: skip
+        candidate = copy_with_layout(config, layout)
+        if validate(candidate):
+            continue
+        result = plan(candidate)
+        if result.fits:
+            candidates.append((tp * pp, offload, pp, layout, result))
+    if not candidates:
+        return None
+    _, _, _, layout, result = min(candidates, key=lambda c: (c[1], c[0], c[2]))
+    return layout, result
+
+
+def copy_with_layout(config: PPOConfig, layout: MegatronConfig) -> PPOConfig:
+    out = dataclasses.replace(config)
+    for role in ("actor", "critic", "ref"):
+        setattr(out, role, dataclasses.replace(getattr(config, role), megatron=dataclasses.replace(layout)))
+    return out
+
+
+def _offload_text(role: RolePlan) -> str:
+    parts = [name for name, on in (("params", role.param_offload), ("optimizer", role.optimizer_offload)) if on]
+    return "+".join(parts) or "no"
+
+
+def format_plan(result: Plan, config: PPOConfig) -> str:
+    """A readable report of `result`."""
+    lines = [
+        f"{result.recipe}: {config.model.name}, {config.cluster.nodes} node(s) × {config.cluster.gpus_per_node} "
+        f"{config.cluster.gpu_type} ({result.world_size} GPUs), layout {result.layout}",
+        f"{'role':<8}{'params':>10}{'per GPU':>10}{'weights':>10}{'grads':>9}{'optim':>9}{'activ.':>9}  offload",
+    ]
+    for r in result.roles.values():
+        lines.append(
+            f"{r.role:<8}{r.params / 1e9:>9.2f}B{r.params_per_gpu / 1e9:>9.2f}B{r.weights_gib:>8.1f}Gi"
+            f"{r.grads_gib:>7.1f}Gi{r.optimizer_gib:>7.1f}Gi{r.activations_gib:>7.1f}Gi  {_offload_text(r)}"
+        )
+    for phase, gib in result.phases_gib.items():
+        lines.append(f"  phase {phase:<14} {gib:7.1f} GiB per GPU (incl. {RESERVED_GIB:.0f} GiB reserved)")
+    verdict = "fits" if result.fits else "does NOT fit"
+    lines.append(
+        f"peak {result.peak_gib:.1f} GiB of {result.budget_gib:.1f} GiB usable ({MARGIN:.0%} margin): {verdict}"
+    )
+    lines.append(f"pipeline bubble {result.bubble_fraction:.1%}; estimated step {result.step_time_s:.1f} s, "
+                 f"{result.tokens_per_s_per_gpu:,.0f} tokens/s per GPU at MFU "
+                 f"{ASSUMED_MFU.get(config.cluster.gpu_type, 0.35):.0%}")  # fmt: skip
+    lines += [f"problem: {p}" for p in result.problems]
+    return "\n".join(lines)

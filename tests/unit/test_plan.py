@@ -1,0 +1,67 @@
+"""The planner: parameter counts against the published model sizes, every recipe plans, and a layout that cannot
+fit is flagged with one that does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ppo.config import load_config
+from megatron_ppo.plan import parameter_count, plan, suggest
+
+REPO = Path(__file__).resolve().parents[2]
+# Sizes on the models' Hugging Face cards (billions of parameters).
+PUBLISHED = {"qwen2.5-7b": 7.61, "qwen2.5-32b": 32.5, "qwen2.5-72b": 72.7, "llama3.1-70b": 70.6}
+BIG_RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if p.stem != "tiny-cpu")
+
+
+@pytest.mark.parametrize("model", list(PUBLISHED))
+def test_parameter_count_matches_the_published_size(model: str) -> None:
+    count = parameter_count(load_config(REPO / "configs" / "models" / f"{model}.yaml").model) / 1e9
+    assert abs(count / PUBLISHED[model] - 1) < 0.01, f"{model}: {count:.3f} B vs published {PUBLISHED[model]} B"
+
+
+@pytest.mark.parametrize("recipe", BIG_RECIPES, ids=lambda p: p.stem)
+def test_every_cluster_recipe_fits_its_gpus(recipe: Path) -> None:
+    result = plan(load_config(recipe), recipe.name)
+    assert not result.problems
+    assert result.fits, f"{recipe.name}: peak {result.peak_gib:.1f} GiB > {result.budget_gib:.1f} GiB usable"
+    assert result.step_time_s > 0 and result.tokens_per_s_per_gpu > 0
+
+
+UNSHARDED = [
+    f"{role}.megatron={{tensor_model_parallel_size: 1, pipeline_model_parallel_size: 1, "
+    "virtual_pipeline_model_parallel_size: null, sequence_parallel: false}"
+    for role in ("actor", "critic", "ref")
+]
+
+
+def test_70b_without_model_parallelism_on_one_node_is_flagged_with_a_fitting_layout() -> None:
+    config = load_config(REPO / "recipes" / "llama3.1-70b.yaml", ["cluster.nodes=1", *UNSHARDED])
+    result = plan(config)
+    assert not result.fits and result.peak_gib > 500
+    layout, fitting = suggest(config)
+    assert fitting.fits and layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size > 1
+
+
+def test_more_memory_per_parameter_with_a_replicated_optimizer() -> None:
+    sharded = plan(load_config(REPO / "recipes" / "qwen2.5-32b.yaml"))
+    replicated = plan(load_config(REPO / "recipes" / "qwen2.5-32b.yaml", [
+        f"{r}.megatron.use_distributed_optimizer=false" for r in ("actor", "critic")]))  # fmt: skip
+    assert replicated.roles["actor"].optimizer_gib == pytest.approx(2 * sharded.roles["actor"].optimizer_gib)
+
+
+def test_plan_cli_json_for_scripts() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_ppo", "plan", "recipes/qwen2.5-32b.yaml", "--json"],
+        capture_output=True, text=True, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["fits"] and report["roles"]["actor"]["params"] == parameter_count(
+        load_config(REPO / "recipes" / "qwen2.5-32b.yaml").model
+    )
