@@ -52,6 +52,32 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if result.fits else 1
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from megatron_ppo import convert
+    from megatron_ppo.config.schema import MegatronConfig
+    from megatron_ppo.parallel import destroy_distributed, init_distributed
+
+    hf_dir = args.hf if args.direction != "mcore-to-hf" else args.hf_config
+    problems = convert.layout_problems(convert.hf_model_config(hf_dir), args.tp, args.pp)
+    if problems:
+        raise ConfigError(problems, source=str(hf_dir))
+    layout = MegatronConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    init_distributed(layout if args.direction == "verify" else convert.SINGLE, seed=0)
+    try:
+        if args.direction == "hf-to-mcore":
+            print(f"wrote {convert.hf_to_mcore(args.hf, args.out, args.dtype)} (loads at any TP/PP)")
+        elif args.direction == "mcore-to-hf":
+            print(f"wrote {convert.mcore_to_hf(args.megatron, args.hf_config, args.out)}")
+        else:
+            difference = convert.verify(args.hf, args.megatron, layout)
+            if difference is not None:
+                print(f"largest logit difference: {difference:.3e} (tolerance {args.tolerance:g})")
+                return 0 if difference <= args.tolerance else 1
+        return 0
+    finally:
+        destroy_distributed()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron_ppo", description="Offline RLHF with PPO on Megatron-Core.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--nodes", type=int, help="plan for this many nodes instead of cluster.nodes")
     planner.add_argument("--json", action="store_true", help="machine-readable output")
     planner.set_defaults(run=_plan)
+    converter = commands.add_parser("convert", help="Hugging Face <-> megatron-ppo checkpoints, and a logit check")
+    converter.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf", "verify"])
+    converter.add_argument("--hf", help="Hugging Face directory (config.json + safetensors)")
+    converter.add_argument("--megatron", help="megatron-ppo checkpoint directory (mcore-to-hf, verify)")
+    converter.add_argument("--hf-config", help="Hugging Face directory whose config.json describes the model")
+    converter.add_argument("--out", help="output directory")
+    converter.add_argument("--tp", type=int, default=1, help="TP the model must split into (verify: runs at it)")
+    converter.add_argument("--pp", type=int, default=1, help="PP the model must split into (verify: runs at it)")
+    converter.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    converter.add_argument("--tolerance", type=float, default=1e-3, help="verify: largest allowed logit difference")
+    converter.set_defaults(run=_convert)
     return parser
 
 

@@ -144,8 +144,19 @@ def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: 
     return trainer_state
 
 
+def resolve(path: str | Path) -> Path:
+    """`path` if it is a complete checkpoint, else the newest complete one under it (a checkpoint root)."""
+    path = Path(path)
+    if _is_complete(path):
+        return path
+    found = find_resumable(path)
+    if found is None:
+        raise FileNotFoundError(f"{path} is neither a complete checkpoint nor a directory holding one")
+    return found
+
+
 def load_weights(model: RoleModel, path: str | Path, source_role: str, drop: tuple[str, ...] = ()) -> None:
-    """Initialise `model` from `source_role`'s weights in a checkpoint (any layout), except keys containing `drop`
-    (e.g. the critic takes the actor's trunk but not its vocabulary output layer)."""
-    state = dist_checkpointing.load(model_sharded_state(model, f"{source_role}.", drop), str(path))
+    """Initialise `model` from `source_role`'s weights in a checkpoint (any layout; `path` may be a checkpoint
+    root), except keys containing `drop` (the critic takes the actor's trunk but not its vocabulary output)."""
+    state = dist_checkpointing.load(model_sharded_state(model, f"{source_role}.", drop), str(resolve(path)))
     _load_model_state(model, state, f"{source_role}.", strict=not drop)

@@ -8,7 +8,12 @@ from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.config.validate import world_size
 from megatron_ppo.data.rows import read_rows
 from megatron_ppo.data.tokenizer import load_tokenizer
-from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
+from megatron_ppo.parallel import (
+    destroy_distributed,
+    dist_env_from_environment,
+    init_distributed,
+    initialize_model_parallel,
+)
 from megatron_ppo.train.ppo import PPOTrainer
 
 
@@ -35,6 +40,14 @@ def _start(config: PPOConfig) -> None:
         )
     os.makedirs(config.trainer.default_local_dir, exist_ok=True)
     init_distributed(config.actor.megatron, seed=config.trainer.seed)
+    if config.model.hf_checkpoint and not config.model.init_checkpoint:
+        from megatron_ppo.convert import converted_init_checkpoint
+
+        cache = os.path.join(config.trainer.default_local_dir, "hf_init")
+        config.model.init_checkpoint = str(
+            converted_init_checkpoint(config.model.hf_checkpoint, cache, config.model.params_dtype)
+        )
+        initialize_model_parallel(config.actor.megatron)
 
 
 def train(config: PPOConfig) -> dict[str, float] | list[dict[str, float]]:
