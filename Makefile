@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint validate bench train compare-kl plan
+.PHONY: setup test lint validate bench train compare-kl plan submit
 
 setup: $(STAMP)
 
@@ -21,8 +21,8 @@ test: setup
 	$(PY) -m pytest -q
 
 lint: setup
-	$(VENV)/bin/ruff check megatron_ppo tests bench
-	$(VENV)/bin/ruff format --check megatron_ppo tests bench
+	$(VENV)/bin/ruff check megatron_ppo tests bench slurm
+	$(VENV)/bin/ruff format --check megatron_ppo tests bench slurm
 
 RECIPE ?= recipes/tiny-cpu.yaml
 NPROC  ?= 2
@@ -38,6 +38,10 @@ compare-kl: setup
 # Layout check, per-GPU memory and step-time estimate before any job (exit 1 when it does not fit).
 plan: setup
 	$(PY) -m megatron_ppo plan $(RECIPE) $(OVERRIDES)
+
+# sbatch on the cluster, sized from the recipe's cluster section: make submit RECIPE=... [NODES=4] [CHAIN=3] [DRY_RUN=1]
+submit: setup
+	$(PY) slurm/submit.py $(RECIPE) $(if $(NODES),--nodes $(NODES)) $(if $(CHAIN),--chain $(CHAIN)) $(if $(DRY_RUN),--dry-run) $(OVERRIDES)
 
 validate: setup
 	$(PY) -m megatron_ppo validate $(RECIPE) $(OVERRIDES)

@@ -18,9 +18,14 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from megatron_ppo.train.preemption import PREEMPTED_EXIT, Preempted
     from megatron_ppo.train.run import train
 
-    train(load_config(args.recipe, args.overrides))
+    try:
+        train(load_config(args.recipe, args.overrides))
+    except Preempted as checkpoint:
+        print(f"preempted: saved {checkpoint}; exiting with {PREEMPTED_EXIT} so the job is requeued", file=sys.stderr)
+        return PREEMPTED_EXIT
     return 0
 
 

@@ -23,6 +23,7 @@ from megatron_ppo.train.guards import Guards, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import build_kl_coefficients
 from megatron_ppo.train.metrics import MetricsLogger
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
+from megatron_ppo.train.preemption import Preempted, PreemptionWatch
 from megatron_ppo.train.update import actor_loss, critic_loss, update_role
 
 Evaluate = Callable[[RoleModel], dict[str, float]]
@@ -236,6 +237,15 @@ class PPOTrainer:
 
     # --- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
+        """Train to `total_steps`; on a preemption signal, save after the current iteration and raise `Preempted`."""
+        watch = PreemptionWatch()
+        try:
+            self._fit(watch)
+        finally:
+            watch.restore()
+        return self.history
+
+    def _fit(self, watch: PreemptionWatch) -> None:
         trainer = self.config.trainer
         while self.step < self.total_steps:
             metrics = self.iteration()
@@ -243,10 +253,13 @@ class PPOTrainer:
                 metrics |= {f"eval/{k}": v for k, v in self.evaluate(self.actor).items()}
             self.logger.log(self.step, metrics)
             self.history.append({"step": float(self.step), **metrics})
+            if watch.agreed():
+                path = self.save()
+                self.logger.event(self.step, "preempted", f"signal received; checkpoint {path}, exiting to requeue")
+                raise Preempted(str(path))
             if trainer.save_freq and self.step % trainer.save_freq == 0 and self.step < self.total_steps:
                 self.save()
         self.save()
-        return self.history
 
     def close(self) -> None:
         self.logger.close()

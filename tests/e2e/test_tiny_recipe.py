@@ -4,11 +4,12 @@ same first steps under TP=1, TP=2 and PP=2."""
 from __future__ import annotations
 
 import math
+import signal
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.tiny_runs import run, run_and_kill_after_checkpoint, scalars
+from tests.e2e.tiny_runs import run, run_and_kill_after_checkpoint, run_and_signal_after_step, scalars
 
 METRICS = [
     "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/kl_loss", "actor/entropy",
@@ -60,21 +61,46 @@ def test_the_run_ends_with_the_summary_table(tiny) -> None:
     assert "held-out reward (mean)" in tiny["log"] and "TensorBoard" in tiny["log"]
 
 
-def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tiny, tmp_path: Path) -> None:
-    common = [*tiny["common"], "trainer.total_training_steps=6", "trainer.save_freq=2", "trainer.test_freq=0"]
-    run(2, [*common, f"trainer.default_local_dir={tmp_path}/a/ckpt", f"trainer.log_dir={tmp_path}/a/tb"],
-        tmp_path / "a.log")  # fmt: skip
+SIX_STEPS = ["trainer.total_training_steps=6", "trainer.save_freq=2", "trainer.test_freq=0"]
+COMPARED = ("actor/pg_loss", "critic/vf_loss", "kl/mean", "kl/coef", "reward/mean", "actor/grad_norm")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, tmp_path_factory) -> dict[str, dict[int, float]]:
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    run(2, [*tiny["common"], *SIX_STEPS, f"trainer.default_local_dir={directory}/ckpt",
+            f"trainer.log_dir={directory}/tb"], directory / "train.log")  # fmt: skip
+    return scalars(directory / "tb")
+
+
+def _assert_same_after(resumed, uninterrupted, first_step: int) -> None:
+    for tag in COMPARED:
+        for step in range(first_step, 7):
+            assert math.isclose(resumed[tag][step], uninterrupted[tag][step], rel_tol=1e-6, abs_tol=1e-6), (
+                f"{tag} at step {step}: resumed {resumed[tag][step]} vs uninterrupted {uninterrupted[tag][step]}"
+            )
+
+
+def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tiny, uninterrupted, tmp_path: Path) -> None:
+    common = [*tiny["common"], *SIX_STEPS]
     killed = [*common, f"trainer.default_local_dir={tmp_path}/b/ckpt"]
     run_and_kill_after_checkpoint(2, [*killed, f"trainer.log_dir={tmp_path}/b/tb0"], tmp_path / "b" / "ckpt", 2,
                                   tmp_path / "b0.log")  # fmt: skip
     run(2, [*killed, f"trainer.log_dir={tmp_path}/b/tb1"], tmp_path / "b1.log")
     assert "resumed from" in (tmp_path / "b1.log").read_text()
-    uninterrupted, resumed = scalars(tmp_path / "a" / "tb"), scalars(tmp_path / "b" / "tb1")
-    for tag in ("actor/pg_loss", "critic/vf_loss", "kl/mean", "kl/coef", "reward/mean", "actor/grad_norm"):
-        for step in (3, 4, 5, 6):
-            assert math.isclose(resumed[tag][step], uninterrupted[tag][step], rel_tol=1e-6, abs_tol=1e-6), (
-                f"{tag} at step {step}: resumed {resumed[tag][step]} vs uninterrupted {uninterrupted[tag][step]}"
-            )
+    _assert_same_after(scalars(tmp_path / "b" / "tb1"), uninterrupted, first_step=3)
+
+
+def test_preemption_signal_checkpoints_exits_for_requeue_and_resumes_exactly(tiny, uninterrupted, tmp_path) -> None:
+    preempted = [*tiny["common"], *SIX_STEPS, "trainer.save_freq=0", f"trainer.default_local_dir={tmp_path}/ckpt"]
+    status = run_and_signal_after_step(2, [*preempted, f"trainer.log_dir={tmp_path}/tb0"], 2, signal.SIGUSR1,
+                                       tmp_path / "c0.log")  # fmt: skip
+    log = (tmp_path / "c0.log").read_text()
+    assert status != 0 and "exiting with 75" in log, f"exit {status}; log tail:\n{log[-3000:]}"
+    saved_step = int((tmp_path / "ckpt" / "latest").read_text().strip().removeprefix("step_"))
+    assert 2 <= saved_step < 6, f"the preemption checkpoint is at step {saved_step}"
+    run(2, [*preempted, f"trainer.log_dir={tmp_path}/tb1"], tmp_path / "c1.log")
+    _assert_same_after(scalars(tmp_path / "tb1"), uninterrupted, first_step=saved_step + 1)
 
 
 def _two_steps(tiny, nproc: int, layout: list[str], directory: Path) -> dict[str, dict[int, float]]:

@@ -67,6 +67,24 @@ def run_and_kill_after_checkpoint(
         )
 
 
+def run_and_signal_after_step(nproc: int, overrides: list[str], step: int, signum: int, log: Path) -> int:
+    """Start a run, send `signum` to its training processes (as Slurm does to its tasks) once `step` has been
+    logged, and return the launcher's exit status."""
+    with log.open("w") as out:
+        process = subprocess.Popen(command(nproc, overrides), cwd=REPO, env=_env(), stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and process.poll() is None:
+            if f"step {step}:" in log.read_text():
+                for worker in psutil.Process(process.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        worker.send_signal(signum)
+                return process.wait(timeout=600)
+            time.sleep(0.1)
+        _kill_tree(process.pid)
+        raise AssertionError(f"step {step} never logged (exit {process.poll()}); log:\n{log.read_text()[-4000:]}")
+
+
 def _kill_tree(pid: int) -> None:
     """SIGKILL a process and all its descendants (torchrun's workers live in process groups of their own)."""
     parent = psutil.Process(pid)
