@@ -83,27 +83,24 @@ def _convert(args: argparse.Namespace) -> int:
         destroy_distributed()
 
 
+def _recipe_command(commands, name: str, help_text: str, run) -> argparse.ArgumentParser:
+    """A subcommand taking a recipe and key=value overrides."""
+    command = commands.add_parser(name, help=help_text)
+    command.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-cpu.yaml")
+    command.add_argument("overrides", nargs="*", help="key=value overrides (verl-style paths accepted)")
+    command.set_defaults(run=run)
+    return command
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron_ppo", description="Offline RLHF with PPO on Megatron-Core.")
     commands = parser.add_subparsers(dest="command", required=True)
-    validate = commands.add_parser("validate", help="compose, validate and print a recipe's resolved config")
-    validate.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-cpu.yaml")
-    validate.add_argument("overrides", nargs="*", help="key=value overrides (verl-style paths accepted)")
-    validate.set_defaults(run=_validate)
-    train = commands.add_parser("train", help="run a recipe (under torchrun for several processes)")
-    train.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-cpu.yaml")
-    train.add_argument("overrides", nargs="*", help="key=value overrides (verl-style paths accepted)")
-    train.set_defaults(run=_train)
-    compare = commands.add_parser("compare-kl", help="the tiny recipe with KL off, fixed, adaptive and staged")
-    compare.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-cpu.yaml")
-    compare.add_argument("overrides", nargs="*", help="key=value overrides")
-    compare.set_defaults(run=_compare_kl)
-    planner = commands.add_parser("plan", help="layout check, per-GPU memory and step-time estimate for a recipe")
-    planner.add_argument("recipe", help="recipe YAML, e.g. recipes/qwen2.5-32b.yaml")
-    planner.add_argument("overrides", nargs="*", help="key=value overrides")
+    _recipe_command(commands, "validate", "compose, validate and print a recipe's resolved config", _validate)
+    _recipe_command(commands, "train", "run a recipe (under torchrun for several processes)", _train)
+    _recipe_command(commands, "compare-kl", "the tiny recipe with KL off, fixed, adaptive and staged", _compare_kl)
+    planner = _recipe_command(commands, "plan", "layout check, per-GPU memory and step-time estimate", _plan)
     planner.add_argument("--nodes", type=int, help="plan for this many nodes instead of cluster.nodes")
     planner.add_argument("--json", action="store_true", help="machine-readable output")
-    planner.set_defaults(run=_plan)
     converter = commands.add_parser("convert", help="Hugging Face <-> megatron-ppo checkpoints, and a logit check")
     converter.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf", "verify"])
     converter.add_argument("--hf", help="Hugging Face directory (config.json + safetensors)")
