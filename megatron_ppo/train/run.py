@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.config.validate import world_size
 from megatron_ppo.data.rows import read_rows
@@ -20,7 +21,7 @@ from megatron_ppo.train.ppo import PPOTrainer
 def compare_kl(config: PPOConfig) -> dict[str, dict[str, float]]:
     """The tiny recipe under four KL controls (see `compare_kl.py`)."""
     if config.data.task != "addition":
-        raise ValueError("compare-kl runs the tiny recipe's task (data.task=addition)")
+        raise ConfigError(["compare-kl runs the tiny recipe's task: set data.task=addition"])
     _start(config)
     try:
         from megatron_ppo.train.compare_kl import compare_kl as run_comparison
@@ -34,10 +35,10 @@ def _start(config: PPOConfig) -> None:
     env = dist_env_from_environment()
     expected = world_size(config)
     if env.world_size != expected:
-        raise ValueError(
-            f"{env.world_size} process(es) started, but cluster.nodes × cluster.gpus_per_node = {expected}; launch "
-            f"with `torchrun --nproc_per_node {expected} -m megatron_ppo train ...` or set cluster.gpus_per_node"
-        )
+        raise ConfigError(
+            [f"{env.world_size} process(es) started, but cluster.nodes × cluster.gpus_per_node = {expected}; launch "
+             f"with `torchrun --nproc_per_node {expected} -m megatron_ppo train ...` or set cluster.gpus_per_node"]
+        )  # fmt: skip
     os.makedirs(config.trainer.default_local_dir, exist_ok=True)
     init_distributed(config.actor.megatron, seed=config.trainer.seed)
     if config.model.hf_checkpoint and not config.model.init_checkpoint:
@@ -58,7 +59,7 @@ def train(config: PPOConfig) -> dict[str, float] | list[dict[str, float]]:
 
             return run_addition_recipe(config)
         if not config.model.tokenizer or not config.data.train_files:
-            raise ValueError("offline PPO needs model.tokenizer (.model or tokenizer.json) and data.train_files")
+            raise ConfigError(["offline PPO needs model.tokenizer (.model or tokenizer.json) and data.train_files"])
         tokenizer = load_tokenizer(config.model.tokenizer)
         rows, report = read_rows(
             config.data.train_files, tokenizer, config.data,
