@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
@@ -53,3 +54,20 @@ def undo_share(parts: list[list[Any]]) -> list[Any]:
     for rank, part in enumerate(parts):
         out[rank :: len(parts)] = part
     return out
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on at least one (a MAX all-reduce over the whole job)."""
+    value = torch.tensor([1.0 if flag else 0.0], device="cuda" if torch.cuda.is_available() else "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item() > 0

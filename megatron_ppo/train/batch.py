@@ -12,7 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_ppo.data.batching import dynamic_micro_batches, fixed_micro_batches
 from megatron_ppo.data.rows import Row
+from megatron_ppo.parallel.collectives import data_parallel_share
 
 Batch = dict[str, torch.Tensor]
 
@@ -62,6 +64,21 @@ def select(batch: Batch, indices: Sequence[int]) -> Batch:
         rows = value[index]
         out[key] = rows[:, :width] if rows.dim() == 2 else rows
     return out
+
+
+def replica_micro_batches(
+    batch: Batch, micro_batch_size: int | None, max_tokens: int | None = None
+) -> tuple[list[int], list[list[int]], list[Batch]]:
+    """This data-parallel replica's rows of `batch` cut into micro-batches: fixed-size ones, or token-budget ones
+    when `max_tokens` is given. Returns (the replica's row indices, the groups as positions in them, the
+    micro-batches)."""
+    share = data_parallel_share(batch["input_ids"].shape[0])
+    lengths = batch["lengths"][share].tolist()
+    if max_tokens is not None:
+        groups = dynamic_micro_batches(lengths, max_tokens)
+    else:
+        groups = fixed_micro_batches(lengths, micro_batch_size)
+    return share, groups, [select(batch, [share[i] for i in group]) for group in groups]
 
 
 def concat(parts: Sequence[Batch], width: int) -> Batch:

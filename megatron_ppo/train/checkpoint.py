@@ -15,25 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megatron_ppo.models import RoleModel, unwrap
+from megatron_ppo.parallel.collectives import barrier, global_rank
 
 logger = logging.getLogger(__name__)
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 OPTIMIZERS_SAVED = "checkpoint/optimizers_saved"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def model_sharded_state(model: RoleModel, prefix: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -62,10 +53,10 @@ def save_checkpoint(
     """Save models (and their optimizers) under their role names, and `trainer_state` (plain Python/tensors)."""
     root = Path(root)
     final, temporary = root / f"step_{step}", root / f".tmp_step_{step}"
-    if _rank() == 0:
+    if global_rank() == 0:
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir(parents=True)
-    _barrier()
+    barrier()
     sharded: dict[str, Any] = {}
     for role, model in models.items():
         sharded[role] = model_sharded_state(model, f"{role}.")
@@ -75,11 +66,11 @@ def save_checkpoint(
     for role in stateful:
         sharded[f"{role}_optimizer"] = optimizers[role].sharded_state_dict(sharded[role])
     dist_checkpointing.save(sharded, str(temporary))
-    torch.save({"cpu": torch.get_rng_state()}, temporary / f"rng_rank{_rank()}.pt")
-    if _rank() == 0:
+    torch.save({"cpu": torch.get_rng_state()}, temporary / f"rng_rank{global_rank()}.pt")
+    if global_rank() == 0:
         torch.save({**trainer_state, OPTIMIZERS_SAVED: stateful}, temporary / TRAINER_STATE)
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if global_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         temporary.rename(final)
         tracker = root / f".{LATEST}.tmp"
@@ -88,7 +79,7 @@ def save_checkpoint(
         if keep:
             for old in sorted(_complete_steps(root))[:-keep]:
                 shutil.rmtree(root / f"step_{old}", ignore_errors=True)
-    _barrier()
+    barrier()
     return final
 
 
@@ -138,7 +129,7 @@ def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: 
         _load_model_state(model, state[role], f"{role}.", strict=True)
     for role in saved_optimizers:
         optimizers[role].load_state_dict(state[f"{role}_optimizer"])
-    rng_file = path / f"rng_rank{_rank()}.pt"
+    rng_file = path / f"rng_rank{global_rank()}.pt"
     if rng_file.is_file():
         torch.set_rng_state(torch.load(rng_file, weights_only=True)["cpu"])
     return trainer_state

@@ -9,17 +9,9 @@ import torch
 
 from megatron_ppo import algo
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.data.batching import dynamic_micro_batches, fixed_micro_batches
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
-from megatron_ppo.parallel.collectives import data_parallel_share, gather_data_parallel, is_last_stage, undo_share
-from megatron_ppo.train.batch import Batch, select
-
-
-def micro_batch_groups(lengths: list[int], micro_batch_size: int | None, max_tokens: int | None) -> list[list[int]]:
-    """Fixed-size micro-batches, or token-budget ones when `max_tokens` is given (dynamic batching)."""
-    if max_tokens is not None:
-        return dynamic_micro_batches(lengths, max_tokens)
-    return fixed_micro_batches(lengths, micro_batch_size)
+from megatron_ppo.parallel.collectives import gather_data_parallel, is_last_stage, undo_share
+from megatron_ppo.train.batch import Batch, replica_micro_batches
 
 
 def forward_per_token(
@@ -31,10 +23,7 @@ def forward_per_token(
 ) -> torch.Tensor | None:
     """`output_fn(micro_batch, model_output)` → `[rows, width]` for every row of `batch`, computed on this replica's
     share and gathered over data-parallel ranks; `None` off the last pipeline stage."""
-    share = data_parallel_share(batch["input_ids"].shape[0])
-    lengths = batch["lengths"][share].tolist()
-    groups = micro_batch_groups(lengths, micro_batch_size, max_tokens)
-    micro = [select(batch, [share[i] for i in group]) for group in groups]
+    share, groups, micro = replica_micro_batches(batch, micro_batch_size, max_tokens)
     outputs = run_micro_batches(
         model, micro, lambda b, out: (torch.zeros(()), {"value": output_fn(b, out)}), forward_only=True
     )

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
@@ -14,6 +12,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ppo.config.schema import MegatronConfig, OptimConfig
 from megatron_ppo.models.gpt import RoleModel
+from megatron_ppo.parallel.collectives import any_rank
 
 
 @dataclass(frozen=True)
@@ -72,12 +71,7 @@ def optimizer_step(optimizer: MegatronOptimizer, clip_grad: float) -> StepResult
     """
     found_inf = optimizer.prepare_grads()
     grad_norm = math.inf if found_inf else float(optimizer.get_grad_norm())
-    any_bad = torch.tensor(
-        [0.0 if math.isfinite(grad_norm) else 1.0], device="cuda" if torch.cuda.is_available() else "cpu"
-    )
-    if dist.is_initialized():
-        dist.all_reduce(any_bad, op=dist.ReduceOp.MAX)
-    if any_bad.item() > 0:
+    if any_rank(not math.isfinite(grad_norm)):
         grad_norm = grad_norm if not math.isfinite(grad_norm) else math.nan
         optimizer.zero_grad()
         return StepResult(grad_norm=grad_norm, skipped=True)

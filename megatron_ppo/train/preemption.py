@@ -8,8 +8,7 @@ from __future__ import annotations
 import signal
 from types import FrameType
 
-import torch
-import torch.distributed as dist
+from megatron_ppo.parallel.collectives import any_rank
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -30,11 +29,7 @@ class PreemptionWatch:
         self.signalled = signum
 
     def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.signalled is not None else 0.0],
-                            device="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
+        return any_rank(self.signalled is not None)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from megatron.core import parallel_state
+
 from megatron_ppo import algo
-from megatron_ppo.data.batching import EpochSampler, fixed_micro_batches
+from megatron_ppo.data.batching import EpochSampler
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
-from megatron_ppo.parallel.collectives import broadcast_from_last_stage, data_parallel_share
-from megatron_ppo.train.batch import collate, select
+from megatron_ppo.parallel.collectives import broadcast_from_last_stage
+from megatron_ppo.train.batch import collate, replica_micro_batches
 from megatron_ppo.train.optimizer import optimizer_step, zero_grads
 
 
@@ -42,18 +44,12 @@ def run_sft(
     on_step: Callable[[int, float], None] | None = None,
 ) -> float:
     """`steps` optimizer steps of next-token NLL on the responses; returns the last step's mean NLL per token."""
-    from megatron.core import parallel_state
-
     sampler = EpochSampler(len(rows), seed=seed)
     dp_size = parallel_state.get_data_parallel_world_size()
     nll = float("nan")
     for step in range(steps):
         batch = collate([rows[i] for i in sampler.next_batch(batch_size)], pad_id)
-        share = data_parallel_share(batch_size)
-        micro = [
-            select(batch, [share[i] for i in group])
-            for group in fixed_micro_batches([0] * len(share), micro_batch_size)
-        ]
+        _, _, micro = replica_micro_batches(batch, micro_batch_size)
         zero_grads(actor, optimizer)
         outputs = run_micro_batches(
             actor, micro, sft_loss(actor.vocab_size, dp_size, float(batch["loss_mask"].sum())), forward_only=False

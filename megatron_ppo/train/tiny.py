@@ -12,7 +12,6 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
@@ -21,6 +20,7 @@ from megatron_ppo.data.rows import Row, read_rows
 from megatron_ppo.data.synthetic import AdditionProblem, corpus, demonstrate, reward, split_problems
 from megatron_ppo.data.tokenizer import SentencePieceTokenizer, train_char_tokenizer
 from megatron_ppo.models import RoleModel, build_role_model
+from megatron_ppo.parallel.collectives import barrier
 from megatron_ppo.train import checkpoint
 from megatron_ppo.train.generation import generate
 from megatron_ppo.train.metrics import is_logging_rank
@@ -31,16 +31,11 @@ from megatron_ppo.train.sft import run_sft
 MAX_NEW_TOKENS = 4  # three digits and the end marker
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _tokenizer(work: Path, problems: list[AdditionProblem]) -> SentencePieceTokenizer:
     path = work / "tokenizer.model"
     if is_logging_rank() and not path.is_file():
         train_char_tokenizer(corpus(problems), path)
-    _barrier()
+    barrier()
     return SentencePieceTokenizer(path)
 
 
@@ -112,7 +107,7 @@ def _offline_dataset(config, tokenizer, train, sft_path: Path, work: Path) -> Pa
                                       "uid": problem.uid, "data_source": "addition-sft-samples"}) + "\n")  # fmt: skip
         temporary.replace(path)
         Console(stderr=True).log(f"offline dataset: {len(prompts) - empty} samples in {path} ({empty} empty dropped)")
-    _barrier()
+    barrier()
     return path
 
 

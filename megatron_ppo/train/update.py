@@ -16,9 +16,8 @@ from megatron.core import parallel_state
 from megatron_ppo import algo
 from megatron_ppo.config.schema import ActorConfig, CriticConfig
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
-from megatron_ppo.parallel.collectives import data_parallel_share, gather_data_parallel
-from megatron_ppo.train.batch import Batch, select
-from megatron_ppo.train.experience import micro_batch_groups
+from megatron_ppo.parallel.collectives import gather_data_parallel
+from megatron_ppo.train.batch import Batch, replica_micro_batches, select
 from megatron_ppo.train.optimizer import StepResult, optimizer_step, zero_grads
 
 Metrics = dict[str, float]
@@ -126,9 +125,7 @@ def update_role(
     for _ in range(epochs):
         for start in range(0, rows, mini_batch_size):
             mini = select(batch, range(start, min(start + mini_batch_size, rows)))
-            share = data_parallel_share(mini["input_ids"].shape[0])
-            groups = micro_batch_groups(mini["lengths"][share].tolist(), micro_batch_size, max_tokens)
-            micro = [select(mini, [share[i] for i in group]) for group in groups]
+            _, _, micro = replica_micro_batches(mini, micro_batch_size, max_tokens)
             zero_grads(model, optimizer)
             outputs = run_micro_batches(model, micro, make_loss(_counts(mini)), forward_only=False)
             result = optimizer_step(optimizer, clip_grad)
