@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint validate bench train compare-kl plan submit
+.PHONY: setup test lint validate bench train compare-kl plan submit report
 
 setup: $(STAMP)
 
@@ -37,11 +37,16 @@ compare-kl: setup
 
 # Layout check, per-GPU memory and step-time estimate before any job (exit 1 when it does not fit).
 plan: setup
-	$(PY) -m megatron_ppo plan $(RECIPE) $(OVERRIDES)
+	$(PY) -m megatron_ppo plan $(RECIPE) $(if $(NODES),--nodes $(NODES)) $(OVERRIDES)
 
-# sbatch on the cluster, sized from the recipe's cluster section: make submit RECIPE=... [NODES=4] [CHAIN=3] [DRY_RUN=1]
+# sbatch on the cluster, sized from the recipe's cluster section:
+#   make submit RECIPE=... [NODES=4] [CHAIN=3] [DRY_RUN=1] [LOG_DIR=logs] [OVERRIDES="key=value ..."]
 submit: setup
-	$(PY) slurm/submit.py $(RECIPE) $(if $(NODES),--nodes $(NODES)) $(if $(CHAIN),--chain $(CHAIN)) $(if $(DRY_RUN),--dry-run) $(OVERRIDES)
+	$(PY) slurm/submit.py $(RECIPE) $(if $(NODES),--nodes $(NODES)) $(if $(CHAIN),--chain $(CHAIN)) $(if $(DRY_RUN),--dry-run) $(if $(LOG_DIR),--log-dir $(LOG_DIR)) $(OVERRIDES)
+
+# A run's metrics (first/last/min/max) and guard/checkpoint events from its TensorBoard files.
+report: setup
+	$(PY) -m megatron_ppo report $(RECIPE) $(OVERRIDES)
 
 validate: setup
 	$(PY) -m megatron_ppo validate $(RECIPE) $(OVERRIDES)

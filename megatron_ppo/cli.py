@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -18,14 +19,15 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megatron_ppo.train.preemption import PREEMPTED_EXIT, Preempted
+    from megatron_ppo.train.preemption import JobStopped, Preempted
     from megatron_ppo.train.run import train
 
     try:
         train(load_config(args.recipe, args.overrides))
-    except Preempted as checkpoint:
-        print(f"preempted: saved {checkpoint}; exiting with {PREEMPTED_EXIT} so the job is requeued", file=sys.stderr)
-        return PREEMPTED_EXIT
+    except JobStopped as stop:
+        then = "the job is requeued" if isinstance(stop, Preempted) else "the next job resumes from it"
+        print(f"stopped early: saved {stop}; exiting with {stop.exit_status}, {then}", file=sys.stderr)
+        return stop.exit_status
     return 0
 
 
@@ -83,6 +85,14 @@ def _convert(args: argparse.Namespace) -> int:
         destroy_distributed()
 
 
+def _report(args: argparse.Namespace) -> int:
+    from megatron_ppo.report import print_report
+
+    target = args.run_or_recipe
+    print_report(target if Path(target).is_dir() else load_config(target, args.overrides).trainer.log_dir)
+    return 0
+
+
 def _recipe_command(commands, name: str, help_text: str, run) -> argparse.ArgumentParser:
     """A subcommand taking a recipe and key=value overrides."""
     command = commands.add_parser(name, help=help_text)
@@ -101,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     planner = _recipe_command(commands, "plan", "layout check, per-GPU memory and step-time estimate", _plan)
     planner.add_argument("--nodes", type=int, help="plan for this many nodes instead of cluster.nodes")
     planner.add_argument("--json", action="store_true", help="machine-readable output")
+    reporter = commands.add_parser("report", help="a run's TensorBoard metrics and events as one table")
+    reporter.add_argument("run_or_recipe", help="a TensorBoard log directory, or a recipe (its trainer.log_dir)")
+    reporter.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
+    reporter.set_defaults(run=_report)
     converter = commands.add_parser("convert", help="Hugging Face <-> megatron-ppo checkpoints, and a logit check")
     converter.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf", "verify"])
     converter.add_argument("--hf", help="Hugging Face directory (config.json + safetensors)")

@@ -242,6 +242,10 @@ class TrainerConfig:
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: str | None = None
     max_ckpt_to_keep: int | None = 2
+    # One job of a chain stops cleanly (checkpoint, exit 0) for the next job to resume: after a step divisible by
+    # exit_interval, or after exit_duration_in_mins of this job (Megatron-LM's --exit-interval/--exit-duration-in-mins).
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
     seed: int = 1
 
 

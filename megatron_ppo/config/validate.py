@@ -130,6 +130,7 @@ def _range_problems(c: PPOConfig) -> list[str]:
         ),
     ]
     _check(p, c, positive_ints, lambda v: v >= 1, "≥ 1")
+    _check(p, c, ["trainer.exit_interval", "trainer.exit_duration_in_mins"], lambda v: v > 0, "> 0 (or null: off)")
     _check(
         p,
         c,

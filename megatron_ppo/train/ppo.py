@@ -23,7 +23,7 @@ from megatron_ppo.train.guards import Guards, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import build_kl_coefficients
 from megatron_ppo.train.metrics import MetricsLogger
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
-from megatron_ppo.train.preemption import Preempted, PreemptionWatch
+from megatron_ppo.train.preemption import JobBudget, JobBudgetReached, Preempted, PreemptionWatch, mark_preempted
 from megatron_ppo.train.update import actor_loss, critic_loss, update_role
 
 Evaluate = Callable[[RoleModel], dict[str, float]]
@@ -237,16 +237,21 @@ class PPOTrainer:
 
     # --- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
-        """Train to `total_steps`; on a preemption signal, save after the current iteration and raise `Preempted`."""
+        """Train to `total_steps`. On a preemption signal, save after the current iteration and raise `Preempted`;
+        when this job's budget (`trainer.exit_interval`, `exit_duration_in_mins`) is spent, save and raise
+        `JobBudgetReached`."""
         watch = PreemptionWatch()
         try:
-            self._fit(watch)
+            self._fit(watch, JobBudget(self.config.trainer.exit_interval, self.config.trainer.exit_duration_in_mins))
         finally:
             watch.restore()
         return self.history
 
-    def _fit(self, watch: PreemptionWatch) -> None:
+    def _fit(self, watch: PreemptionWatch, budget: JobBudget) -> None:
         trainer = self.config.trainer
+        if self.step >= self.total_steps:
+            self.logger.event(self.step, "finished", f"the run already reached its {self.total_steps} steps")
+            return
         while self.step < self.total_steps:
             metrics = self.iteration()
             if self.evaluate is not None and trainer.test_freq and self.step % trainer.test_freq == 0:
@@ -256,7 +261,12 @@ class PPOTrainer:
             if watch.agreed():
                 path = self.save()
                 self.logger.event(self.step, "preempted", f"signal received; checkpoint {path}, exiting to requeue")
+                mark_preempted()
                 raise Preempted(str(path))
+            if self.step < self.total_steps and (reason := budget.reason(self.step)):
+                path = self.save()
+                self.logger.event(self.step, "job budget", f"{reason}; checkpoint {path}, the next job resumes")
+                raise JobBudgetReached(str(path))
             if trainer.save_freq and self.step % trainer.save_freq == 0 and self.step < self.total_steps:
                 self.save()
         self.save()

@@ -1,21 +1,46 @@
-"""Preemption: Slurm signals a job before its time limit or a preemption (`#SBATCH --signal=USR1@120`, SIGTERM on
-`scancel`). Every rank finishes its current iteration; the ranks agree that one of them was signalled, a
-checkpoint is saved, and the process exits with `PREEMPTED_EXIT` so the batch script requeues the job, which then
-resumes from that checkpoint with nothing lost."""
+"""Ending a job early without losing anything, for the next job to resume.
+
+- Preemption: Slurm signals a job before its time limit or a preemption (`#SBATCH --signal=USR1@120`, SIGTERM on
+  `scancel`). Every rank finishes its current iteration; the ranks agree that one of them was signalled, a
+  checkpoint is saved, and the process exits with `PREEMPTED_EXIT` so the batch script requeues the job. Because
+  `srun --kill-on-bad-exit` may kill the slower ranks once the first exits (turning 75 into 143), rank 0 also
+  writes the file named by `$MEGATRON_PPO_PREEMPTED_MARKER`, after every rank has saved: that is what the batch
+  script checks.
+- Job budget (`trainer.exit_interval`, `trainer.exit_duration_in_mins`): one job of a `--dependency=afterok` chain
+  saves and exits 0; the next job resumes.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
+import time
+from pathlib import Path
 from types import FrameType
 
-from megatron_ppo.parallel.collectives import any_rank
+import psutil
+
+from megatron_ppo.parallel.collectives import any_rank, barrier, global_rank
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+MARKER_ENV = "MEGATRON_PPO_PREEMPTED_MARKER"
 
 
-class Preempted(Exception):
-    """Raised after the checkpoint of a signalled run is saved; the CLI turns it into `PREEMPTED_EXIT`."""
+class JobStopped(Exception):
+    """Raised once the checkpoint of a run that stops early is saved; `exit_status` is what the CLI returns."""
+
+    exit_status = 0
+
+
+class Preempted(JobStopped):
+    """A preemption or time-limit signal: exit `PREEMPTED_EXIT` so the batch script requeues the job."""
+
+    exit_status = PREEMPTED_EXIT
+
+
+class JobBudgetReached(JobStopped):
+    """`trainer.exit_interval` or `trainer.exit_duration_in_mins` reached: exit 0 so the next chained job starts."""
 
 
 class PreemptionWatch:
@@ -34,3 +59,29 @@ class PreemptionWatch:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class JobBudget:
+    """This job's share of a chained run: stop after a step divisible by `exit_interval`, or once
+    `exit_duration_in_mins` have passed since this process started (agreed across ranks: clocks differ)."""
+
+    def __init__(self, exit_interval: int | None, exit_duration_in_mins: float | None) -> None:
+        self.exit_interval = exit_interval
+        started = psutil.Process().create_time()
+        self.deadline = None if exit_duration_in_mins is None else started + 60 * exit_duration_in_mins
+
+    def reason(self, step: int) -> str | None:
+        if self.exit_interval and step % self.exit_interval == 0:
+            return f"step {step} is a multiple of trainer.exit_interval={self.exit_interval}"
+        if self.deadline is not None and any_rank(time.time() > self.deadline):
+            return "trainer.exit_duration_in_mins has passed"
+        return None
+
+
+def mark_preempted() -> None:
+    """After every rank has saved: rank 0 writes `$MEGATRON_PPO_PREEMPTED_MARKER` (when set) for the batch script."""
+    barrier()
+    marker = os.environ.get(MARKER_ENV)
+    if marker and global_rank() == 0:
+        Path(marker).parent.mkdir(parents=True, exist_ok=True)
+        Path(marker).write_text("preempted: checkpoint saved, requeue me\n")

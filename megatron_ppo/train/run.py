@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
+
+from megatron.core import parallel_state
 
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
@@ -41,6 +44,13 @@ def _start(config: PPOConfig) -> None:
         )  # fmt: skip
     os.makedirs(config.trainer.default_local_dir, exist_ok=True)
     init_distributed(config.actor.megatron, seed=config.trainer.seed)
+    print(
+        f"rank {env.rank}/{env.world_size} on {socket.gethostname()}: tensor-parallel rank "
+        f"{parallel_state.get_tensor_model_parallel_rank()}, pipeline stage "
+        f"{parallel_state.get_pipeline_model_parallel_rank()}, data-parallel rank "
+        f"{parallel_state.get_data_parallel_rank()}",
+        flush=True,
+    )
     if config.model.hf_checkpoint and not config.model.init_checkpoint:
         from megatron_ppo.convert import converted_init_checkpoint
 
@@ -68,8 +78,9 @@ def train(config: PPOConfig) -> dict[str, float] | list[dict[str, float]]:
         trainer = PPOTrainer(config, rows, tokenizer.pad_id)
         trainer.logger.event(0, "data", report.summary())
         trainer.resume()
-        history = trainer.fit()
-        trainer.close()
-        return history
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
     finally:
         destroy_distributed()

@@ -146,9 +146,11 @@ def train_on_task(config: PPOConfig, task: AdditionTask) -> tuple[PPOTrainer, li
     before = score(trainer.actor, task.tokenizer, task.heldout)
     trainer.logger.log(0, {f"eval/{k}": v for k, v in before.items()})
     trainer.resume()
-    history = trainer.fit()
-    after = score(trainer.actor, task.tokenizer, task.heldout)
-    trainer.close()
+    try:
+        history = trainer.fit()
+        after = score(trainer.actor, task.tokenizer, task.heldout)
+    finally:
+        trainer.close()
     return trainer, history, before, after
 
 

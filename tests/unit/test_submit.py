@@ -3,12 +3,14 @@ overrides as separate arguments, and chains jobs with afterok dependencies."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
 
 from megatron_ppo.config import ConfigError
-from slurm.submit import main, sbatch_command
+from megatron_ppo.train.preemption import JobBudget
+from slurm.submit import chain_overrides, main, sbatch_command, time_limit_minutes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,3 +45,43 @@ def test_dry_run_chain_prints_dependent_jobs(capsys) -> None:
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3 and "--dependency" not in lines[0]
     assert all("--dependency=afterok:" in line for line in lines[1:])
+
+
+def test_dry_run_of_the_32b_recipe_on_4_nodes_prints_the_sbatch_line(capsys) -> None:
+    recipe = str(REPO / "recipes" / "qwen2.5-32b.yaml")
+    assert main([recipe, "--nodes", "4", "--dry-run", "cluster.partition=gpu"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert shlex.split(line) == [
+        "sbatch", "--parsable", "--nodes=4", "--ntasks-per-node=8", "--time=04:00:00", "--job-name=ppo-qwen2.5-32b",
+        "--output=logs/%x-%j.out", "--export=ALL,PPO_LOG_ROOT=logs", "--gpus-per-node=8", "--partition=gpu",
+        str(REPO / "slurm" / "ppo.sbatch"), recipe, "cluster.partition=gpu", "cluster.nodes=4",
+    ]  # fmt: skip
+
+
+def test_an_invalid_node_count_is_refused_with_the_reason(capsys) -> None:
+    assert main([str(REPO / "recipes" / "qwen2.5-32b.yaml"), "--nodes", "3", "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert "sbatch" not in captured.out and "world size 24" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("limit", "minutes"),
+    [("30", 30), ("30:30", 30.5), ("04:00:00", 240), ("1-00", 1440), ("2-01:30", 2970), ("1-00:00:30", 1440.5)],
+)
+def test_slurm_time_limits(limit: str, minutes: float) -> None:
+    assert time_limit_minutes(limit) == minutes
+
+
+def test_a_chain_stops_each_job_ten_minutes_before_its_limit() -> None:
+    recipe = str(REPO / "recipes" / "tiny-cpu.yaml")
+    assert chain_overrides(recipe, ["cluster.time_limit=02:00:00"]) == ["trainer.exit_duration_in_mins=110"]
+    assert chain_overrides(recipe, ["trainer.exit_interval=50"]) == []
+    with pytest.raises(ConfigError, match=r"trainer\.exit_interval"):
+        chain_overrides(recipe, ["cluster.time_limit=00:05:00"])
+
+
+def test_job_budget_stops_on_the_interval_and_after_the_duration() -> None:
+    by_steps = JobBudget(exit_interval=3, exit_duration_in_mins=None)
+    assert [by_steps.reason(step) is not None for step in range(1, 7)] == [False, False, True, False, False, True]
+    assert JobBudget(None, exit_duration_in_mins=60).reason(1) is None
+    assert "exit_duration_in_mins" in JobBudget(None, exit_duration_in_mins=1e-9).reason(1)

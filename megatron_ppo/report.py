@@ -1,0 +1,74 @@
+"""`report`: what a run left in TensorBoard, as one table — each scalar's first, last, min and max with their steps,
+then every guard, checkpoint, preemption and job event in step order. Read with TensorBoard's own reader, so it
+works on a run still in progress, on a finished one, or on one copied off the cluster.
+
+    python -m megatron_ppo report outputs/tiny/tensorboard     (or the recipe: its trainer.log_dir)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
+
+
+@dataclass(frozen=True)
+class ScalarSummary:
+    tag: str
+    steps: int
+    first: tuple[int, float]
+    last: tuple[int, float]
+    low: tuple[int, float]
+    high: tuple[int, float]
+
+
+@dataclass(frozen=True)
+class Event:
+    step: int
+    tag: str
+    message: str
+
+
+def read_run(log_dir: str | Path) -> tuple[list[ScalarSummary], list[Event]]:
+    """Per-tag scalar summaries (the last value written for a step wins, as after a rollback or a resume) and the
+    text events, from the event files under `log_dir`."""
+    if not Path(log_dir).is_dir():
+        raise FileNotFoundError(f"no TensorBoard directory at {log_dir}")
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    tags = accumulator.Tags()
+    summaries = []
+    for tag in sorted(tags["scalars"]):
+        by_step = sorted({event.step: event.value for event in accumulator.Scalars(tag)}.items())
+        summaries.append(ScalarSummary(tag, len(by_step), by_step[0], by_step[-1],
+                                       min(by_step, key=lambda s: s[1]), max(by_step, key=lambda s: s[1])))  # fmt: skip
+    events: list[tuple[int, float, Event]] = []
+    for tag in tags["tensors"]:
+        for event in accumulator.Tensors(tag):
+            text = tensor_util.make_ndarray(event.tensor_proto).reshape(-1)[0]
+            events.append((event.step, event.wall_time, Event(event.step, tag.removesuffix("/text_summary"),
+                                                              text.decode())))  # fmt: skip
+    return summaries, [event for *_, event in sorted(events, key=lambda e: e[:2])]
+
+
+def print_report(log_dir: str | Path, console: Console | None = None) -> None:
+    summaries, events = read_run(log_dir)
+    console = console or Console()
+    table = Table(title=f"run {log_dir}")
+    for column in ("metric", "steps", "first", "last", "min (step)", "max (step)"):
+        table.add_column(column, justify="left" if column == "metric" else "right", no_wrap=column == "metric")
+    for s in summaries:
+        table.add_row(s.tag, str(s.steps), f"{s.first[1]:.4g}", f"{s.last[1]:.4g} @{s.last[0]}",
+                      f"{s.low[1]:.4g} ({s.low[0]})", f"{s.high[1]:.4g} ({s.high[0]})")  # fmt: skip
+    console.print(table)
+    if events:
+        log = Table(title="events")
+        for column in ("step", "event", "message"):
+            log.add_column(column, justify="right" if column == "step" else "left")
+        for event in events:
+            log.add_row(str(event.step), event.tag, event.message)
+        console.print(log)

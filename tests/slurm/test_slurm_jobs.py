@@ -1,0 +1,144 @@
+"""The launch path against a real single-node Slurm (munge, slurmctld and slurmd started for this module by
+`slurm/local_cluster.py`): `make submit` of the tiny recipe on two tasks, a failing job, preemption → requeue →
+resume, and a chain of two jobs. Skipped, with the reason, only where Slurm is not installed (`.ci/run` installs
+it; by hand: `sudo python3 slurm/local_cluster.py install`)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm.local_cluster import LocalSlurm, SlurmUnavailable
+from tests.e2e.tiny_runs import scalars
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = "recipes/tiny-cpu.yaml"
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+# The tiny recipe cut down to seconds: a small task, a short SFT, small batches (its learning is tested in tests/e2e).
+SHORT = [
+    "data.addition.num_prompts=200", "data.addition.num_heldout=50", "data.addition.sft_steps=30",
+    "data.train_batch_size=64", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=32",
+    "critic.ppo_mini_batch_size=32", "critic.ppo_micro_batch_size_per_gpu=32", "trainer.test_freq=0",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> LocalSlurm:
+    slurm = LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=2)
+    try:
+        slurm.start()
+    except SlurmUnavailable as error:
+        slurm.stop()
+        pytest.skip(f"NO REAL SLURM HERE, the Slurm tests did not run: {error}")
+    yield slurm
+    slurm.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+def submit(cluster: LocalSlurm, logs: Path, overrides: list[str], *extra: str) -> list[str]:
+    """`python slurm/submit.py` against the cluster; the submitted job ids."""
+    command = [sys.executable, "slurm/submit.py", RECIPE, "--log-dir", str(logs), *extra, *SHORT, *overrides]
+    result = subprocess.run(command, cwd=REPO, env=cluster.env, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return re.findall(r"submitted job (\d+)", result.stdout)
+
+
+def job_log(logs: Path, job_id: str) -> str:
+    found = list(logs.glob(f"*-{job_id}.out"))
+    return found[0].read_text() if found else ""
+
+
+def logged_steps(log: str) -> list[int]:
+    """The PPO steps whose metrics line rank 0 printed, in order."""
+    return [int(step) for step in re.findall(r" step (\d+): reward", log)]
+
+
+def wait_for_line(logs: Path, job_id: str, text: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in job_log(logs, job_id):
+        assert time.monotonic() < deadline, f"{text!r} never appeared; log:\n{job_log(logs, job_id)[-3000:]}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def first_job(cluster: LocalSlurm, runs: Path) -> dict:
+    """`make submit` of the shortened tiny recipe (it also prepares the task data the later jobs reuse)."""
+    logs, overrides = runs / "logs", [f"data.addition.work_dir={runs}/work", *_outputs(runs / "first")]
+    overrides += ["trainer.total_training_steps=4", "trainer.save_freq=2"]
+    make = ["make", "--no-print-directory", "submit", f"RECIPE={RECIPE}", f"LOG_DIR={logs}",
+            f"OVERRIDES={' '.join([*SHORT, *overrides])}"]  # fmt: skip
+    result = subprocess.run(make, cwd=REPO, env=cluster.env, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (job_id,) = re.findall(r"submitted job (\d+)", result.stdout)
+    job = cluster.wait_for(job_id, DONE, timeout_s=600)
+    return {"id": job_id, "job": job, "log": job_log(logs, job_id), "logs": logs, "out": runs / "first"}
+
+
+def _outputs(root: Path) -> list[str]:
+    return [f"trainer.default_local_dir={root}/ckpt", f"trainer.log_dir={root}/tb"]
+
+
+def test_make_submit_trains_the_tiny_recipe_on_two_tasks(first_job: dict) -> None:
+    log = first_job["log"]
+    assert first_job["job"]["JobState"] == "COMPLETED" and first_job["job"]["ExitCode"] == "0:0", log[-3000:]
+    assert re.search(r"^0: rank 0/2 on ", log, re.M) and re.search(r"^1: rank 1/2 on ", log, re.M), log[-3000:]
+    assert "trainer exited with status 0" in log
+    assert (first_job["out"] / "ckpt" / "latest").read_text().strip() == "step_4"
+    logged = scalars(first_job["out"] / "tb")
+    assert sorted(logged["actor/pg_loss"]) == [1, 2, 3, 4]
+    job_dir = first_job["logs"] / f"ppo-tiny-cpu-{first_job['id']}"
+    assert "clip_ratio_c" in (job_dir / "config.yaml").read_text()  # the resolved config is kept with the job
+
+
+def test_a_failing_job_ends_failed_with_the_error_in_its_log(cluster: LocalSlurm, runs: Path, first_job) -> None:
+    logs = runs / "logs"
+    sbatch = ["sbatch", "--parsable", "--ntasks=2", f"--output={logs}/%x-%j.out", "--job-name=bad",
+              f"--export=ALL,PPO_LOG_ROOT={logs}", "slurm/ppo.sbatch", RECIPE, "actor.clip_ratio_c=0.5"]  # fmt: skip
+    job_id = subprocess.run(sbatch, cwd=REPO, env=cluster.env, capture_output=True, text=True, check=True).stdout
+    job = cluster.wait_for(job_id.strip(), DONE, timeout_s=120)
+    assert job["JobState"] == "FAILED" and job["ExitCode"] == "2:0", job
+    assert "actor.clip_ratio_c=0.5: must be > 1" in job_log(logs, job_id.strip())
+
+
+def test_preemption_checkpoints_requeues_and_resumes(cluster: LocalSlurm, runs: Path, first_job) -> None:
+    logs, out = runs / "logs", runs / "preempted"
+    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=30"]
+    (job_id,) = submit(cluster, logs, overrides)
+    wait_for_line(logs, job_id, " step 2: reward")
+    subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)
+    job = cluster.wait_for(job_id, DONE, timeout_s=300)
+    log = job_log(logs, job_id)
+    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", (job, log[-3000:])
+    saved = re.search(r"stopped early: saved \S+/step_(\d+); exiting with 75", log)
+    assert saved, log[-3000:]
+    assert f"requeueing job {job_id}" in log
+    requeued = log.split("(restart 1)")[1]
+    assert "resumed from" in requeued and logged_steps(requeued)[0] == int(saved.group(1)) + 1, log[-3000:]
+    assert (out / "ckpt" / "latest").read_text().strip() == "step_30"
+    assert sorted(scalars(out / "tb")["actor/pg_loss"]) == list(range(1, 31))  # no step lost, none repeated
+
+
+def test_a_chain_of_two_jobs_continues_where_the_first_stopped(cluster: LocalSlurm, runs: Path, first_job) -> None:
+    logs, out = runs / "logs", runs / "chain"
+    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=6",
+                 "trainer.exit_interval=3"]  # fmt: skip
+    first, second = submit(cluster, logs, overrides, "--chain", "2")
+    assert cluster.job(second)["Dependency"].startswith(f"afterok:{first}"), cluster.job(second)
+    jobs = [cluster.wait_for(job_id, DONE, timeout_s=300) for job_id in (first, second)]
+    logs_text = [job_log(logs, job_id) for job_id in (first, second)]
+    assert [job["JobState"] for job in jobs] == ["COMPLETED", "COMPLETED"], logs_text[1][-3000:]
+    assert "exiting with 0, the next job resumes" in logs_text[0]
+    assert logged_steps(logs_text[0]) == [1, 2, 3] and logged_steps(logs_text[1]) == [4, 5, 6]
+    assert "resumed from" in logs_text[1]
+    assert jobs[1]["StartTime"] >= jobs[0]["EndTime"]
+    assert (out / "ckpt" / "latest").read_text().strip() == "step_6"
+    assert sorted(scalars(out / "tb")["actor/pg_loss"]) == list(range(1, 7))
