@@ -19,11 +19,12 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megatron_ppo.train.preemption import JobStopped, Preempted
+    from megatron_ppo.train.preemption import JobStopped, Preempted, watching
     from megatron_ppo.train.run import train
 
     try:
-        train(load_config(args.recipe, args.overrides))
+        with watching():
+            train(load_config(args.recipe, args.overrides))
     except JobStopped as stop:
         then = "the job is requeued" if isinstance(stop, Preempted) else "the next job resumes from it"
         print(f"stopped early: saved {stop}; exiting with {stop.exit_status}, {then}", file=sys.stderr)
@@ -62,17 +63,23 @@ def _plan(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from megatron_ppo import convert
     from megatron_ppo.config.schema import MegatronConfig
-    from megatron_ppo.parallel import destroy_distributed, init_distributed
+    from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 
     hf_dir = args.hf if args.direction != "mcore-to-hf" else args.hf_config
     problems = convert.layout_problems(convert.hf_model_config(hf_dir), args.tp, args.pp)
     if problems:
         raise ConfigError(problems, source=str(hf_dir))
     layout = MegatronConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
-    init_distributed(layout if args.direction == "verify" else convert.SINGLE, seed=0)
+    world = dist_env_from_environment().world_size
+    if args.direction != "mcore-to-hf" and world % (args.tp * args.pp):
+        needed = args.tp * args.pp
+        raise ConfigError([f"--tp {args.tp} --pp {args.pp} needs a multiple of {needed} processes, not {world}: "
+                           f"torchrun --nproc_per_node {needed} -m megatron_ppo convert ..."])  # fmt: skip
+    init_distributed(layout if args.direction != "mcore-to-hf" else convert.SINGLE, seed=0)
     try:
         if args.direction == "hf-to-mcore":
-            print(f"wrote {convert.hf_to_mcore(args.hf, args.out, args.dtype)} (loads at any TP/PP)")
+            written = convert.hf_to_mcore(args.hf, args.out, args.dtype, layout)
+            print(f"wrote {written} (converted at TP {args.tp} PP {args.pp}; loads at any TP/PP)")
         elif args.direction == "mcore-to-hf":
             print(f"wrote {convert.mcore_to_hf(args.megatron, args.hf_config, args.out)}")
         else:
@@ -121,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     converter.add_argument("--megatron", help="megatron-ppo checkpoint directory (mcore-to-hf, verify)")
     converter.add_argument("--hf-config", help="Hugging Face directory whose config.json describes the model")
     converter.add_argument("--out", help="output directory")
-    converter.add_argument("--tp", type=int, default=1, help="TP the model must split into (verify: runs at it)")
-    converter.add_argument("--pp", type=int, default=1, help="PP the model must split into (verify: runs at it)")
+    converter.add_argument("--tp", type=int, default=1, help="hf-to-mcore, verify: run at this TP (under torchrun)")
+    converter.add_argument("--pp", type=int, default=1, help="hf-to-mcore, verify: run at this PP (under torchrun)")
     converter.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     converter.add_argument("--tolerance", type=float, default=1e-3, help="verify: largest allowed logit difference")
     converter.set_defaults(run=_convert)
@@ -130,7 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also follow options (`plan RECIPE --json k=v`): argparse leaves those over
+    if extra and (not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.run(args)
     except ConfigError as error:

@@ -2,23 +2,26 @@
 
 A converted checkpoint is a megatron-ppo checkpoint holding the weights as "actor" (usable as
 `model.init_checkpoint` for actor, reference and critic trunk). It is written with Megatron's distributed
-checkpointing, so any TP/PP layout loads it: `--tp/--pp` only check that the model can be split that way.
-The conversion builds the full model in one process (fine up to a few billion parameters on CPU).
+checkpointing, so any TP/PP layout loads it. The conversion runs under a TP×PP layout (`torchrun` with that many
+processes, or the trainer's own layout on first use): each process builds and fills only its shard, reading only
+its pipeline stage's tensors, so a 70B model converts on the GPUs that will train it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate
-from megatron_ppo.models import build_role_model, run_micro_batches, unwrap
+from megatron_ppo.models import RoleModel, build_role_model, run_micro_batches, unwrap
 from megatron_ppo.models.hf_conversion import (
     SafetensorsReader,
     hf_to_megatron,
@@ -27,7 +30,6 @@ from megatron_ppo.models.hf_conversion import (
     save_hf,
 )
 from megatron_ppo.models.transformer_config import padded_vocab_size
-from megatron_ppo.parallel import initialize_model_parallel
 from megatron_ppo.train import checkpoint
 
 SINGLE = MegatronConfig()
@@ -42,35 +44,99 @@ def layout_problems(model: ModelConfig, tp: int, pp: int) -> list[str]:
     return [p for p in validate(config) if ".megatron" in p]
 
 
-def converted_init_checkpoint(hf_dir: str | Path, cache_dir: str | Path, params_dtype: str) -> Path:
-    """The cached conversion of `hf_dir` under `cache_dir`, converting on first use. Every rank takes part (the
-    process groups are switched to TP=1, PP=1 for it; the caller restores its own layout afterwards)."""
+def converted_init_checkpoint(
+    hf_dir: str | Path, cache_dir: str | Path, model: ModelConfig, layout: MegatronConfig
+) -> Path:
+    """The cached conversion of `hf_dir` under `cache_dir`, converting on first use under the training layout
+    (every rank takes part, each reading and holding only its own shard). `model` is the recipe's; it must
+    describe the same network as the checkpoint's `config.json`."""
     found = checkpoint.find_resumable(cache_dir)
     if found is not None:
         return found
-    initialize_model_parallel(SINGLE)
-    return hf_to_mcore(hf_dir, cache_dir, params_dtype)
+    if problems := architecture_mismatches(model, hf_dir):
+        raise ConfigError(problems, source=str(Path(hf_dir) / "config.json"))
+    return hf_to_mcore(hf_dir, cache_dir, model=model, layout=layout)
+
+
+def architecture_mismatches(model: ModelConfig, hf_dir: str | Path) -> list[str]:
+    """Each `model.*` key whose value differs from what the Hugging Face config.json says."""
+    hf = model_config_from_hf(hf_dir)
+    return [f"model.{key}={getattr(model, key)!r}, but {hf_dir}/config.json says {value!r}"
+            for key, value in hf.items() if key != "name" and getattr(model, key) != value]  # fmt: skip
 
 
 def hf_model_config(hf_dir: str | Path, params_dtype: str = "fp32") -> ModelConfig:
     return ModelConfig(**model_config_from_hf(hf_dir), params_dtype=params_dtype, make_vocab_size_divisible_by=128)
 
 
-def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, params_dtype: str = "fp32") -> Path:
-    """Convert; the process groups must hold the single-process layout (TP=1, PP=1)."""
-    model = hf_model_config(hf_dir, params_dtype)
-    frozen = build_role_model("ref", model, SINGLE)
-    gpt = unwrap(frozen.chunks[0])
-    expected = {k for k in gpt.state_dict() if not k.endswith("_extra_state")}
-    state = {name: tensor.to(gpt.config.params_dtype) for name, tensor in
-             hf_to_megatron(SafetensorsReader(hf_dir), model, padded_vocab_size(model, 1))}  # fmt: skip
-    if set(state) != expected:
-        raise RuntimeError(
-            f"conversion mismatch: missing {sorted(expected - set(state))}, extra {sorted(set(state) - expected)}"
-        )
-    gpt.load_state_dict(state, strict=False)
+def hf_to_mcore(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    params_dtype: str = "fp32",
+    layout: MegatronConfig = SINGLE,
+    model: ModelConfig | None = None,
+) -> Path:
+    """Convert under `layout`, which the process groups must hold. Each rank builds only its own TP/PP shard and
+    reads from the safetensors only its pipeline stage's tensors, one at a time (a full tensor is sliced to the
+    rank's TP part as it arrives), so no process holds the whole model; Megatron's distributed checkpointing then
+    writes every shard once, and the result loads at any layout."""
+    model = model or hf_model_config(hf_dir, params_dtype)
+    shard = build_role_model("ref", model, layout)
+    fill_from_hf(shard, hf_dir, model, layout)
     meta = {"step": 0, "hf_model": json.dumps(dataclasses.asdict(model))}
-    return checkpoint.save_checkpoint(out_dir, 0, {"actor": frozen}, {}, meta)
+    return checkpoint.save_checkpoint(out_dir, 0, {"actor": shard}, {}, meta)
+
+
+def fill_from_hf(shard: RoleModel, hf_dir: str | Path, model: ModelConfig, layout: MegatronConfig) -> int:
+    """Copy this rank's part of every weight from the safetensors into `shard`; the bytes read (this stage's
+    tensors only)."""
+    targets = _local_targets(shard, model)
+    layers = sorted({int(name.split(".")[2]) for name in targets if name.startswith("decoder.layers.")})
+    reader = SafetensorsReader(hf_dir)
+    vocab = padded_vocab_size(model, layout.tensor_model_parallel_size)
+    tensors = hf_to_megatron(reader, model, vocab, layers, embedding="embedding.word_embeddings.weight" in targets,
+                             head="decoder.final_layernorm.weight" in targets)  # fmt: skip
+    for name, full in tensors:
+        for local_name, param in targets.pop(name, []):
+            part = _tensor_parallel_part(full, param, gated=model.activation == "swiglu" and ".linear_fc1." in name)
+            if part.shape != param.shape:
+                raise RuntimeError(f"{local_name}: converted shape {tuple(part.shape)} ≠ model's {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(part)
+    if targets:
+        raise RuntimeError(f"conversion left unset: {sorted(targets)}")
+    return reader.bytes_read
+
+
+def _local_targets(shard: RoleModel, model: ModelConfig) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """Full-model (TP=1, PP=1) weight name → this rank's parameters holding a part of it. Pipeline stages number
+    their layers from 0; `layer_number` is the global one. A last stage with tied embeddings holds its own copy of
+    the embedding as `output_layer.weight`."""
+    targets: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for chunk in shard.chunks:
+        gpt = unwrap(chunk)
+        for name, tensor in gpt.state_dict(keep_vars=True).items():
+            if name.endswith("_extra_state"):
+                continue
+            source = name
+            if match := re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name):
+                source = f"decoder.layers.{gpt.decoder.layers[int(match[1])].layer_number - 1}.{match[2]}"
+            elif name == "output_layer.weight" and not model.untie_embeddings_and_output_weights:
+                source = "embedding.word_embeddings.weight"
+            targets.setdefault(source, []).append((name, tensor))
+    return targets
+
+
+def _tensor_parallel_part(full: torch.Tensor, param: torch.Tensor, gated: bool) -> torch.Tensor:
+    """This TP rank's part of a full weight: contiguous along the parameter's `partition_dim` (QKV rows are grouped
+    per query group, so a contiguous part is whole groups), except SwiGLU's [gate; up], split half by half."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    size, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    dim = param.partition_dim
+    if gated:
+        return torch.cat([half.chunk(size, dim)[rank] for half in full.chunk(2, dim)], dim)
+    return full.chunk(size, dim)[rank]
 
 
 def mcore_to_hf(megatron_dir: str | Path, hf_config_dir: str | Path, out_dir: str | Path) -> Path:

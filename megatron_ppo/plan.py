@@ -28,7 +28,14 @@ GIB = 1024**3
 RESERVED_GIB = 3.0
 MARGIN = 0.10  # keep 10 % of the GPU free
 PEAK_TFLOPS = {"h100-80gb": 989.0, "a100-80gb": 312.0, "cpu": 1.0}  # dense bf16 tensor-core peak
-ASSUMED_MFU = {"h100-80gb": 0.35, "a100-80gb": 0.40, "cpu": 0.1}
+# MFU of PPO's training and experience passes, calibrated in docs/planner.md ("Calibration"): Megatron-LM pretraining
+# reaches 42–47 % on H100 and 44 % on A100; verl's Megatron actor update measures 31–40 %. RL passes (short,
+# variable-length micro-batches; three models per iteration) keep about 0.8 of the pretraining MFU.
+ASSUMED_MFU = {"h100-80gb": 0.35, "a100-80gb": 0.35, "cpu": 0.1}
+MFU_ANCHORS = {
+    "h100-80gb": "anchors: Megatron-LM pretraining 42-47 % (7-70B, H100), verl actor update 31-40 %",
+    "a100-80gb": "anchor: Megatron-LM pretraining 44 % (175B, 1024 A100)",
+}
 
 
 def parameter_count(model: ModelConfig) -> int:
@@ -258,5 +265,7 @@ def format_plan(result: Plan, config: PPOConfig) -> str:
     lines.append(f"pipeline bubble {result.bubble_fraction:.1%}; estimated step {result.step_time_s:.1f} s, "
                  f"{result.tokens_per_s_per_gpu:,.0f} tokens/s per GPU at MFU "
                  f"{ASSUMED_MFU.get(config.cluster.gpu_type, 0.35):.0%}")  # fmt: skip
+    if config.cluster.gpu_type in MFU_ANCHORS:
+        lines.append(f"  ({MFU_ANCHORS[config.cluster.gpu_type]}; see docs/planner.md)")
     lines += [f"problem: {p}" for p in result.problems]
     return "\n".join(lines)

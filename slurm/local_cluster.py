@@ -113,6 +113,11 @@ class LocalSlurm:
             raise SlurmUnavailable(f"not installed: {', '.join(missing)} (python slurm/local_cluster.py install)")
         if os.geteuid() != 0:
             raise SlurmUnavailable("the local cluster runs its daemons as root (SlurmUser=root)")
+        try:
+            socket.gethostbyname(self.node)
+        except OSError as error:
+            raise SlurmUnavailable(f"this host's name {self.node!r} does not resolve (jobs rendezvous on it): "
+                                   f"add it to /etc/hosts ({error})") from error  # fmt: skip
         for sub in ("state", "spool"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._start_munge()

@@ -10,7 +10,7 @@ Tensors are read one at a time from the safetensors files (`safe_open`), never t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -54,6 +54,7 @@ class SafetensorsReader:
     """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
 
     def __init__(self, hf_dir: str | Path) -> None:
+        self.bytes_read = 0  # what `get` has returned so far: the conversion reads only its pipeline stage's share
         hf_dir = Path(hf_dir)
         index = hf_dir / "model.safetensors.index.json"
         if index.is_file():
@@ -69,7 +70,9 @@ class SafetensorsReader:
 
     def get(self, name: str) -> torch.Tensor:
         with safe_open(str(self.files[name]), framework="pt") as f:
-            return f.get_tensor(name)
+            tensor = f.get_tensor(name)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -92,12 +95,19 @@ def _split_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, tor
 
 
 def hf_to_megatron(
-    reader: SafetensorsReader, model: ModelConfig, padded_vocab: int
+    reader: SafetensorsReader,
+    model: ModelConfig,
+    padded_vocab: int,
+    layers: Iterable[int] | None = None,
+    embedding: bool = True,
+    head: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Megatron local-spec name, tensor) for every weight of the full (TP=1, PP=1) model, one layer at a time."""
+    """(Megatron local-spec name, tensor) of the full (TP=1, PP=1) model, one tensor at a time: the embedding,
+    `layers` (default all), then the head (final norm, untied output layer). Only what is asked for is read."""
     groups = model.num_query_groups or model.num_attention_heads
-    yield "embedding.word_embeddings.weight", _pad_rows(reader.get("model.embed_tokens.weight"), padded_vocab)
-    for i in range(model.num_layers):
+    if embedding:
+        yield "embedding.word_embeddings.weight", _pad_rows(reader.get("model.embed_tokens.weight"), padded_vocab)
+    for i in range(model.num_layers) if layers is None else layers:
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         attention = hf + "self_attn."
         yield mg + "input_layernorm.weight", reader.get(hf + "input_layernorm.weight")
@@ -115,9 +125,10 @@ def hf_to_megatron(
         gate, up = reader.get(hf + "mlp.gate_proj.weight"), reader.get(hf + "mlp.up_proj.weight")
         yield mg + "mlp.linear_fc1.weight", torch.cat([gate, up])
         yield mg + "mlp.linear_fc2.weight", reader.get(hf + "mlp.down_proj.weight")
-    yield "decoder.final_layernorm.weight", reader.get("model.norm.weight")
-    if model.untie_embeddings_and_output_weights:
-        yield "output_layer.weight", _pad_rows(reader.get("lm_head.weight"), padded_vocab)
+    if head:
+        yield "decoder.final_layernorm.weight", reader.get("model.norm.weight")
+        if model.untie_embeddings_and_output_weights:
+            yield "output_layer.weight", _pad_rows(reader.get("lm_head.weight"), padded_vocab)
 
 
 def megatron_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:

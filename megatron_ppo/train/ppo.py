@@ -23,7 +23,14 @@ from megatron_ppo.train.guards import Guards, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import build_kl_coefficients
 from megatron_ppo.train.metrics import MetricsLogger
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
-from megatron_ppo.train.preemption import JobBudget, JobBudgetReached, Preempted, PreemptionWatch, mark_preempted
+from megatron_ppo.train.preemption import (
+    JobBudget,
+    JobBudgetReached,
+    Preempted,
+    PreemptionWatch,
+    mark_preempted,
+    watching,
+)
 from megatron_ppo.train.update import actor_loss, critic_loss, update_role
 
 Evaluate = Callable[[RoleModel], dict[str, float]]
@@ -240,11 +247,8 @@ class PPOTrainer:
         """Train to `total_steps`. On a preemption signal, save after the current iteration and raise `Preempted`;
         when this job's budget (`trainer.exit_interval`, `exit_duration_in_mins`) is spent, save and raise
         `JobBudgetReached`."""
-        watch = PreemptionWatch()
-        try:
+        with watching() as watch:
             self._fit(watch, JobBudget(self.config.trainer.exit_interval, self.config.trainer.exit_duration_in_mins))
-        finally:
-            watch.restore()
         return self.history
 
     def _fit(self, watch: PreemptionWatch, budget: JobBudget) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
@@ -59,6 +61,25 @@ class PreemptionWatch:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+_active: list[PreemptionWatch] = []
+
+
+@contextmanager
+def watching() -> Iterator[PreemptionWatch]:
+    """The watch already active (the CLI starts one before any model is built, so that a signal during setup is
+    not fatal: it is acted on after the first step), or a new one for the duration of the block."""
+    if _active:
+        yield _active[-1]
+        return
+    watch = PreemptionWatch()
+    _active.append(watch)
+    try:
+        yield watch
+    finally:
+        _active.pop()
+        watch.restore()
 
 
 class JobBudget:

@@ -16,7 +16,6 @@ from megatron_ppo.parallel import (
     destroy_distributed,
     dist_env_from_environment,
     init_distributed,
-    initialize_model_parallel,
 )
 from megatron_ppo.train.ppo import PPOTrainer
 
@@ -56,9 +55,8 @@ def _start(config: PPOConfig) -> None:
 
         cache = os.path.join(config.trainer.default_local_dir, "hf_init")
         config.model.init_checkpoint = str(
-            converted_init_checkpoint(config.model.hf_checkpoint, cache, config.model.params_dtype)
+            converted_init_checkpoint(config.model.hf_checkpoint, cache, config.model, config.actor.megatron)
         )
-        initialize_model_parallel(config.actor.megatron)
 
 
 def train(config: PPOConfig) -> dict[str, float] | list[dict[str, float]]:

@@ -1,14 +1,23 @@
-"""Small random Llama and Qwen2 models from `transformers`, and spawned-rank code for the conversion tests."""
+"""Small random Llama and Qwen2 models from `transformers`, a recipe training one, and spawned-rank code for the
+conversion tests."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import tokenizers
 import torch
+import yaml
+from tokenizers import models, pre_tokenizers, trainers
 
+from megatron_ppo.config import load_config
 from megatron_ppo.config.schema import MegatronConfig
-from megatron_ppo.convert import hf_logits, hf_to_mcore, mcore_to_hf, verify
+from megatron_ppo.convert import fill_from_hf, hf_logits, hf_model_config, hf_to_mcore, mcore_to_hf, verify
+from megatron_ppo.models import build_role_model
+from megatron_ppo.models.hf_conversion import model_config_from_hf
 from megatron_ppo.parallel import init_distributed
+from megatron_ppo.train.run import train
 
 
 def save_hf_model(kind: str, directory: Path, tied: bool) -> Path:
@@ -40,3 +49,52 @@ def round_trip(rank: int, world_size: int, hf_dir: str, megatron_dir: str, out_d
     mcore_to_hf(megatron_dir, hf_dir, out_dir)
     input_ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
     return float((hf_logits(out_dir, input_ids) - hf_logits(hf_dir, input_ids)).abs().max())
+
+
+def convert_at(rank: int, world_size: int, hf_dir: str, out_dir: str, layout: MegatronConfig) -> str:
+    init_distributed(layout, seed=0)
+    return str(hf_to_mcore(hf_dir, out_dir, layout=layout))
+
+
+def shard_reads(rank: int, world_size: int, hf_dir: str, layout: MegatronConfig) -> tuple[int, int]:
+    """(bytes this rank read from the safetensors, parameters this rank holds) when converting under `layout`."""
+    init_distributed(layout, seed=0)
+    model = hf_model_config(hf_dir)
+    shard = build_role_model("ref", model, layout)
+    read = fill_from_hf(shard, hf_dir, model, layout)
+    return read, sum(p.numel() for chunk in shard.chunks for p in chunk.parameters())
+
+
+def offline_recipe(root: Path, hf_dir: Path, tp: int) -> Path:
+    """A recipe that trains the Hugging Face checkpoint at `hf_dir` (named as `model.hf_checkpoint`) for one PPO step
+    on a word-level tokenizer.json and a few offline rows."""
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = ["hello world", "hello there", "good day", "good night", "see you"]
+    tokenizer.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "</s>"]))
+    tokenizer.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
+    with (root / "rows.jsonl").open("w") as rows:
+        for i in range(8):
+            rows.write(json.dumps({"prompt": words[i % 5], "response": words[(i + 1) % 5], "reward": i % 2}) + "\n")
+    layout = {"megatron": {"tensor_model_parallel_size": tp}}
+    recipe = {
+        "defaults": ["defaults", "clusters/cpu"],
+        "model": {**model_config_from_hf(hf_dir), "hf_checkpoint": str(hf_dir), "params_dtype": "fp32",
+                  "make_vocab_size_divisible_by": 128, "tokenizer": str(root / "tokenizer.json")},
+        "data": {"train_files": [str(root / "rows.jsonl")], "train_batch_size": 8, "max_prompt_length": 4,
+                 "max_response_length": 4},
+        "actor": {**layout, "ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 8},
+        "ref": layout,
+        "critic": {**layout, "ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 8},
+        "trainer": {"total_training_steps": 1, "default_local_dir": str(root / "ckpt"),
+                    "log_dir": str(root / "tb"), "logger": ["tensorboard"]},
+        "cluster": {"gpus_per_node": tp},
+    }  # fmt: skip
+    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return root / "recipe.yaml"
+
+
+def train_recipe(rank: int, world_size: int, recipe: str, overrides: list[str]) -> int:
+    """The trainer's whole path (`megatron_ppo.train.run.train`) on this recipe; the steps it ran."""
+    return len(train(load_config(recipe, overrides)))

@@ -1,10 +1,14 @@
 """Hugging Face → Megatron → Hugging Face on random `transformers` Llama (GQA, untied) and Qwen2 (QKV bias, tied)
-models: our Megatron model's logits equal the `transformers` logits at TP 1, TP 2 and PP 2, and the weights come
-back unchanged."""
+models: our Megatron model's logits equal the `transformers` logits at TP 1, TP 2 and PP 2, whether converted in one
+process or sharded under TP 2 / PP 2 (each stage reading only its share); the weights come back unchanged; and the
+trainer converts a recipe's `model.hf_checkpoint` on first use and caches it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from safetensors import safe_open
 
 from megatron_ppo.config.schema import MegatronConfig
 from tests.distributed import conversion_workers
@@ -43,3 +47,49 @@ def test_megatron_to_hf_round_trip_gives_the_same_logits(converted) -> None:
         conversion_workers.round_trip, 1, converted["hf"], converted["megatron"], str(converted["root"] / "back")
     )[0]
     assert difference < 1e-5, f"{converted['name']}: HF → Megatron → HF logits differ by {difference:.2e}"
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_converting_under_a_parallel_layout_gives_the_same_model(converted, layout: str) -> None:
+    world, megatron_layout = LAYOUTS[layout]
+    out = str(converted["root"] / f"megatron-{layout}")
+    run_distributed(conversion_workers.convert_at, world, converted["hf"], out, megatron_layout)
+    (difference,) = run_distributed(conversion_workers.logit_difference, 1, converted["hf"], out, MegatronConfig())
+    assert difference < 1e-4, f"{converted['name']} converted at {layout}: logits differ by {difference:.2e}"
+
+
+def test_each_pipeline_stage_reads_and_holds_only_its_share(converted) -> None:
+    hf_dir = Path(converted["hf"])
+    with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:
+        total = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())  # noqa: SIM118
+    whole = run_distributed(conversion_workers.shard_reads, 1, str(hf_dir), MegatronConfig())[0]
+    stages = run_distributed(conversion_workers.shard_reads, 2, str(hf_dir), LAYOUTS["pp2"][1])
+    tensor_parallel = run_distributed(conversion_workers.shard_reads, 2, str(hf_dir), LAYOUTS["tp2"][1])
+    assert whole[0] == total
+    for read, params in stages:
+        assert read < 0.7 * total and params < 0.7 * whole[1], (read, params, total, whole)
+    for _, params in tensor_parallel:
+        assert params < 0.6 * whole[1]
+
+
+def test_the_trainer_converts_on_first_use_under_its_layout_and_caches(converted) -> None:
+    root = converted["root"] / "first-use"
+    root.mkdir()
+    recipe = str(conversion_workers.offline_recipe(root, Path(converted["hf"]), tp=2))
+    assert run_distributed(conversion_workers.train_recipe, 2, recipe, []) == [1, 1]
+    cache = root / "ckpt" / "hf_init" / "step_0"
+    (difference,) = run_distributed(
+        conversion_workers.logit_difference, 1, converted["hf"], str(cache.parent), MegatronConfig()
+    )
+    assert difference < 1e-4, f"the trainer's conversion differs from transformers by {difference:.2e}"
+    written = cache.stat().st_mtime_ns
+    run_distributed(conversion_workers.train_recipe, 2, recipe, ["trainer.total_training_steps=2"])
+    assert cache.stat().st_mtime_ns == written, "the cached conversion was redone"
+
+
+def test_a_recipe_that_disagrees_with_the_checkpoint_is_refused(converted) -> None:
+    root = converted["root"] / "mismatch"
+    root.mkdir()
+    recipe = str(conversion_workers.offline_recipe(root, Path(converted["hf"]), tp=1))
+    with pytest.raises(AssertionError, match=r"model\.hidden_size=128, but .*config\.json says 64"):
+        run_distributed(conversion_workers.train_recipe, 1, recipe, ["model.hidden_size=128"])

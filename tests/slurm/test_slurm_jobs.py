@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from slurm.local_cluster import LocalSlurm, SlurmUnavailable
+from tests.distributed.harness import free_port
 from tests.e2e.tiny_runs import scalars
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,9 +48,14 @@ def runs(tmp_path_factory) -> Path:
 def submit(cluster: LocalSlurm, logs: Path, overrides: list[str], *extra: str) -> list[str]:
     """`python slurm/submit.py` against the cluster; the submitted job ids."""
     command = [sys.executable, "slurm/submit.py", RECIPE, "--log-dir", str(logs), *extra, *SHORT, *overrides]
-    result = subprocess.run(command, cwd=REPO, env=cluster.env, capture_output=True, text=True, check=False)
+    result = subprocess.run(command, cwd=REPO, env=job_env(cluster), capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     return re.findall(r"submitted job (\d+)", result.stdout)
+
+
+def job_env(cluster: LocalSlurm) -> dict[str, str]:
+    """The submitting shell's environment (sbatch passes it to the job) with a free rendezvous port."""
+    return {**cluster.env, "MASTER_PORT": str(free_port())}
 
 
 def job_log(logs: Path, job_id: str) -> str:
@@ -76,7 +82,7 @@ def first_job(cluster: LocalSlurm, runs: Path) -> dict:
     overrides += ["trainer.total_training_steps=4", "trainer.save_freq=2"]
     make = ["make", "--no-print-directory", "submit", f"RECIPE={RECIPE}", f"LOG_DIR={logs}",
             f"OVERRIDES={' '.join([*SHORT, *overrides])}"]  # fmt: skip
-    result = subprocess.run(make, cwd=REPO, env=cluster.env, capture_output=True, text=True, check=False)
+    result = subprocess.run(make, cwd=REPO, env=job_env(cluster), capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     (job_id,) = re.findall(r"submitted job (\d+)", result.stdout)
     job = cluster.wait_for(job_id, DONE, timeout_s=600)

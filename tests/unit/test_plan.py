@@ -65,3 +65,16 @@ def test_plan_cli_json_for_scripts() -> None:
     assert report["fits"] and report["roles"]["actor"]["params"] == parameter_count(
         load_config(REPO / "recipes" / "qwen2.5-32b.yaml").model
     )
+
+
+def test_overrides_may_follow_options(capsys) -> None:
+    from megatron_ppo.cli import main
+
+    recipe = str(REPO / "recipes" / "qwen2.5-7b.yaml")
+    step_times = []
+    for gpu in ("h100-80gb", "a100-80gb"):
+        assert main(["plan", recipe, "--json", f"cluster.gpu_type={gpu}"]) == 0
+        step_times.append(json.loads(capsys.readouterr().out)["step_time_s"])
+    assert step_times[1] / step_times[0] == pytest.approx(989 / 312)  # same calibrated MFU, the peaks' ratio
+    with pytest.raises(SystemExit):
+        main(["plan", recipe, "--bogus"])

@@ -1,15 +1,18 @@
 """The Slurm submit wrapper: sizes the job from the recipe, validates the layout for the node count first, passes
-overrides as separate arguments, and chains jobs with afterok dependencies."""
+overrides as separate arguments, and chains jobs with afterok dependencies; and the trainer's side of it (the job
+budget that ends each chained job, the preemption watch)."""
 
 from __future__ import annotations
 
+import os
 import shlex
+import signal
 from pathlib import Path
 
 import pytest
 
 from megatron_ppo.config import ConfigError
-from megatron_ppo.train.preemption import JobBudget
+from megatron_ppo.train.preemption import JobBudget, watching
 from slurm.submit import chain_overrides, main, sbatch_command, time_limit_minutes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,3 +88,12 @@ def test_job_budget_stops_on_the_interval_and_after_the_duration() -> None:
     assert [by_steps.reason(step) is not None for step in range(1, 7)] == [False, False, True, False, False, True]
     assert JobBudget(None, exit_duration_in_mins=60).reason(1) is None
     assert "exit_duration_in_mins" in JobBudget(None, exit_duration_in_mins=1e-9).reason(1)
+
+
+def test_a_signal_before_training_is_remembered_not_fatal() -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    with watching() as outer:
+        os.kill(os.getpid(), signal.SIGUSR1)  # during setup: the default action would end the process
+        with watching() as inner:  # what PPOTrainer.fit then uses
+            assert inner is outer and inner.signalled == signal.SIGUSR1 and inner.agreed()
+    assert signal.getsignal(signal.SIGUSR1) == before
