@@ -24,6 +24,7 @@ from megatron_ppo.config.validate import validate
 from megatron_ppo.models import RoleModel, build_role_model, run_micro_batches, unwrap
 from megatron_ppo.models.hf_conversion import (
     SafetensorsReader,
+    TensorParallelPart,
     hf_to_megatron,
     megatron_to_hf,
     model_config_from_hf,
@@ -77,8 +78,8 @@ def hf_to_mcore(
     model: ModelConfig | None = None,
 ) -> Path:
     """Convert under `layout`, which the process groups must hold. Each rank builds only its own TP/PP shard and
-    reads from the safetensors only its pipeline stage's tensors, one at a time (a full tensor is sliced to the
-    rank's TP part as it arrives), so no process holds the whole model; Megatron's distributed checkpointing then
+    reads from the safetensors only its part of its pipeline stage's tensors, one at a time, so no process holds
+    the whole model, nor even a whole tensor-parallel weight; Megatron's distributed checkpointing then
     writes every shard once, and the result loads at any layout."""
     model = model or hf_model_config(hf_dir, params_dtype)
     shard = build_role_model("ref", model, layout)
@@ -88,21 +89,23 @@ def hf_to_mcore(
 
 
 def fill_from_hf(shard: RoleModel, hf_dir: str | Path, model: ModelConfig, layout: MegatronConfig) -> int:
-    """Copy this rank's part of every weight from the safetensors into `shard`; the bytes read (this stage's
-    tensors only)."""
+    """Copy this rank's part of every weight from the safetensors into `shard`; the bytes read (this pipeline
+    stage's tensors, and of tensor-parallel weights this TP rank's part only)."""
     targets = _local_targets(shard, model)
     layers = sorted({int(name.split(".")[2]) for name in targets if name.startswith("decoder.layers.")})
     reader = SafetensorsReader(hf_dir)
     vocab = padded_vocab_size(model, layout.tensor_model_parallel_size)
+    part = TensorParallelPart(
+        parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    )
     tensors = hf_to_megatron(reader, model, vocab, layers, embedding="embedding.word_embeddings.weight" in targets,
-                             head="decoder.final_layernorm.weight" in targets)  # fmt: skip
-    for name, full in tensors:
+                             head="decoder.final_layernorm.weight" in targets, part=part)  # fmt: skip
+    for name, tensor in tensors:
         for local_name, param in targets.pop(name, []):
-            part = _tensor_parallel_part(full, param, gated=model.activation == "swiglu" and ".linear_fc1." in name)
-            if part.shape != param.shape:
-                raise RuntimeError(f"{local_name}: converted shape {tuple(part.shape)} ≠ model's {tuple(param.shape)}")
+            if tensor.shape != param.shape:
+                raise RuntimeError(f"{local_name}: converted {tuple(tensor.shape)} ≠ the model's {tuple(param.shape)}")
             with torch.no_grad():
-                param.copy_(part)
+                param.copy_(tensor)
     if targets:
         raise RuntimeError(f"conversion left unset: {sorted(targets)}")
     return reader.bytes_read
@@ -125,18 +128,6 @@ def _local_targets(shard: RoleModel, model: ModelConfig) -> dict[str, list[tuple
                 source = "embedding.word_embeddings.weight"
             targets.setdefault(source, []).append((name, tensor))
     return targets
-
-
-def _tensor_parallel_part(full: torch.Tensor, param: torch.Tensor, gated: bool) -> torch.Tensor:
-    """This TP rank's part of a full weight: contiguous along the parameter's `partition_dim` (QKV rows are grouped
-    per query group, so a contiguous part is whole groups), except SwiGLU's [gate; up], split half by half."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return full
-    size, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    dim = param.partition_dim
-    if gated:
-        return torch.cat([half.chunk(size, dim)[rank] for half in full.chunk(2, dim)], dim)
-    return full.chunk(size, dim)[rank]
 
 
 def mcore_to_hf(megatron_dir: str | Path, hf_config_dir: str | Path, out_dir: str | Path) -> Path:

@@ -4,13 +4,15 @@ Megatron's fused layouts:
   linear_qkv  rows grouped per query group g: [q heads of g (a/g · d rows), k_g (d rows), v_g (d rows)], g = 0..G−1
   linear_fc1  [gate; up] (SwiGLU applies the activation to the first half)
   vocabulary  padded to `padded_vocab_size` rows (zeros); logits past the true vocabulary are masked downstream
-Tensors are read one at a time from the safetensors files (`safe_open`), never through pickle.
+Tensors are read one at a time from the safetensors files (`safe_open`), never through pickle; a tensor-parallel
+rank reads only its rows or columns of each split weight.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -68,15 +70,39 @@ class SafetensorsReader:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, rows: slice = slice(None), columns: slice | None = None) -> torch.Tensor:
+        """The tensor, or only its `rows` (and `columns`): a slice is read without loading the rest."""
         with safe_open(str(self.files[name]), framework="pt") as f:
-            tensor = f.get_tensor(name)
+            view = f.get_slice(name)
+            tensor = view[rows] if columns is None else view[rows, columns]
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
 
+@dataclass(frozen=True)
+class TensorParallelPart:
+    """Rank `rank` of `size` tensor-parallel ranks: which rows or columns of a split weight it holds."""
+
+    size: int = 1
+    rank: int = 0
+
+    def of(self, length: int) -> slice:
+        """This rank's contiguous share of `length` (which `size` divides)."""
+        share = length // self.size
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (0, 0, 0, rows - tensor.shape[0]))
+
+
+def _vocab_rows(
+    reader: SafetensorsReader, name: str, vocab: int, padded_vocab: int, part: TensorParallelPart
+) -> torch.Tensor:
+    """This rank's rows of the vocabulary-padded matrix: the real rows read, the padding rows zero."""
+    rows = part.of(padded_vocab)
+    real = reader.get(name, slice(min(rows.start, vocab), min(rows.stop, vocab)))
+    return _pad_rows(real, rows.stop - rows.start)
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
@@ -101,34 +127,38 @@ def hf_to_megatron(
     layers: Iterable[int] | None = None,
     embedding: bool = True,
     head: bool = True,
+    part: TensorParallelPart = TensorParallelPart(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Megatron local-spec name, tensor) of the full (TP=1, PP=1) model, one tensor at a time: the embedding,
-    `layers` (default all), then the head (final norm, untied output layer). Only what is asked for is read."""
+    """(Megatron local-spec name, this TP rank's part of the tensor), one tensor at a time: the embedding, `layers`
+    (default all), then the head (final norm, untied output layer). Only what is asked for is read, and of a
+    tensor-parallel weight only `part`'s rows or columns: vocabulary rows (embedding, output layer), whole query
+    groups of QKV, rows of gate and of up (fc1), columns of the row-parallel o_proj and down_proj."""
     groups = model.num_query_groups or model.num_attention_heads
+    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+    q_rows, kv_rows = model.num_attention_heads * head_dim, groups * head_dim
+    ffn = model.ffn_hidden_size or 4 * model.hidden_size
+    vocab = model.vocab_size
     if embedding:
-        yield "embedding.word_embeddings.weight", _pad_rows(reader.get("model.embed_tokens.weight"), padded_vocab)
+        yield "embedding.word_embeddings.weight", _vocab_rows(reader, "model.embed_tokens.weight", vocab,
+                                                              padded_vocab, part)  # fmt: skip
     for i in range(model.num_layers) if layers is None else layers:
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         attention = hf + "self_attn."
         yield mg + "input_layernorm.weight", reader.get(hf + "input_layernorm.weight")
-        yield (
-            mg + "self_attention.linear_qkv.weight",
-            _fuse_qkv(*(reader.get(attention + f"{p}_proj.weight") for p in "qkv"), groups),
-        )
-        if model.add_qkv_bias:
-            yield (
-                mg + "self_attention.linear_qkv.bias",
-                _fuse_qkv(*(reader.get(attention + f"{p}_proj.bias") for p in "qkv"), groups),
-            )
-        yield mg + "self_attention.linear_proj.weight", reader.get(attention + "o_proj.weight")
+        for suffix in ("weight", "bias") if model.add_qkv_bias else ("weight",):
+            q, k, v = (reader.get(attention + f"{p}_proj.{suffix}", part.of(rows))
+                       for p, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)))  # fmt: skip
+            yield mg + f"self_attention.linear_qkv.{suffix}", _fuse_qkv(q, k, v, groups // part.size)
+        yield mg + "self_attention.linear_proj.weight", reader.get(attention + "o_proj.weight", slice(None),
+                                                                   part.of(q_rows))  # fmt: skip
         yield mg + "pre_mlp_layernorm.weight", reader.get(hf + "post_attention_layernorm.weight")
-        gate, up = reader.get(hf + "mlp.gate_proj.weight"), reader.get(hf + "mlp.up_proj.weight")
+        gate, up = (reader.get(hf + f"mlp.{p}_proj.weight", part.of(ffn)) for p in ("gate", "up"))
         yield mg + "mlp.linear_fc1.weight", torch.cat([gate, up])
-        yield mg + "mlp.linear_fc2.weight", reader.get(hf + "mlp.down_proj.weight")
+        yield mg + "mlp.linear_fc2.weight", reader.get(hf + "mlp.down_proj.weight", slice(None), part.of(ffn))
     if head:
         yield "decoder.final_layernorm.weight", reader.get("model.norm.weight")
         if model.untie_embeddings_and_output_weights:
-            yield "output_layer.weight", _pad_rows(reader.get("lm_head.weight"), padded_vocab)
+            yield "output_layer.weight", _vocab_rows(reader, "lm_head.weight", vocab, padded_vocab, part)
 
 
 def megatron_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
