@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.dry_run:
                 previous = previous or "<previous job id>"
                 continue
+            if shutil.which("sbatch") is None:
+                print("error: sbatch is not on PATH: submit from a Slurm login node, or --dry-run", file=sys.stderr)
+                return 1
             Path(args.log_dir).mkdir(parents=True, exist_ok=True)
             submitted = subprocess.run(command, capture_output=True, text=True, check=False)
             if submitted.returncode != 0:

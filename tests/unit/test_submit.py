@@ -97,3 +97,9 @@ def test_a_signal_before_training_is_remembered_not_fatal() -> None:
         with watching() as inner:  # what PPOTrainer.fit then uses
             assert inner is outer and inner.signalled == signal.SIGUSR1 and inner.agreed()
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_without_sbatch_the_wrapper_says_where_to_run(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert main([str(REPO / "recipes" / "tiny-cpu.yaml")]) == 1
+    assert "sbatch is not on PATH" in capsys.readouterr().err
