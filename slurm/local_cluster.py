@@ -2,11 +2,11 @@
 for trying the sbatch path without a cluster. Everything Slurm writes (state, spool, logs, pid files) lives in DIR.
 
     python slurm/local_cluster.py install                  # apt-get install (root, Debian/Ubuntu)
-    python slurm/local_cluster.py start DIR [--cpus N]     # then: export SLURM_CONF=DIR/slurm.conf
+    python slurm/local_cluster.py start DIR [--cpus N] [--nodes 2]   # then: export SLURM_CONF=DIR/slurm.conf
     python slurm/local_cluster.py stop DIR
 
 Made for a root shell without systemd or cgroups (containers, CI machines): Linux process tracking, no task plugin,
-no accounting, one default partition `local` holding this host as its one node.
+no accounting, one default partition `local`.
 """
 
 from __future__ import annotations
@@ -28,18 +28,17 @@ SLURM_CONF = """\
 ClusterName=local
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=cred_expire=10
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -53,9 +52,10 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=10
 SchedulerParameters=sched_interval=1,bf_interval=1
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
-PartitionName={partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName={partition} Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
 """
+NODE_LINE = "NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} RealMemory={memory_mb}"
 
 
 class SlurmUnavailable(RuntimeError):
@@ -96,16 +96,21 @@ def _munge_works() -> bool:
 
 
 class LocalSlurm:
-    """One node, named after this host (job node lists must resolve: the trainer's rendezvous is the first host),
-    with `cpus` CPUs in partition `local`; `env` is what Slurm's clients need."""
+    """`nodes` (1 or 2) nodes of `cpus` CPUs each in partition `local`, all on this host (one slurmd per node), and
+    `env`, what Slurm's clients need. Node names must resolve, since jobs rendezvous on the first: the first node
+    is named after this host, the second `localhost`. Two nodes make multi-node jobs real: `--nodes=2` tasks get
+    different SLURM_NODEIDs and node names, as on a cluster."""
 
-    def __init__(self, root: str | Path, cpus: int = 2) -> None:
+    def __init__(self, root: str | Path, cpus: int = 2, nodes: int = 1) -> None:
         self.root = Path(root).resolve()
         self.cpus = cpus
         self.conf = self.root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._munge_marker = self.root / "munged.started-here"
-        self.node = socket.gethostname().split(".")[0]
+        self.host = socket.gethostname().split(".")[0]
+        self.nodes = [self.host, "localhost"][:nodes]
+        if nodes not in (1, 2) or len(set(self.nodes)) != nodes:
+            raise SlurmUnavailable(f"{nodes} nodes on host {self.host!r}: one or two, named differently")
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 60) -> None:
@@ -113,28 +118,32 @@ class LocalSlurm:
             raise SlurmUnavailable(f"not installed: {', '.join(missing)} (python slurm/local_cluster.py install)")
         if os.geteuid() != 0:
             raise SlurmUnavailable("the local cluster runs its daemons as root (SlurmUser=root)")
-        try:
-            socket.gethostbyname(self.node)
-        except OSError as error:
-            raise SlurmUnavailable(f"this host's name {self.node!r} does not resolve (jobs rendezvous on it): "
-                                   f"add it to /etc/hosts ({error})") from error  # fmt: skip
-        for sub in ("state", "spool"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        for node in self.nodes:
+            try:
+                socket.gethostbyname(node)
+            except OSError as error:
+                raise SlurmUnavailable(f"node name {node!r} does not resolve (jobs rendezvous on it): add it to "
+                                       f"/etc/hosts ({error})") from error  # fmt: skip
+            (self.root / f"spool-{node}").mkdir(parents=True, exist_ok=True)
+        (self.root / "state").mkdir(parents=True, exist_ok=True)
         self._start_munge()
         memory_mb = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.9 / 2**20)
+        node_lines = [NODE_LINE.format(name=node, host=self.host, port=_free_port(), cpus=self.cpus,
+                                       memory_mb=memory_mb) for node in self.nodes]  # fmt: skip
         self.conf.write_text(SLURM_CONF.format(
-            host=self.node, root=self.root, ctld_port=_free_port(), slurmd_port=_free_port(), cpus=self.cpus,
-            memory_mb=memory_mb, partition=PARTITION,
+            host=self.host, root=self.root, ctld_port=_free_port(), node_lines="\n".join(node_lines),
+            node_list=",".join(self.nodes), partition=PARTITION,
         ))  # fmt: skip
         subprocess.run(["slurmctld", "-c", "-f", str(self.conf)], env=self.env, check=True)
-        subprocess.run(["slurmd", "-f", str(self.conf), "-N", self.node], env=self.env, check=True)
-        self._wait_for_idle_node(timeout_s)
+        for node in self.nodes:
+            subprocess.run(["slurmd", "-f", str(self.conf), "-N", node], env=self.env, check=True)
+        self._wait_for_idle_nodes(timeout_s)
 
     def stop(self) -> None:
         """Shut both Slurm daemons down (jobs still running are killed), and munged if `start` started it."""
         if self.conf.is_file():
             subprocess.run(["scontrol", "shutdown"], env=self.env, capture_output=True, check=False)
-        for pid_file in (self.root / "slurmd.pid", self.root / "slurmctld.pid"):
+        for pid_file in [*self.root.glob("slurmd-*.pid"), self.root / "slurmctld.pid"]:
             _stop_pid_file(pid_file)
         if self._munge_marker.is_file():
             _stop_pid_file(MUNGE_RUN_DIR / "munged.pid")
@@ -160,17 +169,17 @@ class LocalSlurm:
                 raise SlurmUnavailable("munged started but no credential could be made and decoded")
             time.sleep(0.1)
 
-    def _wait_for_idle_node(self, timeout_s: float) -> None:
+    def _wait_for_idle_nodes(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        state = ""
+        states: list[str] = []
         while time.monotonic() < deadline:
-            state = self.query(["sinfo", "--noheader", "--format=%T", f"--nodes={self.node}"])
-            if state.rstrip("*") == "idle":
+            states = self.query(["sinfo", "--noheader", "--Node", "--format=%T"]).split()
+            if len(states) == len(self.nodes) and all(state.rstrip("*") == "idle" for state in states):
                 return
             time.sleep(0.2)
         log_file = self.root / "slurmctld.log"
         log = log_file.read_text()[-2000:] if log_file.is_file() else ""
-        raise SlurmUnavailable(f"node {self.node} not idle after {timeout_s:.0f} s ({state!r}); slurmctld log:\n{log}")
+        raise SlurmUnavailable(f"nodes {self.nodes} not idle after {timeout_s:.0f} s ({states}); slurmctld log:\n{log}")
 
     # --- clients -----------------------------------------------------------------------------------------------
     def query(self, command: list[str]) -> str:
@@ -221,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("install", help="apt-get install Slurm and munge")
     start = commands.add_parser("start", help="start munge, slurmctld and slurmd with state in DIR")
     start.add_argument("dir")
-    start.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
+    start.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs per node")
+    start.add_argument("--nodes", type=int, default=1, choices=[1, 2], help="nodes, each with its own slurmd")
     stop = commands.add_parser("stop", help="stop the cluster started in DIR")
     stop.add_argument("dir")
     args = parser.parse_args(argv)
@@ -229,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "install":
             install()
         elif args.command == "start":
-            LocalSlurm(args.dir, args.cpus).start()
+            LocalSlurm(args.dir, args.cpus, args.nodes).start()
             print(f"export SLURM_CONF={Path(args.dir).resolve() / 'slurm.conf'}")
         else:
             LocalSlurm(args.dir).stop()

@@ -44,7 +44,8 @@ def _start(config: PPOConfig) -> None:
     os.makedirs(config.trainer.default_local_dir, exist_ok=True)
     init_distributed(config.actor.megatron, seed=config.trainer.seed)
     print(
-        f"rank {env.rank}/{env.world_size} on {socket.gethostname()}: tensor-parallel rank "
+        f"rank {env.rank}/{env.world_size} (local {env.local_rank}) on "
+        f"{os.environ.get('SLURMD_NODENAME', socket.gethostname())}: tensor-parallel rank "
         f"{parallel_state.get_tensor_model_parallel_rank()}, pipeline stage "
         f"{parallel_state.get_pipeline_model_parallel_rank()}, data-parallel rank "
         f"{parallel_state.get_data_parallel_rank()}",

@@ -1,7 +1,7 @@
-"""The launch path against a real single-node Slurm (munge, slurmctld and slurmd started for this module by
-`slurm/local_cluster.py`): `make submit` of the tiny recipe on two tasks, a failing job, preemption → requeue →
-resume, and a chain of two jobs. Skipped, with the reason, only where Slurm is not installed (`.ci/run` installs
-it; by hand: `sudo python3 slurm/local_cluster.py install`)."""
+"""The launch path against a real Slurm (munge, slurmctld and two slurmds, two nodes on this host, started for this
+module by `slurm/local_cluster.py`): `make submit` of the tiny recipe on two tasks, the same across two nodes, a
+failing job, preemption → requeue → resume, and a chain of two jobs. Skipped, with the reason, only where Slurm is
+not installed (`.ci/run` installs it; by hand: `sudo python3 slurm/local_cluster.py install`)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ SHORT = [
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> LocalSlurm:
-    slurm = LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=2)
+    slurm = LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=2, nodes=2)
     try:
         slurm.start()
     except SlurmUnavailable as error:
@@ -96,7 +96,8 @@ def _outputs(root: Path) -> list[str]:
 def test_make_submit_trains_the_tiny_recipe_on_two_tasks(first_job: dict) -> None:
     log = first_job["log"]
     assert first_job["job"]["JobState"] == "COMPLETED" and first_job["job"]["ExitCode"] == "0:0", log[-3000:]
-    assert re.search(r"^0: rank 0/2 on ", log, re.M) and re.search(r"^1: rank 1/2 on ", log, re.M), log[-3000:]
+    assert re.search(r"^0: rank 0/2 \(local 0\) on ", log, re.M), log[-3000:]
+    assert re.search(r"^1: rank 1/2 \(local 1\) on ", log, re.M), log[-3000:]
     assert "trainer exited with status 0" in log
     assert (first_job["out"] / "ckpt" / "latest").read_text().strip() == "step_4"
     logged = scalars(first_job["out"] / "tb")
@@ -148,3 +149,20 @@ def test_a_chain_of_two_jobs_continues_where_the_first_stopped(cluster: LocalSlu
     assert jobs[1]["StartTime"] >= jobs[0]["EndTime"]
     assert (out / "ckpt" / "latest").read_text().strip() == "step_6"
     assert sorted(scalars(out / "tb")["actor/pg_loss"]) == list(range(1, 7))
+
+
+def test_two_nodes_one_task_each_rendezvous_on_the_first(cluster: LocalSlurm, runs: Path, first_job) -> None:
+    """The node arithmetic: --nodes=2 --ntasks-per-node=1 from cluster.nodes=2 × gpus_per_node=1; each rank's local
+    rank is 0 on its own node, and the tensor-parallel pair spans the two."""
+    logs, out = runs / "logs", runs / "two-nodes"
+    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=2",
+                 "cluster.gpus_per_node=1"]  # fmt: skip
+    (job_id,) = submit(cluster, logs, overrides, "--nodes", "2")
+    job = cluster.wait_for(job_id, DONE, timeout_s=300)
+    log = job_log(logs, job_id)
+    assert job["JobState"] == "COMPLETED" and job["NumNodes"] == "2", (job, log[-3000:])
+    first, second = cluster.nodes
+    hosts = {re.search(rf"^{rank}: rank {rank}/2 \(local 0\) on (\S+):", log, re.M)[1] for rank in (0, 1)}
+    assert hosts == {first, second}, log[-3000:]
+    assert re.search(r"^rendezvous (\S+):", log, re.M)[1] in {first, second}
+    assert (out / "ckpt" / "latest").read_text().strip() == "step_2"
