@@ -96,7 +96,11 @@ def _report(args: argparse.Namespace) -> int:
     from megatron_ppo.report import print_report
 
     target = args.run_or_recipe
-    print_report(target if Path(target).is_dir() else load_config(target, args.overrides).trainer.log_dir)
+    try:
+        print_report(target if Path(target).is_dir() else load_config(target, args.overrides).trainer.log_dir)
+    except FileNotFoundError as missing:
+        print(f"error: {missing} (has the run started? see trainer.log_dir)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -53,3 +53,9 @@ def test_the_printed_report_and_the_cli(run_dir: Path, capsys) -> None:
 def test_a_missing_directory_is_named() -> None:
     with pytest.raises(FileNotFoundError, match="no TensorBoard directory at /nonexistent"):
         read_run("/nonexistent")
+
+
+def test_the_cli_names_a_run_that_has_not_started(tmp_path: Path, capsys) -> None:
+    recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml")
+    assert main(["report", recipe, f"trainer.log_dir={tmp_path}/never"]) == 1
+    assert f"no TensorBoard directory at {tmp_path}/never" in capsys.readouterr().err
