@@ -56,7 +56,7 @@ class SafetensorsReader:
     """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
 
     def __init__(self, hf_dir: str | Path) -> None:
-        self.bytes_read = 0  # what `get` has returned so far: the conversion reads only its pipeline stage's share
+        self.bytes_read = 0  # what `get` has returned so far: a conversion rank reads only its own share
         hf_dir = Path(hf_dir)
         index = hf_dir / "model.safetensors.index.json"
         if index.is_file():

@@ -22,7 +22,7 @@ from types import FrameType
 
 import psutil
 
-from megatron_ppo.parallel.collectives import any_rank, barrier, global_rank
+from megatron_ppo.parallel.collectives import any_rank, global_rank
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -100,8 +100,8 @@ class JobBudget:
 
 
 def mark_preempted() -> None:
-    """After every rank has saved: rank 0 writes `$MEGATRON_PPO_PREEMPTED_MARKER` (when set) for the batch script."""
-    barrier()
+    """Rank 0 writes `$MEGATRON_PPO_PREEMPTED_MARKER` (when set) for the batch script. Called after `save_checkpoint`,
+    whose closing barrier means every rank has saved."""
     marker = os.environ.get(MARKER_ENV)
     if marker and global_rank() == 0:
         Path(marker).parent.mkdir(parents=True, exist_ok=True)
