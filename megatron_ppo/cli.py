@@ -19,12 +19,14 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from megatron_ppo.tasks import addition
     from megatron_ppo.train.preemption import JobStopped, Preempted, watching
     from megatron_ppo.train.run import train
 
     try:
         with watching():
-            train(load_config(args.recipe, args.overrides))
+            config = load_config(args.recipe, args.overrides)
+            (addition.run if config.data.task == "addition" else train)(config)
     except JobStopped as stop:
         then = "the job is requeued" if isinstance(stop, Preempted) else "the next job resumes from it"
         print(f"stopped early: saved {stop}; exiting with {stop.exit_status}, {then}", file=sys.stderr)
@@ -33,9 +35,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _compare_kl(args: argparse.Namespace) -> int:
-    from megatron_ppo.train.run import compare_kl
+    from megatron_ppo.tasks import addition
 
-    compare_kl(load_config(args.recipe, args.overrides))
+    addition.compare_kl(load_config(args.recipe, args.overrides))
     return 0
 
 

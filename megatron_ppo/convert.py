@@ -18,6 +18,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from megatron_ppo import checkpoint
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate
@@ -31,7 +32,6 @@ from megatron_ppo.models.hf_conversion import (
     save_hf,
 )
 from megatron_ppo.models.transformer_config import padded_vocab_size
-from megatron_ppo.train import checkpoint
 
 SINGLE = MegatronConfig()
 

@@ -9,14 +9,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_ppo import algo
+from megatron_ppo import algo, checkpoint
 from megatron_ppo.algo import StagedKLSchedule
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.data.batching import EpochSampler
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import RoleModel, build_role_model
 from megatron_ppo.parallel.collectives import broadcast_from_last_stage
-from megatron_ppo.train import checkpoint
 from megatron_ppo.train.batch import collate
 from megatron_ppo.train.experience import compute_advantages, compute_experience
 from megatron_ppo.train.guards import Guards, scale_learning_rate

@@ -1,39 +1,28 @@
-"""`train`: start the process groups, then the embedded task or offline PPO on the configured dataset."""
+"""Starting and ending a run: process groups, initial weights, and offline PPO on the configured dataset."""
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from megatron.core import parallel_state
 
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.config.validate import world_size
+from megatron_ppo.convert import converted_init_checkpoint
 from megatron_ppo.data.rows import read_rows
 from megatron_ppo.data.tokenizer import load_tokenizer
-from megatron_ppo.parallel import (
-    destroy_distributed,
-    dist_env_from_environment,
-    init_distributed,
-)
+from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 from megatron_ppo.train.ppo import PPOTrainer
 
 
-def compare_kl(config: PPOConfig) -> dict[str, dict[str, float]]:
-    """The tiny recipe under four KL controls (see `compare_kl.py`)."""
-    if config.data.task != "addition":
-        raise ConfigError(["compare-kl runs the tiny recipe's task: set data.task=addition"])
-    _start(config)
-    try:
-        from megatron_ppo.train.compare_kl import compare_kl as run_comparison
-
-        return run_comparison(config)
-    finally:
-        destroy_distributed()
-
-
-def _start(config: PPOConfig) -> None:
+@contextmanager
+def distributed_run(config: PPOConfig) -> Iterator[None]:
+    """Check the launch against the config, start the process groups, convert `model.hf_checkpoint` on first use;
+    tear the groups down on the way out."""
     env = dist_env_from_environment()
     expected = world_size(config)
     if env.world_size != expected:
@@ -43,32 +32,30 @@ def _start(config: PPOConfig) -> None:
         )  # fmt: skip
     os.makedirs(config.trainer.default_local_dir, exist_ok=True)
     init_distributed(config.actor.megatron, seed=config.trainer.seed)
-    print(
-        f"rank {env.rank}/{env.world_size} (local {env.local_rank}) on "
-        f"{os.environ.get('SLURMD_NODENAME', socket.gethostname())}: tensor-parallel rank "
-        f"{parallel_state.get_tensor_model_parallel_rank()}, pipeline stage "
-        f"{parallel_state.get_pipeline_model_parallel_rank()}, data-parallel rank "
-        f"{parallel_state.get_data_parallel_rank()}",
-        flush=True,
-    )
-    if config.model.hf_checkpoint and not config.model.init_checkpoint:
-        from megatron_ppo.convert import converted_init_checkpoint
-
-        cache = os.path.join(config.trainer.default_local_dir, "hf_init")
-        config.model.init_checkpoint = str(
-            converted_init_checkpoint(config.model.hf_checkpoint, cache, config.model, config.actor.megatron)
-        )
-
-
-def train(config: PPOConfig) -> dict[str, float] | list[dict[str, float]]:
-    _start(config)
     try:
-        if config.data.task == "addition":
-            from megatron_ppo.train.tiny import run_addition_recipe
+        print(
+            f"rank {env.rank}/{env.world_size} (local {env.local_rank}) on "
+            f"{os.environ.get('SLURMD_NODENAME', socket.gethostname())}: tensor-parallel rank "
+            f"{parallel_state.get_tensor_model_parallel_rank()}, pipeline stage "
+            f"{parallel_state.get_pipeline_model_parallel_rank()}, data-parallel rank "
+            f"{parallel_state.get_data_parallel_rank()}",
+            flush=True,
+        )
+        if config.model.hf_checkpoint and not config.model.init_checkpoint:
+            cache = os.path.join(config.trainer.default_local_dir, "hf_init")
+            config.model.init_checkpoint = str(
+                converted_init_checkpoint(config.model.hf_checkpoint, cache, config.model, config.actor.megatron)
+            )
+        yield
+    finally:
+        destroy_distributed()
 
-            return run_addition_recipe(config)
-        if not config.model.tokenizer or not config.data.train_files:
-            raise ConfigError(["offline PPO needs model.tokenizer (.model or tokenizer.json) and data.train_files"])
+
+def train(config: PPOConfig) -> list[dict[str, float]]:
+    """Offline PPO on `data.train_files`: the metrics of every iteration."""
+    if not config.model.tokenizer or not config.data.train_files:
+        raise ConfigError(["offline PPO needs model.tokenizer (.model or tokenizer.json) and data.train_files"])
+    with distributed_run(config):
         tokenizer = load_tokenizer(config.model.tokenizer)
         rows, report = read_rows(
             config.data.train_files, tokenizer, config.data,
@@ -81,5 +68,3 @@ def train(config: PPOConfig) -> dict[str, float] | list[dict[str, float]]:
             return trainer.fit()
         finally:
             trainer.close()
-    finally:
-        destroy_distributed()

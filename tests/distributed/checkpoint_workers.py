@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
+from megatron_ppo import checkpoint
 from megatron_ppo.config.schema import MegatronConfig, OptimConfig
 from megatron_ppo.models import build_role_model
 from megatron_ppo.parallel import init_distributed
-from megatron_ppo.train import checkpoint
 from megatron_ppo.train.optimizer import build_optimizer
 from tests.distributed.workers import MODEL, weights
 

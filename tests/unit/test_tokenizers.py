@@ -9,8 +9,8 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers, trainers
 
-from megatron_ppo.data.synthetic import corpus, split_problems
 from megatron_ppo.data.tokenizer import HFTokenizer, load_tokenizer, train_char_tokenizer
+from megatron_ppo.tasks.addition.problems import corpus, split_problems
 
 
 def test_char_sentencepiece_round_trips_the_addition_task(tmp_path: Path) -> None:

@@ -15,18 +15,18 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from megatron_ppo import checkpoint
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.data.rows import Row, read_rows
-from megatron_ppo.data.synthetic import AdditionProblem, corpus, demonstrate, reward, split_problems
 from megatron_ppo.data.tokenizer import SentencePieceTokenizer, train_char_tokenizer
 from megatron_ppo.models import RoleModel, build_role_model
+from megatron_ppo.models.generation import generate
 from megatron_ppo.parallel.collectives import barrier
-from megatron_ppo.train import checkpoint
-from megatron_ppo.train.generation import generate
+from megatron_ppo.tasks.addition.problems import AdditionProblem, corpus, demonstrate, reward, split_problems
+from megatron_ppo.tasks.addition.sft import run_sft
 from megatron_ppo.train.metrics import is_logging_rank
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.ppo import PPOTrainer
-from megatron_ppo.train.sft import run_sft
 
 MAX_NEW_TOKENS = 4  # three digits and the end marker
 

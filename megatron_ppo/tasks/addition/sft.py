@@ -1,4 +1,4 @@
-"""Supervised fine-tuning on (prompt, response) rows: the tiny recipe's initial policy, and critic warm-up data."""
+"""Supervised fine-tuning on (prompt, response) rows: the tiny recipe's initial policy, trained on the demonstrator."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.tasks.addition.recipe import prepare_addition_task, train_on_task
 from megatron_ppo.train.metrics import is_logging_rank
-from megatron_ppo.train.tiny import prepare_addition_task, train_on_task
 
 
 def variants(config: PPOConfig) -> dict[str, PPOConfig]:

@@ -1,0 +1,31 @@
+"""The tiny recipe's task (`data.task=addition`): two-digit addition, end to end on a CPU.
+
+A character tokenizer, an SFT policy trained on a noisy demonstrator, an offline dataset sampled from it and
+scored by rule, offline PPO from that policy, and greedy evaluation on held-out prompts; `compare-kl` runs the
+PPO stage under four KL controls.
+"""
+
+from __future__ import annotations
+
+from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.schema import PPOConfig
+
+
+def run(config: PPOConfig) -> dict[str, float]:
+    """The whole recipe; returns the summary numbers it prints."""
+    from megatron_ppo.tasks.addition.recipe import run_addition_recipe
+    from megatron_ppo.train.run import distributed_run
+
+    with distributed_run(config):
+        return run_addition_recipe(config)
+
+
+def compare_kl(config: PPOConfig) -> dict[str, dict[str, float]]:
+    """The PPO stage with the KL term off, fixed, adaptive and staged (same SFT start, data and seed)."""
+    if config.data.task != "addition":
+        raise ConfigError(["compare-kl runs the tiny recipe's task: set data.task=addition"])
+    from megatron_ppo.tasks.addition.compare_kl import compare_kl as run_comparison
+    from megatron_ppo.train.run import distributed_run
+
+    with distributed_run(config):
+        return run_comparison(config)
