@@ -1,7 +1,9 @@
 """KL-coefficient controllers: β for the KL loss, the KL-in-reward penalty, or both.
 
 Every controller has `value` (β for the next step), `update(current_kl, n_steps)`, `state_dict()` and
-`load_state_dict()`, and keeps β within [min_coef, max_coef]. A β that reaches 0 can never grow again under a
+`load_state_dict()`, and keeps β within [min_coef, max_coef]. Plain attributes say what it aims at: `target_kl`
+(None where it has no target), `stage_index` (None unless staged) and `guard_overrides` (guard thresholds set by the
+current stage; empty unless staged). A β that reaches 0 can never grow again under a
 multiplicative rule, so a positive `min_coef` keeps a controller alive.
 """
 
@@ -17,12 +19,18 @@ class KLController:
     """Base: a coefficient clamped to [min_coef, max_coef]; subclasses define `_next(kl, n_steps)`."""
 
     kind = "base"
+    target_kl: float | None = None
+    stage_index: int | None = None
 
     def __init__(self, kl_coef: float, min_coef: float = 0.0, max_coef: float = math.inf) -> None:
         if not 0.0 <= min_coef <= max_coef:
             raise ValueError(f"need 0 ≤ min_coef ≤ max_coef, got min_coef={min_coef}, max_coef={max_coef}")
         self.min_coef, self.max_coef = min_coef, max_coef
         self.value = self._clamp(kl_coef)
+
+    @property
+    def guard_overrides(self) -> dict[str, float]:
+        return {}
 
     def _clamp(self, value: float) -> float:
         return min(max(value, self.min_coef), self.max_coef)
@@ -93,7 +101,9 @@ class PowerLawKLController(KLController):
 
 
 class BandKLController(KLController):
-    """Band rule: β ← β·up if KL > high, β·down if KL < low, else unchanged (up 1.2, down 0.8)."""
+    """Band rule: β ← β·up if KL > high, β·down if KL < low, else unchanged (up 1.2, down 0.8).
+
+    Its `target_kl` is the band's geometric centre √(low·high) (the target of the default band [t/1.5, 1.5·t])."""
 
     kind = "band"
 
@@ -105,6 +115,7 @@ class BandKLController(KLController):
             raise ValueError(f"KL band needs 0 ≤ low < high, got {band}")
         super().__init__(kl_coef, **bounds)
         self.band, self.up, self.down = (low, high), up, down
+        self.target_kl = math.sqrt(low * high)
 
     def _next(self, current_kl: float, n_steps: int) -> float:
         low, high = self.band

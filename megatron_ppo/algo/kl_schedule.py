@@ -81,6 +81,11 @@ class StagedKLSchedule:
         return self.stages[self.stage_index]
 
     @property
+    def target_kl(self) -> float | None:
+        """The current stage's target (None in a warm-up stage)."""
+        return self.stage.target_kl
+
+    @property
     def guard_overrides(self) -> dict[str, float]:
         """Guard thresholds set by the current stage (empty where it sets none)."""
         return dict(self.stage.guards)

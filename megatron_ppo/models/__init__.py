@@ -1,4 +1,5 @@
-"""Megatron-Core GPT models for the three roles, vocabulary-parallel log-probs, and the pipeline schedule entry."""
+"""Megatron-Core GPT models for the three roles, vocabulary-parallel log-probs, the pipeline schedule entry and
+autoregressive generation."""
 
 from megatron_ppo.models.gpt import RoleModel, build_role_model, select_layer_spec, unwrap
 from megatron_ppo.models.logprobs import vocab_parallel_log_probs

@@ -1,6 +1,6 @@
 """Autoregressive decoding with a Megatron policy (no KV cache: each step re-runs the prefix, fine for short tasks).
 
-Used by the tiny recipe to sample its offline dataset and for greedy evaluation. Every tensor-parallel rank draws
+Used to sample responses (the tiny recipe's offline dataset) and for greedy evaluation. Every tensor-parallel rank draws
 the same token from the same gathered logits and seed; the last pipeline stage's tokens are broadcast to the
 others; data-parallel replicas decode disjoint shares of the prompts, gathered at the end.
 """

@@ -71,3 +71,18 @@ def any_rank(flag: bool) -> bool:
     if dist.is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value.item() > 0
+
+
+def broadcast_tensor_from_last_stage(tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The last pipeline stage's `tensor` on every stage of this rank's pipeline. Other stages pass `None` and
+    receive into a new tensor of `like`'s shape, dtype and device."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        assert tensor is not None, "a single pipeline stage is the last stage"
+        return tensor
+    buffer = tensor.contiguous() if is_last_stage() else torch.empty_like(like)
+    dist.broadcast(
+        buffer,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return buffer

@@ -9,6 +9,7 @@ shape `[rows, max_len]`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NotRequired, TypedDict, TypeVar
 
 import torch
 
@@ -16,7 +17,22 @@ from megatron_ppo.data.batching import dynamic_micro_batches, fixed_micro_batche
 from megatron_ppo.data.rows import Row
 from megatron_ppo.parallel.collectives import data_parallel_share
 
-Batch = dict[str, torch.Tensor]
+
+class Batch(TypedDict):
+    """A PPO batch of R rows, W = the longest prompt + response among them."""
+
+    input_ids: torch.Tensor  # [R, W] long: prompt then response tokens, right-padded
+    labels: torch.Tensor  # [R, W] long: input_ids shifted left by one
+    loss_mask: torch.Tensor  # [R, W] float: 1 where the label is a response token (verl's response_mask)
+    position_ids: torch.Tensor  # [R, W] long
+    lengths: torch.Tensor  # [R] long: prompt + response tokens
+    scores: torch.Tensor  # [R] float: sequence reward; NaN where the row gives token rewards
+    token_level_scores: torch.Tensor  # [R, W] float: the row's token rewards at their label positions, else 0
+    group: torch.Tensor  # [R] long: dense GRPO group ids of the rows' uids
+    behavior_log_prob: NotRequired[torch.Tensor]  # [R, W] float: the behaviour policy's log-probs, when rows have them
+
+
+AnyBatch = TypeVar("AnyBatch", bound=dict)
 
 
 def collate(rows: Sequence[Row], pad_id: int) -> Batch:
@@ -40,35 +56,35 @@ def collate(rows: Sequence[Row], pad_id: int) -> Batch:
             scores[i] = row.reward
         if row.behavior_log_probs is not None:
             behavior_log_prob[i, prompt - 1 : prompt + response - 1] = torch.tensor(row.behavior_log_probs)
-    batch = {
-        "input_ids": input_ids,
-        "labels": torch.roll(input_ids, -1, dims=1),
-        "loss_mask": loss_mask,
-        "position_ids": torch.arange(width).expand(len(rows), width).clone(),
-        "lengths": torch.tensor(lengths),
-        "scores": scores,
-        "token_level_scores": token_level_scores,
-        "group": _dense_ids([r.uid for r in rows]),
-    }
+    batch = Batch(
+        input_ids=input_ids,
+        labels=torch.roll(input_ids, -1, dims=1),
+        loss_mask=loss_mask,
+        position_ids=torch.arange(width).expand(len(rows), width).clone(),
+        lengths=torch.tensor(lengths),
+        scores=scores,
+        token_level_scores=token_level_scores,
+        group=_dense_ids([r.uid for r in rows]),
+    )
     if any(r.behavior_log_probs is not None for r in rows):
         batch["behavior_log_prob"] = behavior_log_prob
     return batch
 
 
-def select(batch: Batch, indices: Sequence[int]) -> Batch:
+def select(batch: AnyBatch, indices: Sequence[int]) -> AnyBatch:
     """The rows `indices` of `batch`, token tensors trimmed to the longest of those rows."""
     index = torch.as_tensor(list(indices), dtype=torch.long)
     width = int(batch["lengths"][index].max())
     out = {}
-    for key, value in batch.items():
+    for key, value in batch.items():  # every tensor has the rows first
         rows = value[index]
         out[key] = rows[:, :width] if rows.dim() == 2 else rows
     return out
 
 
 def replica_micro_batches(
-    batch: Batch, micro_batch_size: int | None, max_tokens: int | None = None
-) -> tuple[list[int], list[list[int]], list[Batch]]:
+    batch: AnyBatch, micro_batch_size: int | None, max_tokens: int | None = None
+) -> tuple[list[int], list[list[int]], list[AnyBatch]]:
     """This data-parallel replica's rows of `batch` cut into micro-batches: fixed-size ones, or token-budget ones
     when `max_tokens` is given. Returns (the replica's row indices, the groups as positions in them, the
     micro-batches)."""
@@ -79,17 +95,6 @@ def replica_micro_batches(
     else:
         groups = fixed_micro_batches(lengths, micro_batch_size)
     return share, groups, [select(batch, [share[i] for i in group]) for group in groups]
-
-
-def concat(parts: Sequence[Batch], width: int) -> Batch:
-    """Stack batches row-wise, padding token tensors to `width` with zeros."""
-    out: Batch = {}
-    for key in parts[0]:
-        tensors = [p[key] for p in parts]
-        if tensors[0].dim() == 2:
-            tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
-        out[key] = torch.cat(tensors)
-    return out
 
 
 def _dense_ids(labels: Sequence[str]) -> torch.Tensor:

@@ -1,17 +1,43 @@
 """Experience for one PPO iteration: forward passes (no grad) of actor, reference and critic, then token rewards
-and advantages. Runs on every rank; the results exist on the last pipeline stage (elsewhere they are `None`)."""
+and advantages. The passes run through the pipeline; their outputs are broadcast from the last stage, so the
+experience is the same typed object on every rank."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NotRequired, TypedDict
 
 import torch
 
 from megatron_ppo import algo
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
-from megatron_ppo.parallel.collectives import gather_data_parallel, is_last_stage, undo_share
+from megatron_ppo.parallel.collectives import (
+    broadcast_tensor_from_last_stage,
+    gather_data_parallel,
+    is_last_stage,
+    undo_share,
+)
 from megatron_ppo.train.batch import Batch, replica_micro_batches
+
+
+class ForwardPasses(TypedDict):
+    """The models' view of a batch of R rows, width W, at label positions (`Batch.loss_mask` marks the response)."""
+
+    old_log_prob: torch.Tensor  # [R, W] log π_old(label): the actor before this iteration's updates
+    ref_log_prob: NotRequired[torch.Tensor]  # [R, W] log π_ref(label), when a KL term is on
+    values: NotRequired[torch.Tensor]  # [R, W] V(prefix) of the critic, for GAE
+
+
+class Experience(Batch):
+    """Everything the actor and critic updates read: the batch, the forward passes, rewards and advantages."""
+
+    old_log_prob: torch.Tensor  # [R, W]
+    ref_log_prob: NotRequired[torch.Tensor]  # [R, W]
+    values: NotRequired[torch.Tensor]  # [R, W]
+    token_level_rewards: torch.Tensor  # [R, W] score (last response token) − β·KL per token when KL is in the reward
+    advantages: torch.Tensor  # [R, W] GAE or GRPO, zero off the response
+    returns: torch.Tensor  # [R, W] critic targets
 
 
 def forward_per_token(
@@ -20,21 +46,22 @@ def forward_per_token(
     output_fn: Callable[[Batch, torch.Tensor], torch.Tensor],
     micro_batch_size: int | None,
     max_tokens: int | None,
-) -> torch.Tensor | None:
-    """`output_fn(micro_batch, model_output)` → `[rows, width]` for every row of `batch`, computed on this replica's
-    share and gathered over data-parallel ranks; `None` off the last pipeline stage."""
+) -> torch.Tensor:
+    """`output_fn(micro_batch, model_output)` → `[rows, width]` for every row of `batch`: computed on this
+    replica's share, gathered over data-parallel ranks, and broadcast from the last pipeline stage."""
     share, groups, micro = replica_micro_batches(batch, micro_batch_size, max_tokens)
     outputs = run_micro_batches(
         model, micro, lambda b, out: (torch.zeros(()), {"value": output_fn(b, out)}), forward_only=True
     )
-    if not is_last_stage():
-        return None
-    width = batch["input_ids"].shape[1]
-    per_row: list[torch.Tensor] = [None] * len(share)  # type: ignore[list-item]
-    for group, output in zip(groups, outputs, strict=True):
-        for position, row in enumerate(group):
-            per_row[row] = torch.nn.functional.pad(output["value"][position], (0, width - output["value"].shape[1]))
-    return torch.stack(undo_share(gather_data_parallel(per_row)))
+    gathered = None
+    if is_last_stage():
+        width = batch["input_ids"].shape[1]
+        per_row: list[torch.Tensor] = [None] * len(share)  # type: ignore[list-item]
+        for group, output in zip(groups, outputs, strict=True):
+            for position, row in enumerate(group):
+                per_row[row] = torch.nn.functional.pad(output["value"][position], (0, width - output["value"].shape[1]))
+        gathered = torch.stack(undo_share(gather_data_parallel(per_row)))
+    return broadcast_tensor_from_last_stage(gathered, like=batch["loss_mask"])
 
 
 def log_prob_fn(model: RoleModel) -> Callable[[Batch, torch.Tensor], torch.Tensor]:
@@ -49,18 +76,17 @@ def values_fn(batch: Batch, output: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_experience(
+def forward_passes(
     config: PPOConfig, batch: Batch, actor: RoleModel, ref: RoleModel | None, critic: RoleModel | None
-) -> Batch | None:
-    """Adds `old_log_prob`, `ref_log_prob` (when a KL term is on) and `values` (GAE) to `batch`."""
+) -> ForwardPasses:
+    """`old_log_prob` of the actor, `ref_log_prob` (when a KL term is on) and the critic's `values` (GAE)."""
     micro = config.actor.log_prob_micro_batch_size_per_gpu
     tokens = config.actor.ppo_max_token_len_per_gpu if config.actor.use_dynamic_bsz else None
     for model in (actor, ref, critic):
         if model is not None:
             for chunk in model.chunks:
                 chunk.eval()
-    out = dict(batch)
-    out["old_log_prob"] = forward_per_token(actor, batch, log_prob_fn(actor), micro, tokens)
+    out = ForwardPasses(old_log_prob=forward_per_token(actor, batch, log_prob_fn(actor), micro, tokens))
     if ref is not None:
         out["ref_log_prob"] = forward_per_token(ref, batch, log_prob_fn(ref), micro, tokens)
     if critic is not None:
@@ -69,15 +95,18 @@ def compute_experience(
         if model is not None:
             for chunk in model.chunks:
                 chunk.train()
-    return out if is_last_stage() else None
+    return out
 
 
 def compute_advantages(
-    config: PPOConfig, batch: Batch, reward_kl_coef: float | None, normalizer: algo.RunningRewardNormalizer | None
-) -> tuple[Batch, dict[str, float]]:
+    config: PPOConfig,
+    batch: Batch,
+    passes: ForwardPasses,
+    reward_kl_coef: float | None,
+    normalizer: algo.RunningRewardNormalizer | None,
+) -> tuple[Experience, dict[str, float]]:
     """Token rewards (clipped/normalised sequence score on the last response token, minus β·KL when the KL is in
-    the reward), then GAE or GRPO advantages. Returns the batch with `token_level_rewards`, `advantages`, `returns`
-    and the reward metrics."""
+    the reward), then GAE or GRPO advantages; with the reward metrics."""
     mask = batch["loss_mask"]
     scores = batch["scores"]
     has_score = ~torch.isnan(scores)
@@ -91,18 +120,39 @@ def compute_advantages(
     metrics = {"reward/mean": float(token_scores.sum(-1).mean())}
     rewards = token_scores
     if reward_kl_coef is not None:
-        kl = algo.kl_penalty(batch["old_log_prob"], batch["ref_log_prob"], config.algorithm.kl_penalty) * mask
+        kl = algo.kl_penalty(passes["old_log_prob"], passes["ref_log_prob"], config.algorithm.kl_penalty) * mask
         rewards = algo.kl_penalized_rewards(token_scores, kl, reward_kl_coef, mask)
         metrics["kl/reward_penalty"] = float(algo.masked_mean(kl, mask, dim=-1).mean())
     if config.algorithm.adv_estimator == "gae":
         advantages, returns = algo.gae_advantages(
-            rewards, batch["values"], mask, config.algorithm.gamma, config.algorithm.lam
+            rewards, passes["values"], mask, config.algorithm.gamma, config.algorithm.lam
         )
     else:
         advantages, returns = algo.grpo_advantages(
             rewards, mask, batch["group"], norm_adv_by_std_in_grpo=config.algorithm.norm_adv_by_std_in_grpo
         )
-    return {**batch, "token_level_rewards": rewards, "advantages": advantages, "returns": returns}, metrics
+    experience = Experience(
+        **batch, **passes, token_level_rewards=rewards, advantages=advantages, returns=returns
+    )  # fmt: skip
+    return experience, metrics
+
+
+def experience_metrics(config: PPOConfig, experience: Experience) -> dict[str, float]:
+    """Response length; KL(actor‖ref) per token, mean and std over sequences (the estimator of the KL loss, else
+    of the reward penalty); the critic's mean value and explained variance of the returns."""
+    mask = experience["loss_mask"]
+    out = {"response_length/mean": float(mask.sum(-1).mean())}
+    if "ref_log_prob" in experience:
+        kind = config.actor.kl_loss_type if config.actor.use_kl_loss else config.algorithm.kl_penalty
+        kl = algo.kl_penalty(experience["old_log_prob"], experience["ref_log_prob"], kind)
+        per_sequence = algo.masked_mean(kl, mask, dim=-1)
+        out |= {"kl/mean": float(per_sequence.mean()), "kl/std": float(per_sequence.std())}
+    if "values" in experience:
+        out["critic/values_mean"] = float(algo.masked_mean(experience["values"], mask))
+        out["critic/vf_explained_var"] = float(
+            algo.explained_variance(experience["values"], experience["returns"], mask)
+        )
+    return out
 
 
 def _clip_range(config: PPOConfig) -> tuple[float, float] | None:

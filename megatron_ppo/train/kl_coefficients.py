@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from megatron_ppo.algo import KLController, KLStage, StagedKLSchedule, build_kl_controller
 from megatron_ppo.config import PPOConfig
 
@@ -52,3 +55,41 @@ def build_kl_coefficients(config: PPOConfig, total_steps: int) -> dict[str, KLCo
                 **bounds,
             )
     return coefficients
+
+
+class KLCoefficients:
+    """β of each enabled KL term ("loss", "reward"), stepped together from the KL measured in each iteration."""
+
+    def __init__(self, config: PPOConfig, total_steps: int) -> None:
+        self.controllers = build_kl_coefficients(config, total_steps)
+
+    def coef(self, term: str) -> float | None:
+        """β of `term` for the next update; None when that KL term is off."""
+        controller = self.controllers.get(term)
+        return None if controller is None else controller.value
+
+    @property
+    def guard_overrides(self) -> dict[str, float]:
+        """Guard thresholds set by the current KL stage (empty unless a term is staged)."""
+        return {k: v for c in self.controllers.values() for k, v in c.guard_overrides.items()}
+
+    def step(self, current_kl: float | None, batch_rows: int) -> dict[str, float]:
+        """Log the β used in this iteration (with its target and stage), then update every controller from
+        `current_kl` (KL(actor‖ref) per token; skipped when it was not measured or is not finite)."""
+        out: dict[str, float] = {}
+        for term, controller in self.controllers.items():
+            out["kl/coef" if term == "loss" else "kl/reward_coef"] = controller.value
+            if controller.stage_index is not None:
+                out["kl/stage"] = float(controller.stage_index)
+            if controller.target_kl is not None:
+                out["kl/target"] = controller.target_kl
+            if current_kl is not None and math.isfinite(current_kl):
+                controller.update(current_kl, n_steps=batch_rows)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {term: c.state_dict() for term, c in self.controllers.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for term, controller in self.controllers.items():
+            controller.load_state_dict(state[term])

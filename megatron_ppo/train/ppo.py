@@ -1,25 +1,23 @@
-"""The offline PPO loop: read rows → experience → advantages → actor/critic updates → KL control, guards,
-metrics, checkpoints (see `../shared/DESIGN.md`, "The data flow of one PPO iteration")."""
+"""The offline PPO loop: read rows → experience → advantages → critic/actor updates → KL control, guards,
+metrics, checkpoints (`docs/design.md`, "One PPO iteration"; `PPOTrainer.iteration` numbers the steps)."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from megatron_ppo import algo, checkpoint
-from megatron_ppo.algo import StagedKLSchedule
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.data.batching import EpochSampler
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import RoleModel, build_role_model
-from megatron_ppo.parallel.collectives import broadcast_from_last_stage
 from megatron_ppo.train.batch import collate
-from megatron_ppo.train.experience import compute_advantages, compute_experience
-from megatron_ppo.train.guards import Guards, scale_learning_rate
-from megatron_ppo.train.kl_coefficients import build_kl_coefficients
+from megatron_ppo.train.experience import Experience, compute_advantages, experience_metrics, forward_passes
+from megatron_ppo.train.guards import GuardAction, Guards, scale_learning_rate
+from megatron_ppo.train.kl_coefficients import KLCoefficients
 from megatron_ppo.train.metrics import MetricsLogger
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.preemption import (
@@ -30,13 +28,9 @@ from megatron_ppo.train.preemption import (
     mark_preempted,
     watching,
 )
-from megatron_ppo.train.update import actor_loss, critic_loss, update_role
+from megatron_ppo.train.update import RoleUpdate, actor_loss, critic_loss, update_role
 
 Evaluate = Callable[[RoleModel], dict[str, float]]
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 class PPOTrainer:
@@ -77,7 +71,7 @@ class PPOTrainer:
             self.schedulers[role] = build_scheduler(
                 self.optimizers[role], role_config.optim, self.total_steps * minibatches[role]
             )
-        self.kl_coefficients = build_kl_coefficients(config, self.total_steps)
+        self.kl = KLCoefficients(config, self.total_steps)
         self.normalizer = algo.RunningRewardNormalizer() if config.reward.normalize else None
         self.sampler = EpochSampler(len(rows), seed=config.data.seed, shuffle=config.data.shuffle)
         self.guards = Guards(config.guards)
@@ -92,7 +86,7 @@ class PPOTrainer:
             "step": self.step,
             "skipped_steps": self.skipped_steps,
             "sampler": self.sampler.state_dict(),
-            "kl": {term: c.state_dict() for term, c in self.kl_coefficients.items()},
+            "kl": self.kl.state_dict(),
             "schedulers": {role: s.state_dict() for role, s in self.schedulers.items()},
             "normalizer": self.normalizer.state_dict() if self.normalizer else None,
             "guards": self.guards.state_dict(),
@@ -101,8 +95,7 @@ class PPOTrainer:
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.step, self.skipped_steps = state["step"], state["skipped_steps"]
         self.sampler.load_state_dict(state["sampler"])
-        for term, controller in self.kl_coefficients.items():
-            controller.load_state_dict(state["kl"][term])
+        self.kl.load_state_dict(state["kl"])
         for role, scheduler in self.schedulers.items():
             scheduler.load_state_dict(state["schedulers"][role])
         if self.normalizer is not None and state["normalizer"] is not None:
@@ -134,71 +127,67 @@ class PPOTrainer:
 
     # --- one iteration -------------------------------------------------------------------------------------------
     def iteration(self) -> dict[str, float]:
-        config = self.config
-        started = time.perf_counter()
+        """One PPO iteration, in the order of the algorithm; returns its metrics."""
+        config, started = self.config, time.perf_counter()
+        # 1. batch: the next train_batch_size rows, tokenized and right-padded
         batch = collate([self.rows[i] for i in self.sampler.next_batch(config.data.train_batch_size)], self.pad_id)
-        experience = compute_experience(config, batch, self.actor, self.ref, self.critic)
-        reward_coef = self.kl_coefficients["reward"].value if "reward" in self.kl_coefficients else None
-        metrics: dict[str, float] = {}
-        if experience is not None:
-            experience, metrics = compute_advantages(config, experience, reward_coef, self.normalizer)
-            metrics |= self._experience_metrics(experience)
-        experience = experience if experience is not None else batch
-        critic_metrics, critic_steps = [], []
-        if self.critic is not None:
-            critic_metrics, critic_steps = update_role(
-                self.critic, self.optimizers["critic"], self.schedulers["critic"], experience,
-                epochs=config.critic.ppo_epochs, mini_batch_size=config.critic.ppo_mini_batch_size,
-                micro_batch_size=config.critic.ppo_micro_batch_size_per_gpu,
-                max_tokens=config.critic.ppo_max_token_len_per_gpu if config.critic.use_dynamic_bsz else None,
-                clip_grad=config.critic.optim.clip_grad, make_loss=lambda counts: critic_loss(config.critic, counts),
-            )  # fmt: skip
-        actor_metrics, actor_steps = [], []
+        # 2. experience: log-probs of actor and reference, values of the critic (no grad; on every rank)
+        passes = forward_passes(config, batch, self.actor, self.ref, self.critic)
+        # 3. advantages: token rewards (clipped score, minus β·KL when the KL is in the reward), then GAE or GRPO
+        experience, metrics = compute_advantages(config, batch, passes, self.kl.coef("reward"), self.normalizer)
+        metrics |= experience_metrics(config, experience)
+        # 4. critic update: clipped value loss on the returns
+        updates = [self._update("critic", experience)] if self.critic is not None else []
+        # 5. actor update: clipped surrogate + β·KL − entropy bonus, once the critic has warmed up
         if self.step >= config.trainer.critic_warmup:
-            loss_coef = self.kl_coefficients["loss"].value if "loss" in self.kl_coefficients else 0.0
-            actor_metrics, actor_steps = update_role(
-                self.actor, self.optimizers["actor"], self.schedulers["actor"], experience,
-                epochs=config.actor.ppo_epochs, mini_batch_size=config.actor.ppo_mini_batch_size,
-                micro_batch_size=config.actor.ppo_micro_batch_size_per_gpu,
-                max_tokens=config.actor.ppo_max_token_len_per_gpu if config.actor.use_dynamic_bsz else None,
-                clip_grad=config.actor.optim.clip_grad,
-                make_loss=lambda counts: actor_loss(config.actor, counts, loss_coef, self.actor.vocab_size),
-            )  # fmt: skip
-        for key in {k for m in actor_metrics + critic_metrics for k in m}:
-            metrics[key] = _mean([m[key] for m in actor_metrics + critic_metrics if key in m])
-        metrics = broadcast_from_last_stage(metrics)
-        for role, steps in (("actor", actor_steps), ("critic", critic_steps)):
-            if steps:
-                finite = [s.grad_norm for s in steps if math.isfinite(s.grad_norm)]
-                metrics[f"{role}/grad_norm"] = _mean(finite)
-                metrics[f"{role}/grad_norm_max"] = max(finite, default=float("nan"))
-                metrics[f"{role}/lr"] = self.optimizers[role].param_groups[0]["lr"]
-                self.skipped_steps += sum(s.skipped for s in steps)
-        metrics |= self._kl_control(metrics.get("kl/mean"), config.data.train_batch_size)
+            updates.append(self._update("actor", experience))
+        for update in updates:
+            metrics |= update.metrics
+            self.skipped_steps += update.skipped
         self.step += 1
+        # 6. KL control: β for the next iteration from this one's KL (stage-aware)
+        metrics |= self.kl.step(metrics.get("kl/mean"), config.data.train_batch_size)
+        # 7. guards: back off, roll back or stop on spikes, KL explosions and non-finite steps
+        skipped = any(update.skipped for update in updates)
+        self._act(self.guards.observe(metrics, skipped, self.kl.guard_overrides))
+        # 8. metrics: counters and throughput
         elapsed = time.perf_counter() - started
-        tokens = float(batch["lengths"].sum())
-        metrics |= {"train/skipped_steps": float(self.skipped_steps), "perf/step_time_s": elapsed,
-                    "perf/tokens_per_s": tokens / elapsed}  # fmt: skip
-        overrides = next(
-            (c.guard_overrides for c in self.kl_coefficients.values() if isinstance(c, StagedKLSchedule)), None
-        )
-        skipped = any(s.skipped for s in actor_steps + critic_steps)
-        for event in self.guards.observe(self.step, metrics, self.schedulers, skipped, overrides):
-            self.logger.event(self.step, "guard", event)
-        if self.guards.rollback_requested:
-            self._roll_back()
-        return metrics
+        return metrics | {"train/skipped_steps": float(self.skipped_steps), "perf/step_time_s": elapsed,
+                          "perf/tokens_per_s": float(batch["lengths"].sum()) / elapsed}  # fmt: skip
 
-    def _roll_back(self) -> None:
+    def _update(self, role: str, experience: Experience) -> RoleUpdate:
+        """`ppo_epochs` passes of `role` over the mini-batches of `experience`."""
+        role_config = getattr(self.config, role)
+        if role == "actor":
+            kl_coef = self.kl.coef("loss") or 0.0
+            make_loss = partial(actor_loss, role_config, kl_loss_coef=kl_coef, vocab_size=self.actor.vocab_size)
+        else:
+            make_loss = partial(critic_loss, role_config)
+        return update_role(
+            role, self.models[role], self.optimizers[role], self.schedulers[role], experience,
+            epochs=role_config.ppo_epochs, mini_batch_size=role_config.ppo_mini_batch_size,
+            micro_batch_size=role_config.ppo_micro_batch_size_per_gpu,
+            max_tokens=role_config.ppo_max_token_len_per_gpu if role_config.use_dynamic_bsz else None,
+            clip_grad=role_config.optim.clip_grad, make_loss=make_loss,
+        )  # fmt: skip
+
+    def _act(self, actions: list[GuardAction]) -> None:
+        """Carry out what the guards asked for, each with its message in the logs."""
+        for action in actions:
+            self.logger.event(self.step, "guard", action.message)
+            if action.kind == "stop":
+                raise RuntimeError(action.message)
+            if action.kind == "lr_backoff":
+                scale_learning_rate(self.schedulers[action.role], action.lr_factor)
+            elif action.kind == "rollback":
+                self._roll_back(action.lr_factor, action.max_rollbacks)
+
+    def _roll_back(self, lr_factor: float, max_rollbacks: int) -> None:
         """Restore the last good checkpoint with lower learning rates (the guards keep their own counters)."""
         guards = self.guards
-        guards.rollback_requested = False
         path = checkpoint.find_resumable(self.config.trainer.default_local_dir)
-        if path is None or guards.rollbacks >= guards.base.max_rollbacks:
-            reason = (
-                "no checkpoint yet" if path is None else f"guards.max_rollbacks={guards.base.max_rollbacks} reached"
-            )
+        if path is None or guards.rollbacks >= max_rollbacks:
+            reason = "no checkpoint yet" if path is None else f"guards.max_rollbacks={max_rollbacks} reached"
             self.logger.event(self.step, "guard", f"rollback not possible: {reason}; continuing")
             return
         counters = guards.state_dict()
@@ -206,40 +195,8 @@ class PPOTrainer:
         guards.load_state_dict(counters)
         guards.rollbacks += 1
         for scheduler in self.schedulers.values():
-            scale_learning_rate(scheduler, guards.base.rollback_lr_factor)
-        self.logger.event(
-            self.step, "guard", f"rolled back to {path}, learning rates × {guards.base.rollback_lr_factor}"
-        )
-
-    def _experience_metrics(self, experience) -> dict[str, float]:
-        mask = experience["loss_mask"]
-        out = {"response_length/mean": float(mask.sum(-1).mean())}
-        if "ref_log_prob" in experience:
-            kind = self.config.actor.kl_loss_type if self.config.actor.use_kl_loss else self.config.algorithm.kl_penalty
-            kl = algo.kl_penalty(experience["old_log_prob"], experience["ref_log_prob"], kind)
-            per_sequence = algo.masked_mean(kl, mask, dim=-1)
-            out |= {"kl/mean": float(per_sequence.mean()), "kl/std": float(per_sequence.std())}
-        if "values" in experience:
-            out["critic/values_mean"] = float(algo.masked_mean(experience["values"], mask))
-            out["critic/vf_explained_var"] = float(
-                algo.explained_variance(experience["values"], experience["returns"], mask)
-            )
-        return out
-
-    def _kl_control(self, current_kl: float | None, batch_rows: int) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for term, controller in self.kl_coefficients.items():
-            name = "kl/coef" if term == "loss" else "kl/reward_coef"
-            out[name] = controller.value
-            if isinstance(controller, StagedKLSchedule):
-                out["kl/stage"] = float(controller.stage_index)
-                if controller.stage.target_kl is not None:  # a warm-up stage has none
-                    out["kl/target"] = controller.stage.target_kl
-            elif controller.kind != "fixed":
-                out["kl/target"] = self.config.algorithm.kl_ctrl.target_kl
-            if current_kl is not None and math.isfinite(current_kl):
-                controller.update(current_kl, n_steps=batch_rows)
-        return out
+            scale_learning_rate(scheduler, lr_factor)
+        self.logger.event(self.step, "guard", f"rolled back to {path}, learning rates × {lr_factor}")
 
     # --- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:

@@ -1,14 +1,20 @@
-"""The PPO update: `ppo_epochs` × mini-batches × micro-batches of actor and critic through Megatron's schedule.
+"""The PPO update: `ppo_epochs` × mini-batches × micro-batches of actor or critic through Megatron's schedule.
 
-Each loss is normalised by the token/sequence counts of the whole mini-batch (all micro-batches, all
-data-parallel replicas), so the gradient does not depend on how the mini-batch is cut. Metrics come back as sums
-and counts per micro-batch and are reduced to mini-batch means (last pipeline stage only).
+Each loss is normalised by the token/sequence counts of the whole mini-batch (all micro-batches, all data-parallel
+replicas; see `megatron_ppo.algo.aggregation`). For `token-mean`, `token-sum` and the `seq-mean-*` modes other
+than `seq-mean-token-sum-norm` the gradient therefore does not depend on how the mini-batch is cut into
+micro-batches; `seq-mean-token-sum-norm` also divides by the micro-batch's token width. Metrics come back from each
+micro-batch as parts that say how they combine (`MetricPart`) and are reduced to mini-batch values, then averaged
+over the mini-batches of the update.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from megatron.core import parallel_state
@@ -16,14 +22,40 @@ from megatron.core import parallel_state
 from megatron_ppo import algo
 from megatron_ppo.config.schema import ActorConfig, CriticConfig
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
-from megatron_ppo.parallel.collectives import gather_data_parallel
-from megatron_ppo.train.batch import Batch, replica_micro_batches, select
+from megatron_ppo.parallel.collectives import broadcast_from_last_stage, gather_data_parallel
+from megatron_ppo.train.batch import replica_micro_batches, select
+from megatron_ppo.train.experience import Experience
 from megatron_ppo.train.optimizer import StepResult, optimizer_step, zero_grads
 
 Metrics = dict[str, float]
 
 
-def _counts(batch: Batch) -> dict[str, float]:
+@dataclass(frozen=True)
+class MetricPart:
+    """One micro-batch's contribution to a mini-batch metric, and how contributions combine over the
+    micro-batches of every data-parallel replica: "sum" Σ value; "mean" Σ value / Σ weight; "max" max value."""
+
+    value: float
+    weight: float = 1.0
+    reduce: Literal["sum", "mean", "max"] = "sum"
+
+    @classmethod
+    def token_mean(cls, values: torch.Tensor, mask: torch.Tensor) -> MetricPart:
+        """Contributes to the mean of `values` over the mini-batch's response tokens."""
+        return cls(float((values * mask).sum()), float(mask.sum()), "mean")
+
+    @classmethod
+    def loss_share(cls, loss: torch.Tensor, dp_size: int) -> MetricPart:
+        """A micro-batch loss normalised by global counts × DP (`agg_loss`): the shares sum to DP × the mini-batch
+        loss over all replicas."""
+        return cls(float(loss.detach()) / dp_size, 1.0, "sum")
+
+
+LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, MetricPart]]]
+
+
+def mini_batch_counts(batch: Experience) -> dict[str, float]:
+    """The global normalisers of `agg_loss` for a mini-batch (identical on every replica)."""
     mask = batch["loss_mask"]
     return {
         "dp_size": parallel_state.get_data_parallel_world_size(),
@@ -32,15 +64,12 @@ def _counts(batch: Batch) -> dict[str, float]:
     }
 
 
-def _token_mean_parts(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, tuple[float, float]]:
-    return {name: (float((values * mask).sum()), float(mask.sum()))}
-
-
-def actor_loss(config: ActorConfig, counts: dict[str, float], kl_loss_coef: float, vocab_size: int) -> Callable:
+def actor_loss(config: ActorConfig, counts: dict[str, float], kl_loss_coef: float, vocab_size: int) -> LossFn:
     """loss = clipped surrogate + β_loss·KL(π‖π_ref) − entropy_coeff·H, each aggregated by `loss_agg_mode`."""
     agg = {"loss_agg_mode": config.loss_agg_mode, **counts}
+    dp = int(counts["dp_size"])
 
-    def loss_fn(batch: Batch, logits: torch.Tensor):
+    def loss_fn(batch: Experience, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetricPart]]:
         mask = batch["loss_mask"]
         log_prob, entropy = vocab_parallel_log_probs(logits, batch["labels"], vocab_size=vocab_size, with_entropy=True)
         is_weights = None
@@ -54,84 +83,122 @@ def actor_loss(config: ActorConfig, counts: dict[str, float], kl_loss_coef: floa
             clip_ratio_high=config.clip_ratio_high, clip_ratio_c=config.clip_ratio_c, is_weights=is_weights, **agg,
         )  # fmt: skip
         loss = pg_loss
-        parts = {"actor/pg_loss": (float(pg_loss.detach()), 1.0)}
+        parts = {"actor/pg_loss": MetricPart.loss_share(pg_loss, dp)}
         if config.use_kl_loss:
             kl = algo.kl_penalty(log_prob, batch["ref_log_prob"], config.kl_loss_type)
             kl_loss = algo.agg_loss(kl, mask, **agg)
             loss = loss + kl_loss_coef * kl_loss
-            parts["actor/kl_loss"] = (float(kl_loss.detach()), 1.0)
+            parts["actor/kl_loss"] = MetricPart.loss_share(kl_loss, dp)
         if config.entropy_coeff > 0:
             loss = loss - config.entropy_coeff * algo.agg_loss(entropy, mask, **agg)
         tokens = float(mask.sum())
-        parts |= _token_mean_parts("actor/entropy", entropy.detach(), mask)
-        parts |= {f"actor/{k}": (float(v) * tokens, tokens) for k, v in pg_metrics.items()}
+        parts["actor/entropy"] = MetricPart.token_mean(entropy.detach(), mask)
+        # policy_loss reports token means of this micro-batch: weighted by its tokens they combine to the mini-batch's
+        parts |= {f"actor/{k}": MetricPart(float(v) * tokens, tokens, "mean") for k, v in pg_metrics.items()}
         return loss, parts
 
     return loss_fn
 
 
-def critic_loss(config: CriticConfig, counts: dict[str, float]) -> Callable:
+def critic_loss(config: CriticConfig, counts: dict[str, float]) -> LossFn:
     """½·clipped value loss, aggregated by `loss_agg_mode`."""
     agg = {"loss_agg_mode": config.loss_agg_mode, **counts}
+    dp = int(counts["dp_size"])
 
-    def loss_fn(batch: Batch, output: torch.Tensor):
+    def loss_fn(batch: Experience, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetricPart]]:
         mask = batch["loss_mask"]
         values = output.squeeze(-1).float()
         loss, clipfrac = algo.value_loss(
             values, batch["returns"], batch["values"], mask, cliprange_value=config.cliprange_value, **agg
         )
         tokens = float(mask.sum())
-        parts = {
-            "critic/vf_loss": (float(loss.detach()), 1.0),
-            "critic/vf_clipfrac": (float(clipfrac) * tokens, tokens),
+        return loss, {
+            "critic/vf_loss": MetricPart.loss_share(loss, dp),
+            "critic/vf_clipfrac": MetricPart(float(clipfrac) * tokens, tokens, "mean"),
+            "critic/vpred_mean": MetricPart.token_mean(values.detach(), mask),
         }
-        return loss, parts | _token_mean_parts("critic/vpred_mean", values.detach(), mask)
 
     return loss_fn
 
 
-def _reduce(outputs: list[dict[str, tuple[float, float]]]) -> Metrics:
-    """Mini-batch means from micro-batch (sum, count) parts, over data-parallel replicas too.
-
-    Losses (keys ending in "_loss") are already normalised by global counts × DP: summed, then divided by DP.
-    """
-    sums: dict[str, float] = defaultdict(float)
-    counts: dict[str, float] = defaultdict(float)
+def reduce_parts(outputs: list[dict[str, MetricPart]]) -> Metrics:
+    """Mini-batch values from the micro-batch parts of every data-parallel replica."""
+    parts: dict[str, list[MetricPart]] = defaultdict(list)
     for replica in gather_data_parallel(outputs):
         for output in replica:
-            for key, (value, count) in output.items():
-                sums[key] += value
-                counts[key] += count
-    dp = parallel_state.get_data_parallel_world_size()
-    return {k: sums[k] / dp if k.endswith("_loss") else sums[k] / max(counts[k], 1e-9) for k in sums}
+            for key, part in output.items():
+                parts[key].append(part)
+    out = {}
+    for key, items in parts.items():
+        kind = items[0].reduce
+        if kind == "sum":
+            out[key] = sum(p.value for p in items)
+        elif kind == "max":
+            out[key] = max(p.value for p in items)
+        else:
+            out[key] = sum(p.value for p in items) / max(sum(p.weight for p in items), 1e-9)
+    return out
+
+
+@dataclass
+class RoleUpdate:
+    """What updating one role did: its metrics (means over the mini-batches, on every pipeline stage) and each
+    optimizer step."""
+
+    metrics: Metrics = field(default_factory=dict)
+    steps: list[StepResult] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> int:
+        return sum(step.skipped for step in self.steps)
 
 
 def update_role(
+    role: str,
     model: RoleModel,
     optimizer,
     scheduler,
-    batch: Batch,
+    experience: Experience,
     *,
     epochs: int,
     mini_batch_size: int,
     micro_batch_size: int | None,
     max_tokens: int | None,
     clip_grad: float,
-    make_loss: Callable[[dict[str, float]], Callable],
-) -> tuple[list[Metrics], list[StepResult]]:
-    """Train `model` on `batch` (identical on every replica) for `epochs` passes over its mini-batches."""
-    rows = batch["input_ids"].shape[0]
-    metrics, steps = [], []
+    make_loss: Callable[[dict[str, float]], LossFn],
+) -> RoleUpdate:
+    """Train `model` on `experience` (identical on every replica) for `epochs` passes over its mini-batches; one
+    optimizer step per mini-batch (skipped, with the schedule held, when the gradient is not finite).
+
+    Metrics: the loss-function parts averaged over mini-batches, plus `{role}/grad_norm` (mean of the finite
+    norms), `{role}/grad_norm_max` and `{role}/lr`."""
+    rows = experience["input_ids"].shape[0]
+    per_mini_batch: list[Metrics] = []
+    update = RoleUpdate()
     for _ in range(epochs):
         for start in range(0, rows, mini_batch_size):
-            mini = select(batch, range(start, min(start + mini_batch_size, rows)))
+            mini = select(experience, range(start, min(start + mini_batch_size, rows)))
             _, _, micro = replica_micro_batches(mini, micro_batch_size, max_tokens)
             zero_grads(model, optimizer)
-            outputs = run_micro_batches(model, micro, make_loss(_counts(mini)), forward_only=False)
+            outputs = run_micro_batches(model, micro, make_loss(mini_batch_counts(mini)), forward_only=False)
             result = optimizer_step(optimizer, clip_grad)
             if not result.skipped:
                 scheduler.step(1)
-            steps.append(result)
+            update.steps.append(result)
             if outputs:
-                metrics.append(_reduce(outputs))
-    return metrics, steps
+                per_mini_batch.append(reduce_parts(outputs))
+    keys = {key for metrics in per_mini_batch for key in metrics}
+    update.metrics = broadcast_from_last_stage(
+        {key: _mean([m[key] for m in per_mini_batch if key in m]) for key in keys}
+    )
+    finite = [step.grad_norm for step in update.steps if math.isfinite(step.grad_norm)]
+    update.metrics |= {
+        f"{role}/grad_norm": _mean(finite),
+        f"{role}/grad_norm_max": max(finite, default=float("nan")),
+        f"{role}/lr": optimizer.param_groups[0]["lr"],
+    }
+    return update
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")

@@ -7,7 +7,7 @@ from typing import Any
 from megatron_ppo.config.schema import GuardsConfig, MegatronConfig, OptimConfig
 from megatron_ppo.models import build_role_model
 from megatron_ppo.parallel import init_distributed
-from megatron_ppo.train.guards import Guards
+from megatron_ppo.train.guards import Guards, scale_learning_rate
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from tests.distributed.workers import MODEL
 
@@ -19,22 +19,26 @@ def guards_act(rank: int, world_size: int) -> dict[str, Any]:
     scheduler = build_scheduler(build_optimizer(actor, optim, MegatronConfig()), optim, total_steps=100)
     guards = Guards(GuardsConfig(grad_norm_spike_factor=5.0, grad_norm_window=4, lr_backoff_factor=0.5,
                                  kl_explosion_threshold=1.0, max_consecutive_skips=2))  # fmt: skip
-    report: dict[str, Any] = {"events": []}
-    for step, norm in enumerate([1.0, 1.2, 0.9, 1.1, 1.0]):
-        report["events"] += guards.observe(step, {"actor/grad_norm_max": norm}, {"actor": scheduler}, False)
+    report: dict[str, Any] = {"events": [], "kinds": []}
+
+    def observe(metrics: dict[str, float], skipped: bool, overrides: dict[str, float] | None = None) -> list:
+        actions = guards.observe(metrics, skipped, overrides)
+        for action in actions:
+            if action.kind == "lr_backoff":
+                scale_learning_rate(scheduler, action.lr_factor)
+        report["events"] += [action.message for action in actions]
+        return actions
+
+    for norm in [1.0, 1.2, 0.9, 1.1, 1.0]:
+        observe({"actor/grad_norm_max": norm}, False)
     report["lr_before_spike"] = scheduler.max_lr
-    report["events"] += guards.observe(5, {"actor/grad_norm_max": 50.0}, {"actor": scheduler}, False)
+    spike = observe({"actor/grad_norm_max": 50.0}, False)
     report["lr_after_spike"] = scheduler.max_lr
-    report["rollback_before"] = guards.rollback_requested
-    report["events"] += guards.observe(
-        6, {"kl/mean": 0.5}, {"actor": scheduler}, False, {"kl_explosion_threshold": 0.4}
-    )
-    report["rollback_after_stage_override"] = guards.rollback_requested
-    guards.observe(7, {}, {"actor": scheduler}, True)
-    guards.observe(8, {}, {"actor": scheduler}, True)
-    try:
-        guards.observe(9, {}, {"actor": scheduler}, True)
-        report["too_many_skips"] = None
-    except RuntimeError as error:
-        report["too_many_skips"] = str(error)
+    report["rollback_before"] = any(action.kind == "rollback" for action in spike)
+    explosion = observe({"kl/mean": 0.5}, False, {"kl_explosion_threshold": 0.4, "rollback_lr_factor": 0.25})
+    report["rollback_after_stage_override"] = [(a.kind, a.lr_factor) for a in explosion] == [("rollback", 0.25)]
+    observe({}, True)
+    observe({}, True)
+    stop = observe({}, True)
+    report["too_many_skips"] = stop[0].message if [a.kind for a in stop] == ["stop"] else None
     return report

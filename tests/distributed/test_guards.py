@@ -12,6 +12,8 @@ def test_guards_back_off_roll_back_and_stop() -> None:
     assert report["lr_after_spike"] == report["lr_before_spike"] * 0.5
     assert any("grad norm 50" in e and "learning rate × 0.5" in e for e in report["events"]), report["events"]
     assert not report["rollback_before"]
-    assert report["rollback_after_stage_override"], "KL 0.5 is above the stage's threshold 0.4 (base 1.0)"
+    assert report["rollback_after_stage_override"], (
+        "KL 0.5 is above the stage's threshold 0.4 (base 1.0); the stage's LR factor 0.25 applies"
+    )
     assert any("roll back" in e for e in report["events"])
     assert report["too_many_skips"] and "max_consecutive_skips=2" in report["too_many_skips"]

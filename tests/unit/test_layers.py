@@ -1,0 +1,108 @@
+"""The package's imports point one way: config/algo → data/parallel → models → checkpoint → train → tasks/cli.
+
+Every `import` in every module (function-level ones too) is read with `ast` and checked against the layer order,
+so an upward arrow fails here rather than in a review.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_ppo"
+
+# Lower layers never import higher ones; modules of one layer may import each other.
+LAYERS: dict[str, int] = {
+    "algo": 0,
+    "config": 1,
+    "data": 2,
+    "parallel": 2,
+    "plan": 2,
+    "report": 2,
+    "models": 3,
+    "checkpoint": 4,
+    "convert": 5,
+    "train": 6,
+    "tasks": 7,
+    "cli": 8,
+    "__main__": 8,
+}
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a dotted module name inside the package (`megatron_ppo.train.ppo` → `train`)."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def _imports(path: Path, importer: str) -> list[tuple[int, str]]:
+    """(line, module) of every import in `path` (module `importer`), relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = importer.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+            found.append((node.lineno, base))
+            # `from megatron_ppo import checkpoint` imports the submodule `checkpoint`
+            if base == "megatron_ppo":
+                found += [(node.lineno, f"megatron_ppo.{alias.name}") for alias in node.names]
+    return found
+
+
+def _violations_in(path: Path, importer: str) -> list[str]:
+    """The imports of module `importer` (source `path`) that break the layer order."""
+    unit, problems = _unit(importer), []
+    for line, module in _imports(path, importer):
+        if unit == "algo" and not module.startswith("megatron_ppo"):
+            top = module.split(".")[0]
+            if top not in ("torch", "__future__") and top not in sys.stdlib_module_names:
+                problems.append(f"{importer}:{line}: algo/ imports only torch, not {module}")
+        elif module.startswith("megatron_ppo.") and LAYERS.get(_unit(module), -1) > LAYERS[unit]:
+            problems.append(
+                f"{importer}:{line}: {unit} (layer {LAYERS[unit]}) imports {module} (layer {LAYERS[_unit(module)]})"
+            )
+    return problems
+
+
+def _violations() -> list[str]:
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if _unit(importer) not in ("", "__init__"):
+            problems += _violations_in(path, importer)
+    return problems
+
+
+def test_every_unit_of_the_package_has_a_layer() -> None:
+    units = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir() if not p.name.startswith("__py")}
+    units -= {"__init__"}
+    assert units <= set(LAYERS), f"give these a layer in LAYERS: {sorted(units - set(LAYERS))}"
+
+
+def test_no_import_runs_back_up_the_house() -> None:
+    assert _violations() == []
+
+
+def test_the_layer_check_catches_upward_and_foreign_imports(tmp_path: Path) -> None:
+    """The checker itself: a models/ module importing train/ (also inside a function), and algo/ importing
+    Megatron, are reported."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\n\ndef f():\n    from megatron_ppo.train import ppo\n")
+    assert _violations_in(probe, "megatron_ppo.models.probe") == [
+        "megatron_ppo.models.probe:4: models (layer 3) imports megatron_ppo.train (layer 6)"
+    ]
+    probe.write_text("import math\nimport torch\nfrom megatron.core import parallel_state\n")
+    assert _violations_in(probe, "megatron_ppo.algo.probe") == [
+        "megatron_ppo.algo.probe:3: algo/ imports only torch, not megatron.core"
+    ]
+
+
+def test_the_trainer_never_names_the_demo_task() -> None:
+    train = PACKAGE / "train"
+    named = [p.name for p in train.glob("*.py") if "addition" in p.read_text() or "tasks" in p.read_text()]
+    assert named == [], f"train/ mentions the embedded task: {named}"
