@@ -63,7 +63,8 @@ def skewed_padding() -> tuple[float, float]:
 def main() -> None:
     torch.set_num_threads(1)
     config = load_config(
-        "recipes/tiny-cpu.yaml", ["data.task=null", "trainer.logger=[]", "trainer.total_training_steps=100"]
+        "recipes/tiny-cpu.yaml",
+        ["data.task=null", "model.allow_random_init=true", "trainer.logger=[]", "trainer.total_training_steps=100"],
     )
     init_distributed(config.actor.megatron, seed=0)
     rows = synthetic_rows(4096, config.model.vocab_size, seed=0)

@@ -38,6 +38,7 @@ class ModelConfig:
     transformer_impl: str = "auto"  # auto (Transformer Engine on CUDA when installed) | local | transformer_engine
     hf_checkpoint: str | None = None  # Hugging Face directory to convert from on first use
     init_checkpoint: str | None = None  # megatron-ppo checkpoint whose "actor" initialises actor, ref, critic trunk
+    allow_random_init: bool = False  # a dataset run without initial weights (smoke tests, benchmarks only)
     tokenizer: str | None = None  # sentencepiece .model or HF tokenizer.json / directory
 
 
@@ -131,6 +132,7 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm divisor; None: data.max_response_length
     behavior_is_cap: float | None = None  # truncated importance weights against behaviour log-probs, if set
     behavior_is_level: str = "token"  # token | sequence
 
@@ -140,7 +142,7 @@ class RefConfig:
     """The frozen reference policy: only a layout."""
 
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_micro_batch_size_per_gpu: int | None = None  # None: actor.log_prob_micro_batch_size_per_gpu
 
 
 @dataclass
@@ -151,11 +153,13 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1.0e-5))
     ppo_mini_batch_size: int = 128
     ppo_micro_batch_size_per_gpu: int | None = 16
+    forward_micro_batch_size_per_gpu: int | None = None  # values in the experience pass; None: ppo_micro_...
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm divisor; None: actor.loss_scale_factor
 
 
 @dataclass
@@ -215,7 +219,6 @@ class RewardConfig:
 class GuardsConfig:
     """Stability guards; each one that fires is logged and written to TensorBoard."""
 
-    skip_nonfinite: bool = True
     max_consecutive_skips: int = 5
     grad_norm_spike_factor: float = 10.0  # spike: grad norm > factor × running median of the window
     grad_norm_window: int = 20

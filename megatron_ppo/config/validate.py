@@ -48,14 +48,24 @@ def resolve(config: PPOConfig) -> None:
     """Fill the defaults that depend on other keys (in place).
 
     `clip_ratio_low/high` default to `clip_ratio` — in verl they default to 0.2 on their own, so setting only
-    `clip_ratio` there silently changes nothing.
+    `clip_ratio` there silently changes nothing. `loss_scale_factor` (the constant divisor of
+    seq-mean-token-sum-norm) defaults to `data.max_response_length`, the critic's to the actor's, as in verl.
+    Each role's experience forward takes its own micro-batch size, by default the actor's (ref) or its own
+    update's (critic).
     """
-    actor = config.actor
+    actor, critic = config.actor, config.critic
     actor.clip_ratio_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
     actor.clip_ratio_high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
-    for role in (config.actor, config.ref):
-        if role.log_prob_micro_batch_size_per_gpu is None:
-            role.log_prob_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+    if actor.log_prob_micro_batch_size_per_gpu is None:
+        actor.log_prob_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+    if config.ref.log_prob_micro_batch_size_per_gpu is None:
+        config.ref.log_prob_micro_batch_size_per_gpu = actor.log_prob_micro_batch_size_per_gpu
+    if critic.forward_micro_batch_size_per_gpu is None:
+        critic.forward_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu
+    if actor.loss_scale_factor is None:
+        actor.loss_scale_factor = config.data.max_response_length
+    if critic.loss_scale_factor is None:
+        critic.loss_scale_factor = actor.loss_scale_factor
 
 
 def get(config: Any, dotted: str) -> Any:
@@ -108,6 +118,9 @@ def _range_problems(c: PPOConfig) -> list[str]:
         "actor.ppo_max_token_len_per_gpu",
         "actor.log_prob_micro_batch_size_per_gpu",
         "ref.log_prob_micro_batch_size_per_gpu",
+        "critic.forward_micro_batch_size_per_gpu",
+        "actor.loss_scale_factor",
+        "critic.loss_scale_factor",
         "critic.ppo_mini_batch_size",
         "critic.ppo_micro_batch_size_per_gpu",
         "critic.ppo_epochs",
@@ -193,6 +206,11 @@ def _range_problems(c: PPOConfig) -> list[str]:
         p.append(f"algorithm.kl_ctrl.min_coef={kl_ctrl.min_coef!r}: must not exceed max_coef={kl_ctrl.max_coef!r}")
     if c.trainer.resume_mode == "resume_path" and not c.trainer.resume_from_path:
         p.append("trainer.resume_mode='resume_path' needs trainer.resume_from_path=<checkpoint dir>")
+    if c.data.val_files:
+        p.append(
+            f"data.val_files={c.data.val_files!r}: nothing reads validation files yet (evaluation during training "
+            "comes with the stability-guard work); leave it empty"
+        )
     unknown_loggers = sorted(set(c.trainer.logger) - {"console", "tensorboard"})
     if unknown_loggers:
         p.append(f"trainer.logger={c.trainer.logger!r}: unknown {unknown_loggers}; use console and/or tensorboard")

@@ -121,3 +121,9 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
 def unwrap(chunk: torch.nn.Module) -> GPTModel:
     """The GPTModel inside a DDP wrapper (or the model itself)."""
     return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
+def copy_weights(source: RoleModel, target: RoleModel) -> None:
+    """Load `source`'s weights into `target`, chunk by chunk (the same architecture and parallel layout)."""
+    for source_chunk, target_chunk in zip(source.chunks, target.chunks, strict=True):
+        unwrap(target_chunk).load_state_dict(unwrap(source_chunk).state_dict())

@@ -79,18 +79,28 @@ def values_fn(batch: Batch, output: torch.Tensor) -> torch.Tensor:
 def forward_passes(
     config: PPOConfig, batch: Batch, actor: RoleModel, ref: RoleModel | None, critic: RoleModel | None
 ) -> ForwardPasses:
-    """`old_log_prob` of the actor, `ref_log_prob` (when a KL term is on) and the critic's `values` (GAE)."""
-    micro = config.actor.log_prob_micro_batch_size_per_gpu
-    tokens = config.actor.ppo_max_token_len_per_gpu if config.actor.use_dynamic_bsz else None
+    """`old_log_prob` of the actor, `ref_log_prob` (when a KL term is on) and the critic's `values` (GAE), each
+    role in micro-batches of its own size (`log_prob_micro_batch_size_per_gpu`, the critic's
+    `forward_micro_batch_size_per_gpu`) or token budget."""
+    actor_tokens = config.actor.ppo_max_token_len_per_gpu if config.actor.use_dynamic_bsz else None
+    critic_tokens = config.critic.ppo_max_token_len_per_gpu if config.critic.use_dynamic_bsz else None
     for model in (actor, ref, critic):
         if model is not None:
             for chunk in model.chunks:
                 chunk.eval()
-    out = ForwardPasses(old_log_prob=forward_per_token(actor, batch, log_prob_fn(actor), micro, tokens))
+    out = ForwardPasses(
+        old_log_prob=forward_per_token(
+            actor, batch, log_prob_fn(actor), config.actor.log_prob_micro_batch_size_per_gpu, actor_tokens
+        )
+    )
     if ref is not None:
-        out["ref_log_prob"] = forward_per_token(ref, batch, log_prob_fn(ref), micro, tokens)
+        out["ref_log_prob"] = forward_per_token(
+            ref, batch, log_prob_fn(ref), config.ref.log_prob_micro_batch_size_per_gpu, actor_tokens
+        )
     if critic is not None:
-        out["values"] = forward_per_token(critic, batch, values_fn, micro, tokens)
+        out["values"] = forward_per_token(
+            critic, batch, values_fn, config.critic.forward_micro_batch_size_per_gpu, critic_tokens
+        )
     for model in (actor, critic):
         if model is not None:
             for chunk in model.chunks:

@@ -13,7 +13,7 @@ from megatron_ppo import algo, checkpoint
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.data.batching import EpochSampler
 from megatron_ppo.data.rows import Row
-from megatron_ppo.models import RoleModel, build_role_model
+from megatron_ppo.models import RoleModel, build_role_model, copy_weights
 from megatron_ppo.train.batch import collate
 from megatron_ppo.train.experience import Experience, compute_advantages, experience_metrics, forward_passes
 from megatron_ppo.train.guards import GuardAction, Guards, scale_learning_rate
@@ -59,6 +59,8 @@ class PPOTrainer:
                     checkpoint.load_weights(model, config.model.init_checkpoint, "actor")
             if self.critic is not None:
                 checkpoint.load_weights(self.critic, config.model.init_checkpoint, "actor", drop=("output_layer",))
+        elif self.ref is not None:  # model.allow_random_init: the reference is the actor's starting point
+            copy_weights(self.actor, self.ref)
         self.models = {"actor": self.actor} | ({"critic": self.critic} if self.critic else {})
         self.optimizers, self.schedulers = {}, {}
         minibatches = {

@@ -55,6 +55,13 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
     """Offline PPO on `data.train_files`: the metrics of every iteration."""
     if not config.model.tokenizer or not config.data.train_files:
         raise ConfigError(["offline PPO needs model.tokenizer (.model or tokenizer.json) and data.train_files"])
+    model = config.model
+    if not (model.init_checkpoint or model.hf_checkpoint or model.allow_random_init):
+        raise ConfigError([
+            "model: no initial weights — offline PPO from a random network trains nothing useful; set "
+            "model.hf_checkpoint=<Hugging Face dir> or model.init_checkpoint=<megatron-ppo checkpoint> "
+            "(or model.allow_random_init=true for a smoke test: the reference then copies the actor)"
+        ])  # fmt: skip
     with distributed_run(config):
         tokenizer = load_tokenizer(config.model.tokenizer)
         rows, report = read_rows(

@@ -1,9 +1,9 @@
 """The PPO update: `ppo_epochs` × mini-batches × micro-batches of actor or critic through Megatron's schedule.
 
 Each loss is normalised by the token/sequence counts of the whole mini-batch (all micro-batches, all data-parallel
-replicas; see `megatron_ppo.algo.aggregation`). For `token-mean`, `token-sum` and the `seq-mean-*` modes other
-than `seq-mean-token-sum-norm` the gradient therefore does not depend on how the mini-batch is cut into
-micro-batches; `seq-mean-token-sum-norm` also divides by the micro-batch's token width. Metrics come back from each
+replicas; see `megatron_ppo.algo.aggregation`), and `seq-mean-token-sum-norm` by the constant `loss_scale_factor`
+(default `data.max_response_length`), so in every mode the gradient does not depend on how the mini-batch is cut
+into micro-batches or spread over replicas. Metrics come back from each
 micro-batch as parts that say how they combine (`MetricPart`) and are reduced to mini-batch values, then averaged
 over the mini-batches of the update.
 """
@@ -55,7 +55,8 @@ LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, MetricPart
 
 
 def mini_batch_counts(batch: Experience) -> dict[str, float]:
-    """The global normalisers of `agg_loss` for a mini-batch (identical on every replica)."""
+    """The global normalisers of `agg_loss` for a mini-batch (identical on every replica); the role's loss adds
+    its constant `loss_scale_factor`."""
     mask = batch["loss_mask"]
     return {
         "dp_size": parallel_state.get_data_parallel_world_size(),
@@ -66,7 +67,7 @@ def mini_batch_counts(batch: Experience) -> dict[str, float]:
 
 def actor_loss(config: ActorConfig, counts: dict[str, float], kl_loss_coef: float, vocab_size: int) -> LossFn:
     """loss = clipped surrogate + β_loss·KL(π‖π_ref) − entropy_coeff·H, each aggregated by `loss_agg_mode`."""
-    agg = {"loss_agg_mode": config.loss_agg_mode, **counts}
+    agg = {"loss_agg_mode": config.loss_agg_mode, "loss_scale_factor": config.loss_scale_factor, **counts}
     dp = int(counts["dp_size"])
 
     def loss_fn(batch: Experience, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetricPart]]:
@@ -102,7 +103,7 @@ def actor_loss(config: ActorConfig, counts: dict[str, float], kl_loss_coef: floa
 
 def critic_loss(config: CriticConfig, counts: dict[str, float]) -> LossFn:
     """½·clipped value loss, aggregated by `loss_agg_mode`."""
-    agg = {"loss_agg_mode": config.loss_agg_mode, **counts}
+    agg = {"loss_agg_mode": config.loss_agg_mode, "loss_scale_factor": config.loss_scale_factor, **counts}
     dp = int(counts["dp_size"])
 
     def loss_fn(batch: Experience, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetricPart]]:

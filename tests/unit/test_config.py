@@ -199,3 +199,35 @@ def test_cli_validate_exits_2_with_the_message_and_no_traceback() -> None:
     result = _cli("validate", str(TINY), "algorithm.lam=3")
     assert result.returncode == 2
     assert "algorithm.lam=3" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_loss_scale_factor_is_a_constant_by_default_as_in_verl() -> None:
+    config = load_config(TINY, ["data.max_response_length=7"])
+    assert (config.actor.loss_scale_factor, config.critic.loss_scale_factor) == (7, 7)
+    config = load_config(TINY, ["actor.loss_scale_factor=3"])
+    assert (config.actor.loss_scale_factor, config.critic.loss_scale_factor) == (3, 3)
+
+
+def test_each_role_has_its_own_experience_micro_batch_size() -> None:
+    config = load_config(TINY, ["ref.log_prob_micro_batch_size_per_gpu=32", "critic.ppo_micro_batch_size_per_gpu=64"])
+    assert config.ref.log_prob_micro_batch_size_per_gpu == 32
+    assert config.actor.log_prob_micro_batch_size_per_gpu == config.actor.ppo_micro_batch_size_per_gpu
+    assert config.critic.forward_micro_batch_size_per_gpu == 64
+
+
+def test_a_dataset_run_without_initial_weights_is_refused_before_any_model_is_built(tmp_path: Path) -> None:
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1=", "response": "2", "reward": 1.0}\n')
+    one_process = [f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")]
+    result = _cli("train", str(TINY), "data.task=null", f"data.train_files=[{data}]", "model.tokenizer=any.model",
+                  "cluster.gpus_per_node=1", *one_process)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "no initial weights" in result.stderr and "model.allow_random_init=true" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_keys_that_nothing_reads_yet_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"data.val_files=.*nothing reads validation files"):
+        load_config(TINY, ["data.val_files=[a.jsonl]"])
+    with pytest.raises(ConfigError, match=r"unknown key 'guards.skip_nonfinite'"):
+        load_config(TINY, ["guards.skip_nonfinite=false"])

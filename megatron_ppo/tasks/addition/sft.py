@@ -54,8 +54,8 @@ def run_sft(
         outputs = run_micro_batches(
             actor, micro, sft_loss(actor.vocab_size, dp_size, float(batch["loss_mask"].sum())), forward_only=False
         )
-        optimizer_step(optimizer, clip_grad)
-        scheduler.step(1)
+        if not optimizer_step(optimizer, clip_grad).skipped:  # a skipped step holds the schedule, as in PPO
+            scheduler.step(1)
         if outputs:
             nll = sum(o["nll_sum"] for o in outputs) / max(sum(o["tokens"] for o in outputs), 1.0)
         nll = broadcast_from_last_stage(nll)

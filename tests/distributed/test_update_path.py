@@ -1,0 +1,24 @@
+"""The trainer's update path: the gradient of a mini-batch does not depend on how it is cut into micro-batches
+(every loss_agg_mode, actor and critic, through the real loss functions and Megatron's schedule), and a skipped
+SFT step holds the learning-rate schedule."""
+
+from __future__ import annotations
+
+from tests.distributed import update_workers
+from tests.distributed.harness import run_distributed
+
+
+def test_gradient_does_not_depend_on_the_micro_batch_cut_in_any_mode() -> None:
+    report = run_distributed(update_workers.gradients_by_cut, 1)[0]
+    print("\nlargest relative gradient difference against one micro-batch, by micro-batch size:")
+    for name, differences in report.items():
+        print(f"  {name:32s} " + "  ".join(f"{size}: {d:.1e}" for size, d in differences.items()))
+    assert len(report) == 10
+    failing = {name: d for name, d in report.items() if max(d.values()) > 1e-5}
+    assert not failing, f"gradients differ with the micro-batch cut: {failing}"
+
+
+def test_a_skipped_sft_step_holds_the_learning_rate_schedule() -> None:
+    report = run_distributed(update_workers.sft_skip_holds_the_schedule, 1)[0]
+    assert report["num_steps"] == 0, f"the schedule advanced {report['num_steps']} steps over skipped updates"
+    assert report["lr"] == 0.0, "warm-up starts at 0 and must stay there while steps are skipped"

@@ -1,0 +1,103 @@
+"""Spawned-rank code for the update-path tests: the trainer's own loss functions, micro-batching and steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from typing import Any
+
+import torch
+
+from megatron_ppo.algo import LOSS_AGG_MODES
+from megatron_ppo.config.schema import ActorConfig, CriticConfig, MegatronConfig, OptimConfig
+from megatron_ppo.data.rows import Row
+from megatron_ppo.models import build_role_model, run_micro_batches
+from megatron_ppo.parallel import init_distributed
+from megatron_ppo.tasks.addition.sft import run_sft
+from megatron_ppo.train.batch import collate, replica_micro_batches
+from megatron_ppo.train.experience import Experience
+from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, zero_grads
+from megatron_ppo.train.update import actor_loss, critic_loss, mini_batch_counts
+from tests.distributed.workers import MODEL
+
+
+def rows(count: int, seed: int) -> list[Row]:
+    """Rows of different prompt (3–6) and response (1–7) lengths, so micro-batches have different widths."""
+    rng = random.Random(seed)
+    return [
+        Row(
+            prompt_ids=[rng.randrange(1, MODEL.vocab_size) for _ in range(rng.randint(3, 6))],
+            response_ids=[rng.randrange(1, MODEL.vocab_size) for _ in range(rng.randint(1, 7))],
+            reward=float(rng.choice([-1, 0, 1])),
+            token_rewards=None,
+            behavior_log_probs=None,
+            uid=f"g{i // 2}",
+            data_source="test",
+            source=f"test:{i}",
+        )
+        for i in range(count)
+    ]
+
+
+def experience(count: int, seed: int) -> Experience:
+    batch = collate(rows(count, seed), pad_id=0)
+    generator = torch.Generator().manual_seed(seed)
+    shape = batch["loss_mask"].shape
+    return Experience(
+        **batch, old_log_prob=-torch.rand(shape, generator=generator) * 3,
+        ref_log_prob=-torch.rand(shape, generator=generator) * 3, values=torch.randn(shape, generator=generator),
+        token_level_rewards=torch.zeros(shape), advantages=torch.randn(shape, generator=generator),
+        returns=torch.randn(shape, generator=generator),
+    )  # fmt: skip
+
+
+def _gradient(role_model, optimizer, batch: Experience, micro_batch_size: int, make_loss) -> torch.Tensor:
+    """The accumulated gradient (DDP buffers) of one mini-batch cut into micro-batches of `micro_batch_size`."""
+    zero_grads(role_model, optimizer)
+    _, _, micro = replica_micro_batches(batch, micro_batch_size)
+    run_micro_batches(role_model, micro, make_loss(mini_batch_counts(batch)), forward_only=False)
+    return torch.cat([p.main_grad.flatten().clone() for c in role_model.chunks for p in c.parameters()])
+
+
+def gradients_by_cut(rank: int, world_size: int) -> dict[str, dict[int, float]]:
+    """For every loss_agg_mode, actor and critic: the largest relative gradient difference of cutting one
+    8-row mini-batch into micro-batches of 1, 2 or 4 rows against one micro-batch of 8."""
+    init_distributed(MegatronConfig(), seed=0)
+    batch = experience(8, seed=3)
+    actor = build_role_model("actor", MODEL, MegatronConfig())
+    critic = build_role_model("critic", MODEL, MegatronConfig())
+    optimizers = {role: build_optimizer(m, OptimConfig(), MegatronConfig()) for role, m in
+                  (("actor", actor), ("critic", critic))}  # fmt: skip
+    report: dict[str, dict[int, float]] = {}
+    for mode in LOSS_AGG_MODES:
+        # the resolved config gives seq-mean-token-sum-norm a constant divisor (data.max_response_length)
+        actor_config = ActorConfig(loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28, entropy_coeff=0.01,
+                                   loss_scale_factor=16)  # fmt: skip
+        critic_config = CriticConfig(loss_agg_mode=mode, loss_scale_factor=16)
+        losses = {
+            "actor": (actor, lambda counts, c=actor_config: actor_loss(c, counts, 0.1, MODEL.vocab_size)),
+            "critic": (critic, lambda counts, c=critic_config: critic_loss(c, counts)),
+        }
+        for role, (role_model, make_loss) in losses.items():
+            whole = _gradient(role_model, optimizers[role], batch, 8, make_loss)
+            report[f"{role} {mode}"] = {
+                size: float((_gradient(role_model, optimizers[role], batch, size, make_loss) - whole).abs().max()
+                            / whole.abs().max())
+                for size in (1, 2, 4)
+            }  # fmt: skip
+    return report
+
+
+def sft_skip_holds_the_schedule(rank: int, world_size: int) -> dict[str, Any]:
+    """SFT on a model whose gradients are NaN: every step is skipped and the learning-rate schedule holds."""
+    init_distributed(MegatronConfig(), seed=0)
+    actor = build_role_model("actor", MODEL, MegatronConfig())
+    optim = dataclasses.replace(OptimConfig(lr=1e-3), lr_warmup_steps=10)
+    optimizer = build_optimizer(actor, optim, MegatronConfig())
+    scheduler = build_scheduler(optimizer, optim, total_steps=20)
+    with torch.no_grad():
+        next(actor.chunks[0].parameters()).fill_(math.nan)
+    run_sft(actor, optimizer, scheduler, rows(8, seed=1), steps=3, batch_size=4, micro_batch_size=4, clip_grad=1.0,
+            pad_id=0, seed=0)  # fmt: skip
+    return {"num_steps": scheduler.num_steps, "lr": optimizer.param_groups[0]["lr"]}
