@@ -4,52 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 from typing import Any
 
 import torch
 
 from megatron_ppo.algo import LOSS_AGG_MODES
 from megatron_ppo.config.schema import ActorConfig, CriticConfig, MegatronConfig, OptimConfig
-from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, run_micro_batches
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.tasks.addition.sft import run_sft
-from megatron_ppo.train.batch import collate, replica_micro_batches
+from megatron_ppo.train.batch import replica_micro_batches
 from megatron_ppo.train.experience import Experience
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, zero_grads
 from megatron_ppo.train.update import actor_loss, critic_loss, mini_batch_counts
-from tests.distributed.workers import MODEL
-
-
-def rows(count: int, seed: int) -> list[Row]:
-    """Rows of different prompt (3–6) and response (1–7) lengths, so micro-batches have different widths."""
-    rng = random.Random(seed)
-    return [
-        Row(
-            prompt_ids=[rng.randrange(1, MODEL.vocab_size) for _ in range(rng.randint(3, 6))],
-            response_ids=[rng.randrange(1, MODEL.vocab_size) for _ in range(rng.randint(1, 7))],
-            reward=float(rng.choice([-1, 0, 1])),
-            token_rewards=None,
-            behavior_log_probs=None,
-            uid=f"g{i // 2}",
-            data_source="test",
-            source=f"test:{i}",
-        )
-        for i in range(count)
-    ]
-
-
-def experience(count: int, seed: int) -> Experience:
-    batch = collate(rows(count, seed), pad_id=0)
-    generator = torch.Generator().manual_seed(seed)
-    shape = batch["loss_mask"].shape
-    return Experience(
-        **batch, old_log_prob=-torch.rand(shape, generator=generator) * 3,
-        ref_log_prob=-torch.rand(shape, generator=generator) * 3, values=torch.randn(shape, generator=generator),
-        token_level_rewards=torch.zeros(shape), advantages=torch.randn(shape, generator=generator),
-        returns=torch.randn(shape, generator=generator),
-    )  # fmt: skip
+from tests.distributed.workers import MODEL, experience, rows
 
 
 def _gradient(role_model, optimizer, batch: Experience, micro_batch_size: int, make_loss) -> torch.Tensor:

@@ -1,24 +1,33 @@
-"""Code that runs inside the spawned ranks of the distributed tests (importable by the spawn start method).
+"""Code that runs inside the spawned ranks of the layout-parity tests (importable by the spawn start method).
 
-The parity protocol: a single process builds actor and critic at TP=1 PP=1, saves them with Megatron's
-distributed checkpointing, and records log-probs, entropy, values, grad norms and the weights after one clipped step.
-Each parallel layout then loads that checkpoint (resharded by Megatron), repeats the same forward and step, and
-saves its updated weights, which a final single process loads back at TP=1 to compare with the reference.
+The parity protocol drives the trainer's own path — `forward_passes` (experience: log-probs and values, gathered
+over data-parallel ranks and broadcast from the last pipeline stage) and `update_role` with `actor_loss` and
+`critic_loss` (micro-batching, Megatron's schedule, the clipped, non-finite-skipping optimizer step). A single
+process builds actor and critic at TP=1 PP=1, saves them with Megatron's distributed checkpointing, and records the
+experience, the update metrics, grad norms and the weights after one step. Each parallel layout then loads that
+checkpoint (resharded by Megatron), repeats the same experience and update, and saves its updated weights, which a
+final single process loads back at TP=1 to compare with the reference.
 """
 
 from __future__ import annotations
 
+import random
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 
-from megatron_ppo import algo
-from megatron_ppo.config.schema import MegatronConfig, ModelConfig, OptimConfig
-from megatron_ppo.models import build_role_model, run_micro_batches, unwrap, vocab_parallel_log_probs
+from megatron_ppo.config.schema import ActorConfig, CriticConfig, MegatronConfig, ModelConfig, OptimConfig, PPOConfig
+from megatron_ppo.config.validate import resolve
+from megatron_ppo.data.rows import Row
+from megatron_ppo.models import build_role_model, run_micro_batches, unwrap
 from megatron_ppo.parallel import init_distributed
-from megatron_ppo.train.optimizer import build_optimizer, optimizer_step, zero_grads
+from megatron_ppo.train.batch import collate, replica_micro_batches
+from megatron_ppo.train.experience import Experience, forward_passes
+from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, optimizer_step, zero_grads
+from megatron_ppo.train.update import actor_loss, critic_loss, mini_batch_counts, update_role
 
 MODEL = ModelConfig(
     name="parity", num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
@@ -29,76 +38,57 @@ MODEL = ModelConfig(
 # lr·g/(|g| + 1), smooth in the gradient, so weight differences expose gradient differences.
 OPTIM = OptimConfig(optimizer="adam", lr=0.5, adam_eps=1.0, weight_decay=0.0, clip_grad=0.05)
 SEED = 1234
+ROWS = 8
 
 
-def micro_batches() -> list[dict[str, torch.Tensor]]:
-    """Four micro-batches of two sequences, of lengths 12, 9, 12, 7 (variable shapes through the pipeline)."""
-    gen = torch.Generator().manual_seed(7)
-    batches = []
-    for length in (12, 9, 12, 7):
-        input_ids = torch.randint(0, MODEL.vocab_size, (2, length), generator=gen)
-        mask = torch.ones(2, length)
-        mask[:, -1] = 0  # the last position has no next token
-        mask[1, : length // 3] = 0  # a prompt part that is not trained on
-        batches.append(
-            {
-                "input_ids": input_ids,
-                "labels": torch.roll(input_ids, -1, dims=1),
-                "mask": mask,
-                "old_log_prob": -torch.rand(2, length, generator=gen) * 5,
-                "advantages": torch.randn(2, length, generator=gen),
-                "old_values": torch.randn(2, length, generator=gen),
-                "returns": torch.randn(2, length, generator=gen),
-            }
-        )
-    return batches
+def rows(count: int, seed: int) -> list[Row]:
+    """Rows of different prompt (3–6) and response (1–7) lengths, so micro-batches have different widths."""
+    rng = random.Random(seed)
+    return [
+        Row(prompt_ids=[rng.randrange(1, MODEL.vocab_size) for _ in range(rng.randint(3, 6))],
+            response_ids=[rng.randrange(1, MODEL.vocab_size) for _ in range(rng.randint(1, 7))],
+            reward=float(rng.choice([-1, 0, 1])), token_rewards=None, behavior_log_probs=None, uid=f"g{i // 2}",
+            data_source="test", source=f"test:{i}")
+        for i in range(count)
+    ]  # fmt: skip
 
 
-def _share(batches: list[dict]) -> list[dict]:
-    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    return batches[dp_rank::dp]
+def experience(count: int, seed: int, passes: dict[str, torch.Tensor] | None = None) -> Experience:
+    """A batch of `rows` with random old/ref log-probs, values, advantages and returns (or the given `passes`)."""
+    batch = collate(rows(count, seed), pad_id=0)
+    generator = torch.Generator().manual_seed(seed)
+    shape = batch["loss_mask"].shape
+    random_passes = {"old_log_prob": -torch.rand(shape, generator=generator) * 3,
+                     "ref_log_prob": -torch.rand(shape, generator=generator) * 3,
+                     "values": torch.randn(shape, generator=generator)}  # fmt: skip
+    return Experience(
+        **batch, **(passes or random_passes), token_level_rewards=torch.zeros(shape),
+        advantages=torch.randn(shape, generator=generator), returns=torch.randn(shape, generator=generator),
+    )  # fmt: skip
 
 
-def _counts(batches: list[dict]) -> dict[str, Any]:
-    total = sum(b["mask"].sum() for b in batches)
-    return {"dp_size": parallel_state.get_data_parallel_world_size(), "batch_num_tokens": total}
-
-
-def _actor_loss(counts: dict[str, Any], vocab_size: int):
-    def loss_fn(batch, logits):
-        log_prob, entropy = vocab_parallel_log_probs(logits, batch["labels"], vocab_size=vocab_size, with_entropy=True)
-        pg_loss, _ = algo.policy_loss(
-            batch["old_log_prob"], log_prob, batch["advantages"], batch["mask"], clip_ratio_low=0.2,
-            clip_ratio_high=0.28, clip_ratio_c=3.0, **counts,
-        )  # fmt: skip
-        entropy_loss = algo.agg_loss(entropy, batch["mask"], "token-mean", **counts)
-        return pg_loss - 0.01 * entropy_loss, {"log_prob": log_prob.detach(), "entropy": entropy.detach()}
-
-    return loss_fn
-
-
-def _critic_loss(counts: dict[str, Any]):
-    def loss_fn(batch, output):
-        values = output.squeeze(-1)
-        loss, _ = algo.value_loss(
-            values, batch["returns"], batch["old_values"], batch["mask"], cliprange_value=0.2, **counts
-        )
-        return loss, {"values": values.detach()}
-
-    return loss_fn
-
-
-def _train_step(role_model, optimizer, batches, loss_fn) -> tuple[list[dict], float, bool]:
-    zero_grads(role_model, optimizer)
-    outputs = run_micro_batches(role_model, batches, loss_fn, forward_only=False)
-    result = optimizer_step(optimizer, OPTIM.clip_grad)
-    return outputs, result.grad_norm, result.skipped
+def ppo_config(layout: MegatronConfig) -> PPOConfig:
+    """The roles' settings of the parity run: asymmetric clip, KL loss, entropy bonus, micro-batches of 2 rows."""
+    config = PPOConfig(model=MODEL)
+    config.actor = ActorConfig(
+        megatron=layout,
+        optim=OPTIM,
+        ppo_mini_batch_size=ROWS,
+        ppo_micro_batch_size_per_gpu=2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        kl_loss_coef=0.1,
+        entropy_coeff=0.01,
+    )
+    config.ref.megatron = layout
+    config.critic = CriticConfig(megatron=layout, optim=OPTIM, ppo_mini_batch_size=ROWS,
+                                 ppo_micro_batch_size_per_gpu=2, cliprange_value=0.2)  # fmt: skip
+    resolve(config)
+    return config
 
 
 def _build(layout: MegatronConfig):
-    actor = build_role_model("actor", MODEL, layout)
-    critic = build_role_model("critic", MODEL, layout)
-    return actor, critic
+    return build_role_model("actor", MODEL, layout), build_role_model("critic", MODEL, layout)
 
 
 def _sharded(role_model) -> dict:
@@ -135,70 +125,72 @@ def weights(role_model) -> dict[str, torch.Tensor]:
     }
 
 
+def _experience_and_update(config: PPOConfig, actor, ref, critic) -> dict[str, Any]:
+    """The trainer's steps 2, 4 and 5 on the fixed batch: experience from the models, then one critic and one actor
+    update of one mini-batch each."""
+    batch = experience(ROWS, seed=3)
+    passes = forward_passes(config, batch, actor, ref, critic)
+    exp = experience(ROWS, seed=3, passes=dict(passes))
+    out: dict[str, Any] = {"passes": {k: v.clone() for k, v in passes.items()}}
+    for role, model, make_loss in (
+        ("critic", critic, partial(critic_loss, config.critic)),
+        ("actor", actor, partial(actor_loss, config.actor, kl_loss_coef=0.1, vocab_size=MODEL.vocab_size)),
+    ):
+        optimizer = build_optimizer(model, OPTIM, config.actor.megatron)
+        role_config = getattr(config, role)
+        update = update_role(
+            role, model, optimizer, build_scheduler(optimizer, OPTIM, total_steps=1), exp, epochs=1,
+            mini_batch_size=ROWS, micro_batch_size=role_config.ppo_micro_batch_size_per_gpu, max_tokens=None,
+            clip_grad=OPTIM.clip_grad, make_loss=make_loss,
+        )  # fmt: skip
+        out[f"{role}_metrics"] = update.metrics
+        out[f"{role}_grad_norm"] = update.steps[0].grad_norm
+    return out
+
+
 def reference(rank: int, world_size: int, workdir: str) -> None:
-    """TP=1 PP=1 on one process: save initial weights, record outputs, step, save updated weights."""
+    """TP=1 PP=1 on one process: save initial weights, run experience and update, save updated weights."""
     workdir = Path(workdir)
     init_distributed(MegatronConfig(), seed=SEED)
     actor, critic = _build(MegatronConfig())
+    ref = build_role_model("ref", MODEL, MegatronConfig())
     with torch.no_grad():  # the value head starts at zero; give it weights so the values test something
         unwrap(critic.chunks[-1]).output_layer.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(5))
     save(actor, workdir / "initial" / "actor")
     save(critic, workdir / "initial" / "critic")
-    batches = micro_batches()
-    counts = _counts(batches)
-    actor_out, actor_norm, _ = _train_step(actor, build_optimizer(actor, OPTIM, MegatronConfig()), batches,
-                                           _actor_loss(counts, MODEL.vocab_size))  # fmt: skip
-    critic_out, critic_norm, _ = _train_step(critic, build_optimizer(critic, OPTIM, MegatronConfig()), batches,
-                                             _critic_loss(counts))  # fmt: skip
-    torch.save(
-        {
-            "actor_outputs": actor_out, "critic_outputs": critic_out, "actor_grad_norm": actor_norm,
-            "critic_grad_norm": critic_norm,
-            "actor_weights": weights(actor),
-            "critic_weights": weights(critic),
-        },
-        workdir / "reference.pt",
-    )  # fmt: skip
-
-
-def _max_diff(ours: list[dict], theirs: list[dict], key: str) -> float:
-    return max(float((o[key] - t[key]).abs().max()) for o, t in zip(ours, theirs, strict=True))
+    load(ref, workdir / "initial" / "actor")
+    result = _experience_and_update(ppo_config(MegatronConfig()), actor, ref, critic)
+    torch.save({**result, "actor_weights": weights(actor), "critic_weights": weights(critic)}, workdir / "reference.pt")
 
 
 def parallel_layout(rank: int, world_size: int, workdir: str, name: str, layout: MegatronConfig) -> dict[str, Any]:
-    """Load the reference weights into `layout`, repeat forward and step; report differences from the reference."""
+    """Load the reference weights into `layout`, repeat experience and update; report differences from the
+    reference (every rank holds the experience and the metrics)."""
     workdir = Path(workdir)
     init_distributed(layout, seed=SEED + 1)  # a different seed: every weight must come from the checkpoint
     actor, critic = _build(layout)
-    reference_model = build_role_model("ref", MODEL, layout)
+    ref = build_role_model("ref", MODEL, layout)
     load(actor, workdir / "initial" / "actor")
-    load(reference_model, workdir / "initial" / "actor")
+    load(ref, workdir / "initial" / "actor")
     load(critic, workdir / "initial" / "critic")
-    frozen_before = weights(reference_model)
+    frozen_before = weights(ref)
     expected = torch.load(workdir / "reference.pt")
-    all_batches = micro_batches()
-    batches, counts = _share(all_batches), _counts(all_batches)
-    mine = slice(parallel_state.get_data_parallel_rank(), None, parallel_state.get_data_parallel_world_size())
-
-    actor_out, actor_norm, _ = _train_step(actor, build_optimizer(actor, OPTIM, layout), batches,
-                                           _actor_loss(counts, MODEL.vocab_size))  # fmt: skip
-    critic_out, critic_norm, _ = _train_step(critic, build_optimizer(critic, OPTIM, layout), batches,
-                                             _critic_loss(counts))  # fmt: skip
+    ours = _experience_and_update(ppo_config(layout), actor, ref, critic)
     report: dict[str, Any] = {
-        "actor_grad_norm": (actor_norm, expected["actor_grad_norm"]),
-        "critic_grad_norm": (critic_norm, expected["critic_grad_norm"]),
+        "actor_grad_norm": (ours["actor_grad_norm"], expected["actor_grad_norm"]),
+        "critic_grad_norm": (ours["critic_grad_norm"], expected["critic_grad_norm"]),
         "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True),
         "value_head_on_this_rank": any(
             type(getattr(unwrap(c), "output_layer", None)).__name__ == "ValueHead" for c in critic.chunks
         ),
-        "ref_weights_unchanged": all(torch.equal(v, frozen_before[k]) for k, v in weights(reference_model).items()),
-        "ref_has_no_grad": all(not p.requires_grad for c in reference_model.chunks for p in c.parameters()),
-    }
-    if report["last_stage"]:
-        theirs_actor, theirs_critic = expected["actor_outputs"][mine], expected["critic_outputs"][mine]
-        report["log_prob"] = _max_diff(actor_out, theirs_actor, "log_prob")
-        report["entropy"] = _max_diff(actor_out, theirs_actor, "entropy")
-        report["values"] = _max_diff(critic_out, theirs_critic, "values")
+        "ref_weights_unchanged": all(torch.equal(v, frozen_before[k]) for k, v in weights(ref).items()),
+        "ref_has_no_grad": all(not p.requires_grad for c in ref.chunks for p in c.parameters()),
+        "metrics": {key: (value, expected[f"{key.split('/')[0]}_metrics"][key])
+                    for role in ("actor", "critic") for key, value in ours[f"{role}_metrics"].items()},
+    }  # fmt: skip
+    mask = experience(ROWS, seed=3)["loss_mask"]  # padding positions hold whatever the model gave there
+    for key in ("old_log_prob", "ref_log_prob", "values"):
+        report[key] = float(((ours["passes"][key] - expected["passes"][key]) * mask).abs().max())
     save(actor, workdir / name / "actor")
     save(critic, workdir / name / "critic")
     return report
@@ -224,19 +216,25 @@ def compare_updated_weights(rank: int, world_size: int, workdir: str, names: lis
 def nan_gradient_is_skipped(rank: int, world_size: int, layout: MegatronConfig) -> dict[str, Any]:
     """Poison one gradient on rank 1 only; every rank must skip that step, then the next step must apply."""
     init_distributed(layout, seed=SEED)
+    config = ppo_config(layout)
     actor = build_role_model("actor", MODEL, layout)
     optimizer = build_optimizer(actor, OPTIM, layout)
-    all_batches = micro_batches()
-    batches, counts = _share(all_batches), _counts(all_batches)
+    batch = experience(ROWS, seed=3)
+    _, _, micro = replica_micro_batches(batch, 2)
+    loss = actor_loss(config.actor, mini_batch_counts(batch), kl_loss_coef=0.1, vocab_size=MODEL.vocab_size)
     before = weights(actor)
 
-    zero_grads(actor, optimizer)
-    run_micro_batches(actor, batches, _actor_loss(counts, MODEL.vocab_size), forward_only=False)
-    if rank == 1:
-        next(p for p in actor.chunks[0].parameters() if p.requires_grad).main_grad.view(-1)[0] = float("nan")
-    poisoned = optimizer_step(optimizer, OPTIM.clip_grad)
+    def step(poison: bool):
+        zero_grads(actor, optimizer)
+        run_micro_batches(actor, micro, loss, forward_only=False)
+        if poison:
+            next(p for p in actor.chunks[0].parameters() if p.requires_grad).main_grad.view(-1)[0] = float("nan")
+        return optimizer_step(optimizer, OPTIM.clip_grad)
+
+    poisoned = step(poison=rank == 1)
     unchanged = all(torch.equal(v, before[k]) for k, v in weights(actor).items())
-    _, clean_norm, clean_skipped = _train_step(actor, optimizer, batches, _actor_loss(counts, MODEL.vocab_size))
+    clean = step(poison=False)
     changed = any(not torch.equal(v, before[k]) for k, v in weights(actor).items())
-    return {"poisoned_skipped": poisoned.skipped, "poisoned_norm": poisoned.grad_norm, "weights_unchanged": unchanged,
-            "clean_skipped": clean_skipped, "clean_norm": clean_norm, "weights_changed_after": changed}  # fmt: skip
+    return {"poisoned_skipped": poisoned.skipped, "poisoned_norm": poisoned.grad_norm,
+            "weights_unchanged": unchanged, "clean_skipped": clean.skipped, "clean_norm": clean.grad_norm,
+            "weights_changed_after": changed}  # fmt: skip

@@ -62,7 +62,8 @@ def test_the_run_ends_with_the_summary_table(tiny) -> None:
 
 
 SIX_STEPS = ["trainer.total_training_steps=6", "trainer.save_freq=2", "trainer.test_freq=0"]
-COMPARED = ("actor/pg_loss", "critic/vf_loss", "kl/mean", "kl/coef", "reward/mean", "actor/grad_norm")
+COMPARED = ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "critic/vf_loss", "kl/mean", "kl/coef", "reward/mean",
+            "actor/grad_norm")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +74,10 @@ def uninterrupted(tiny, tmp_path_factory) -> dict[str, dict[int, float]]:
     return scalars(directory / "tb")
 
 
-def _assert_same_after(resumed, uninterrupted, first_step: int) -> None:
-    for tag in COMPARED:
+def _assert_same_after(resumed, uninterrupted, first_step: int, tags=COMPARED, rel_tol=1e-6, abs_tol=1e-6) -> None:
+    for tag in tags:
         for step in range(first_step, 7):
-            assert math.isclose(resumed[tag][step], uninterrupted[tag][step], rel_tol=1e-6, abs_tol=1e-6), (
+            assert math.isclose(resumed[tag][step], uninterrupted[tag][step], rel_tol=rel_tol, abs_tol=abs_tol), (
                 f"{tag} at step {step}: resumed {resumed[tag][step]} vs uninterrupted {uninterrupted[tag][step]}"
             )
 
@@ -103,6 +104,27 @@ def test_preemption_signal_checkpoints_exits_for_requeue_and_resumes_exactly(tin
     _assert_same_after(scalars(tmp_path / "tb1"), uninterrupted, first_step=saved_step + 1)
 
 
+TP1 = [f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")]
+# A changed layout changes the floating-point order of the reductions, not the computation.
+ACROSS_LAYOUTS = ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "critic/vf_loss", "kl/coef", "kl/mean")
+
+
+@pytest.mark.parametrize("start, then", [("tp2", "tp1"), ("tp1", "tp2")])
+def test_resume_across_a_changed_layout_continues_the_run(tiny, uninterrupted, tmp_path: Path, start, then) -> None:
+    """Saved at TP=2 on 2 processes, resumed at TP=1 on 1 process (and the reverse), optimizer states included:
+    Megatron reshards the checkpoint, and the metrics after the resume follow the uninterrupted TP=2 run."""
+    layouts = {"tp2": (2, []), "tp1": (1, TP1)}
+    common = [*tiny["common"], *SIX_STEPS, f"trainer.default_local_dir={tmp_path}/ckpt"]
+    nproc, layout = layouts[start]
+    run(nproc, [*common, *layout, "trainer.exit_interval=2", f"trainer.log_dir={tmp_path}/tb0"], tmp_path / "a.log")
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_2"
+    nproc, layout = layouts[then]
+    run(nproc, [*common, *layout, f"trainer.log_dir={tmp_path}/tb1"], tmp_path / "b.log")
+    assert "resumed from" in (tmp_path / "b.log").read_text()
+    _assert_same_after(scalars(tmp_path / "tb1"), uninterrupted, first_step=3, tags=ACROSS_LAYOUTS, rel_tol=1e-3,
+                       abs_tol=2e-3)  # fmt: skip
+
+
 def _two_steps(tiny, nproc: int, layout: list[str], directory: Path) -> dict[str, dict[int, float]]:
     run(nproc, [*tiny["common"], *layout, "trainer.total_training_steps=2", "trainer.test_freq=0",
                 f"trainer.default_local_dir={directory}/ckpt", f"trainer.log_dir={directory}/tb"],
@@ -116,8 +138,7 @@ def two_steps_tp2(tiny, tmp_path_factory) -> dict[str, dict[int, float]]:
 
 
 LAYOUTS = {
-    "tp1": (1, ["actor.megatron.tensor_model_parallel_size=1", "ref.megatron.tensor_model_parallel_size=1",
-                "critic.megatron.tensor_model_parallel_size=1"]),
+    "tp1": (1, TP1),
     "pp2": (2, [f"{r}.megatron.{k}" for r in ("actor", "ref", "critic")
                 for k in ("tensor_model_parallel_size=1", "pipeline_model_parallel_size=2")]),
 }  # fmt: skip
