@@ -14,7 +14,7 @@ import pytest
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data import DataError, read_rows, render_builtin_chat
 from megatron_ppo.data.tokenizer import load_tokenizer
-from tests.unit.hf_tokenizers import CHATML, tokenizer_dir
+from tests.unit.data_fixtures import CHATML, tokenizer_dir
 
 transformers = pytest.importorskip("transformers")
 

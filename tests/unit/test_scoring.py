@@ -15,32 +15,7 @@ from megatron_ppo.config.schema import CustomRewardFnConfig, DataConfig, PPOConf
 from megatron_ppo.config.validate import validate
 from megatron_ppo.data import DataError, build_scorer, read_rows
 from megatron_ppo.data.tokenizer import HFTokenizer, load_tokenizer
-from tests.unit.hf_tokenizers import tokenizer_dir
-
-INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
-# (question, ground truth, response): correct, wrong, no answer, an answer with a thousands separator.
-GSM8K = [
-    ("Natalia sold clips to 48 of her friends in April, and half as many in May. How many in all?", "72",
-     "48 / 2 = 24 clips in May, 48 + 24 = 72 in all.\n#### 72"),
-    ("Weng earns $12 an hour for babysitting. She did 50 minutes. How much did she earn?", "10",
-     "12 / 60 * 50 = 11\n#### 11"),
-    ("Betty needs $100 for a wallet and has half. How much more does she need?", "5", "I am not sure."),
-    ("A farm has 250 cows and buys three times as many. How many cows are there now?", "1000",
-     "250 + 750 = 1,000\n#### 1,000"),
-]  # fmt: skip
-
-
-def _verl_row(index: int, question: str, answer: str, response: str, data_source: str = "openai/gsm8k") -> dict:
-    """One row as verl's examples/data_preprocess/gsm8k.py writes it, plus our `response` and `reward`."""
-    return {
-        "data_source": data_source,
-        "prompt": [{"role": "user", "content": question + INSTRUCTION}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": answer},
-        "extra_info": {"split": "train", "index": index, "answer": answer, "question": question},
-        "response": response,
-        "reward": None,
-    }
+from tests.unit.data_fixtures import GSM8K, INSTRUCTION, tokenizer_dir, verl_row
 
 
 def _write_parquet(path: Path, rows: list[dict]) -> Path:
@@ -60,10 +35,10 @@ def _config(**overrides) -> DataConfig:
 def test_verl_layout_rows_get_verls_gsm8k_rewards(tokenizer: HFTokenizer, tmp_path: Path) -> None:
     from verl.utils.reward_score import default_compute_score
 
-    rows = [_verl_row(i, *example) for i, example in enumerate(GSM8K)]
-    given = {**_verl_row(4, "What is 2+3?", "5", "#### 5"), "reward": 0.25}
-    unknown = _verl_row(5, "What is 2+3?", "5", "#### 5", data_source="my/unknown")
-    no_truth = {**_verl_row(6, "What is 2+3?", "5", "#### 5"), "reward_model": {"style": "rule", "ground_truth": None}}
+    rows = [verl_row(i, *example) for i, example in enumerate(GSM8K)]
+    given = {**verl_row(4, "What is 2+3?", "5", "#### 5"), "reward": 0.25}
+    unknown = verl_row(5, "What is 2+3?", "5", "#### 5", data_source="my/unknown")
+    no_truth = {**verl_row(6, "What is 2+3?", "5", "#### 5"), "reward_model": {"style": "rule", "ground_truth": None}}
     path = _write_parquet(tmp_path / "gsm8k.parquet", [*rows, given, unknown, no_truth])
     scorer = build_scorer(RewardConfig(score_fn="verl"))
     kept, report = read_rows([path], tokenizer, _config(on_bad_row="skip"), tmp_path / "rejects.jsonl", scorer)
@@ -83,7 +58,7 @@ def test_verl_layout_rows_get_verls_gsm8k_rewards(tokenizer: HFTokenizer, tmp_pa
 
 
 def test_without_a_scorer_a_row_without_reward_is_refused(tokenizer: HFTokenizer, tmp_path: Path) -> None:
-    path = _write_parquet(tmp_path / "gsm8k.parquet", [_verl_row(0, *GSM8K[0])])
+    path = _write_parquet(tmp_path / "gsm8k.parquet", [verl_row(0, *GSM8K[0])])
     with pytest.raises(DataError, match=r"row 0: neither 'reward' nor 'token_rewards' is given.*reward\.score_fn"):
         read_rows([path], tokenizer, _config())
 
@@ -102,7 +77,7 @@ def test_a_custom_function_scores_text_and_token_id_rows_as_verl_calls_it(
     tokenizer: HFTokenizer, tmp_path: Path
 ) -> None:
     (tmp_path / "my_reward.py").write_text(CUSTOM)
-    text = {**_verl_row(0, *GSM8K[0]), "extra_info": {"bonus": 0.5}, "prompt_ids": None, "response_ids": None}
+    text = {**verl_row(0, *GSM8K[0]), "extra_info": {"bonus": 0.5}, "prompt_ids": None, "response_ids": None}
     ids = {**text, "prompt": None, "response": None, "prompt_ids": tokenizer.encode("What is 2+3?"),
            "response_ids": tokenizer.encode("so #### 72"), "extra_info": {"bonus": 0.25}}  # fmt: skip
     path = _write_parquet(tmp_path / "rows.parquet", [text, ids])

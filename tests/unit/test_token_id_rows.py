@@ -13,7 +13,7 @@ import pytest
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data import DataError, Row, read_rows
 from megatron_ppo.data.tokenizer import HFTokenizer, load_tokenizer
-from tests.unit.hf_tokenizers import tokenizer_dir
+from tests.unit.data_fixtures import tokenizer_dir
 
 # "Hel" + "lo there" merges across the boundary when tokenized together; "Hello" + " there" does not.
 MERGING = {"prompt": "Hel", "response": "lo there"}
@@ -80,7 +80,7 @@ BAD_ID_ROWS = [
 def test_bad_token_id_rows_name_file_line_and_problem(
     tokenizer: HFTokenizer, tmp_path: Path, record: dict, kind: str, phrase: str
 ) -> None:
-    assert tokenizer.vocab_size == 390, "the BPE of hf_tokenizers.py: 390 tokens"
+    assert tokenizer.vocab_size == 390, "the BPE of data_fixtures.py: 390 tokens"
     good = {"prompt_ids": [1], "response_ids": [2], "reward": 0.0}
     path = _write(tmp_path / "ids.jsonl", [good, {"reward": 1.0, **record}])
     with pytest.raises(DataError) as error:

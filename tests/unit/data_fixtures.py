@@ -1,5 +1,6 @@
-"""Small Hugging Face tokenizer directories built with the `tokenizers` library: a byte-level BPE with the special
-tokens of the ChatML and Llama-3 chat formats, and a `tokenizer_config.json` holding a chat template written here."""
+"""Data for the data tests: small Hugging Face tokenizer directories built with the `tokenizers` library (a
+byte-level BPE with the special tokens of the ChatML and Llama-3 chat formats, and a `tokenizer_config.json` holding
+a chat template written here), and GSM8K-style rows in verl's RL Parquet layout."""
 
 from __future__ import annotations
 
@@ -82,3 +83,29 @@ def tokenizer_dir(directory: Path, style: str, **config: Any) -> Path:
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", **STYLES[style], **config}
     (directory / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in settings.items() if v is not None}))
     return directory
+
+
+INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
+# (question, ground truth, response): correct, wrong, no answer, an answer with a thousands separator.
+GSM8K = [
+    ("Natalia sold clips to 48 of her friends in April, and half as many in May. How many in all?", "72",
+     "48 / 2 = 24 clips in May, 48 + 24 = 72 in all.\n#### 72"),
+    ("Weng earns $12 an hour for babysitting. She did 50 minutes. How much did she earn?", "10",
+     "12 / 60 * 50 = 11\n#### 11"),
+    ("Betty needs $100 for a wallet and has half. How much more does she need?", "5", "I am not sure."),
+    ("A farm has 250 cows and buys three times as many. How many cows are there now?", "1000",
+     "250 + 750 = 1,000\n#### 1,000"),
+]  # fmt: skip
+
+
+def verl_row(index: int, question: str, answer: str, response: str, data_source: str = "openai/gsm8k") -> dict:
+    """One row as verl's examples/data_preprocess/gsm8k.py writes it, plus our `response` and `reward`."""
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": question + INSTRUCTION}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": "train", "index": index, "answer": answer, "question": question},
+        "response": response,
+        "reward": None,
+    }
