@@ -426,6 +426,11 @@ def _reward_problems(c: PPOConfig) -> list[str]:
     custom = c.reward.custom_fn
     if c.reward.score_fn == "custom" and not custom.path:
         p.append("reward.score_fn='custom' needs reward.custom_fn.path (a .py file) and reward.custom_fn.name")
+    if c.reward.score_fn is not None and c.data.task == "addition":
+        p.append(
+            f"reward.score_fn={c.reward.score_fn!r} scores rows without a reward, but data.task='addition' writes "
+            "its rewards into its rows; unset reward.score_fn"
+        )
     if custom.path and c.reward.score_fn != "custom":
         p.append(
             f"reward.custom_fn.path={custom.path!r} is set but reward.score_fn={c.reward.score_fn!r}; "

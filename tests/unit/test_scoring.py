@@ -119,3 +119,9 @@ def test_validation_refuses_reward_and_tokenization_keys_that_would_do_nothing()
     problems = validate(config)
     assert any("reward.score_fn='rule' is not one of None, 'verl', 'custom'" in p for p in problems), problems
     assert any("reward.custom_fn.path='my_reward.py' is set but reward.score_fn='rule'" in p for p in problems)
+    config = PPOConfig()
+    config.reward.score_fn, config.data.task = "verl", "addition"
+    assert validate(config) == [
+        "reward.score_fn='verl' scores rows without a reward, but data.task='addition' writes its rewards into its "
+        "rows; unset reward.score_fn"
+    ]
