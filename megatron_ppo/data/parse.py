@@ -132,15 +132,14 @@ def parse_row(record: Any, source: str, tokenizer: Tokenizer, config: DataConfig
     if tokens.apart_vs_together is not None and (
         behavior_log_probs is not None or config.tokenization_check == "strict"
     ):
-        why = (
-            f"'{BEHAVIOR_LOG_PROBS_KEY}' belong to the sampled tokens, which re-tokenizing does not reproduce"
+        ids = f"give the sampled ids as '{PROMPT_IDS_KEY}'/'{RESPONSE_IDS_KEY}'"
+        why, fix = (
+            (f"'{BEHAVIOR_LOG_PROBS_KEY}' belong to the sampled tokens, which re-tokenizing does not reproduce", ids)
             if behavior_log_probs is not None
-            else "data.tokenization_check=strict"
+            else ("data.tokenization_check=strict", f"{ids}, or set data.tokenization_check=warn to keep the ids apart")
         )
         raise BadRow(
-            "tokenization_mismatch",
-            f"{tokens.apart_vs_together} ({why}); expected the same ids either way — give the sampled ids as "
-            f"'{PROMPT_IDS_KEY}'/'{RESPONSE_IDS_KEY}', or use data.tokenization_check=warn to keep text rows like it",
+            "tokenization_mismatch", f"{tokens.apart_vs_together} ({why}); expected the same ids either way: {fix}"
         )
     data_source = _data_source(record.get(DATA_SOURCE_KEY))
     scored = reward is None and not has_token_rewards

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import transformers
 import yaml
 
 from megatron_ppo.data.tokenizer import load_tokenizer
@@ -28,7 +29,6 @@ ROWS = 16  # 8 token-id rows + 8 verl-format rows, all in the one batch
 
 
 def _tiny_llama(directory: Path) -> Path:
-    transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=512,
