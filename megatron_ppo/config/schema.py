@@ -104,6 +104,9 @@ class DataConfig:
     max_response_length: int = 64
     overlong_policy: str = "filter"  # filter | truncate (counted and reported either way)
     on_bad_row: str = "error"  # error | skip (rejected rows go to a rejects file, with their reason)
+    # Text rows: tokenizing prompt and response apart vs together (verl's tokenization_sanity_check_mode):
+    # strict rejects a row where they differ, warn counts it in the data report, off skips the check.
+    tokenization_check: str = "warn"  # strict | warn | off
     train_batch_size: int = 512
     shuffle: bool = True
     seed: int = 1
@@ -208,9 +211,20 @@ class AlgorithmConfig:
 
 
 @dataclass
-class RewardConfig:
-    """Sequence-reward shaping before it is placed on the last response token."""
+class CustomRewardFnConfig:
+    """A user score function (verl's `custom_reward_function`): `name(data_source=, solution_str=, ground_truth=,
+    extra_info=)` → a number, or a dict with a "score"."""
 
+    path: str | None = None  # the .py file defining it
+    name: str = "compute_score"
+
+
+@dataclass
+class RewardConfig:
+    """Scoring of rows that carry no reward, then sequence-reward shaping before it is placed on the last token."""
+
+    score_fn: str | None = None  # None: rows carry rewards | verl (default_compute_score by data_source) | custom
+    custom_fn: CustomRewardFnConfig = field(default_factory=CustomRewardFnConfig)
     clip_range: list[float] | None = None  # [low, high]
     normalize: bool = False  # running mean/std over all rewards seen
 

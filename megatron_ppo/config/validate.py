@@ -26,11 +26,13 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "data.format": ("auto", "jsonl", "parquet"),
     "data.overlong_policy": ("filter", "truncate"),
     "data.on_bad_row": ("error", "skip"),
+    "data.tokenization_check": ("strict", "warn", "off"),
     "data.task": (None, "addition"),
     "actor.kl_loss_type": KL_ESTIMATORS,
     "actor.loss_agg_mode": LOSS_AGG_MODES,
     "actor.behavior_is_level": ("token", "sequence"),
     "critic.loss_agg_mode": LOSS_AGG_MODES,
+    "reward.score_fn": (None, "verl", "custom"),
     "algorithm.adv_estimator": ("gae", "grpo"),
     "algorithm.kl_penalty": KL_ESTIMATORS,
     "algorithm.kl_ctrl.type": KL_CTRL_TYPES,
@@ -435,7 +437,21 @@ def _band_problems(key: str, band: list[float]) -> list[str]:
 
 
 def _reward_problems(c: PPOConfig) -> list[str]:
+    p: list[str] = []
     clip = c.reward.clip_range
     if clip is not None and (len(clip) != 2 or clip[0] >= clip[1]):
-        return [f"reward.clip_range={list(clip)!r}: give [low, high] with low < high, e.g. [-2, 2]"]
-    return []
+        p.append(f"reward.clip_range={list(clip)!r}: give [low, high] with low < high, e.g. [-2, 2]")
+    custom = c.reward.custom_fn
+    if c.reward.score_fn == "custom" and not custom.path:
+        p.append("reward.score_fn='custom' needs reward.custom_fn.path (a .py file) and reward.custom_fn.name")
+    if c.reward.score_fn is not None and c.data.task == "addition":
+        p.append(
+            f"reward.score_fn={c.reward.score_fn!r} scores rows without a reward, but data.task='addition' writes "
+            "its rewards into its rows; unset reward.score_fn"
+        )
+    if custom.path and c.reward.score_fn != "custom":
+        p.append(
+            f"reward.custom_fn.path={custom.path!r} is set but reward.score_fn={c.reward.score_fn!r}; "
+            "set reward.score_fn=custom to score rows with it, or drop the path"
+        )
+    return p

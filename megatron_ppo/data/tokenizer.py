@@ -1,5 +1,6 @@
 """Tokenizers: a SentencePiece `.model` (trained here for the tiny task, or a model's own) or a Hugging Face
-`tokenizer.json` (with `tokenizer_config.json` beside it naming the end and padding tokens)."""
+`tokenizer.json` (with `tokenizer_config.json` beside it naming the end and padding tokens and holding the
+`chat_template` that chat prompts are rendered with)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ from pathlib import Path
 import sentencepiece as spm
 import tokenizers
 
+from megatron_ppo.data.chat import ChatTemplate, load_chat_template, token_text
+
 
 class SentencePieceTokenizer:
-    """encode/decode text with a SentencePiece model; `eos_id` ends responses, `pad_id` fills batches."""
+    """encode/decode text with a SentencePiece model; `eos_id` ends responses, `pad_id` fills batches. It has no
+    chat template: chat prompts are rendered in the built-in format."""
+
+    chat_template: ChatTemplate | None = None
 
     def __init__(self, model_path: str | Path) -> None:
         self.path = str(model_path)
@@ -60,7 +66,8 @@ def train_char_tokenizer(texts: Iterable[str], model_path: str | Path) -> Senten
 
 
 class HFTokenizer:
-    """A Hugging Face fast tokenizer file; `eos_token`/`pad_token` come from `tokenizer_config.json`."""
+    """A Hugging Face fast tokenizer file; `eos_token`/`pad_token` and the `chat_template` (None when it has none)
+    come from `tokenizer_config.json` (or `chat_template.jinja`) beside it."""
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
@@ -69,7 +76,7 @@ class HFTokenizer:
         self.tokenizer = tokenizers.Tokenizer.from_file(self.path)
         config_file = file.parent / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        eos, pad = _token_text(config.get("eos_token")), _token_text(config.get("pad_token"))
+        eos, pad = token_text(config.get("eos_token")), token_text(config.get("pad_token"))
         eos_id = self.tokenizer.token_to_id(eos) if eos else None
         if eos_id is None:
             raise ValueError(
@@ -78,6 +85,7 @@ class HFTokenizer:
         self.eos_id = eos_id
         pad_id = self.tokenizer.token_to_id(pad) if pad else None
         self.pad_id = eos_id if pad_id is None else pad_id
+        self.chat_template = load_chat_template(file.parent, config)
 
     @property
     def vocab_size(self) -> int:
@@ -88,10 +96,6 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i != self.eos_id])
-
-
-def _token_text(token: str | dict | None) -> str | None:
-    return token.get("content") if isinstance(token, dict) else token
 
 
 def load_tokenizer(path: str | Path) -> SentencePieceTokenizer | HFTokenizer:

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_ppo.config.schema import DataConfig
-from megatron_ppo.data import DataError, Row, read_rows, render_chat
+from megatron_ppo.data import DataError, Row, read_rows, render_builtin_chat
 
 EOS = 99
 
@@ -21,6 +21,8 @@ class CharTokenizer:
     """One token per non-space character (ord % 50), so whitespace-only text has no tokens."""
 
     eos_id = EOS
+    vocab_size = 100
+    chat_template = None
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) % 50 for c in text if not c.isspace()]
@@ -206,10 +208,10 @@ def test_overlong_rows_are_truncated_prompt_on_the_left_response_on_the_right(tm
 
 def test_chat_prompts_are_rendered_with_the_documented_template(tmp_path: Path) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert render_chat(messages) == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    assert render_builtin_chat(messages) == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
     path = _write_jsonl(tmp_path / "data.jsonl", [json.dumps({"prompt": messages, "response": "ok", "reward": 1})])
     rows, _ = read_rows([path], TOK, _config(max_prompt_length=256))
-    assert rows[0].prompt_ids == TOK.encode(render_chat(messages))
+    assert rows[0].prompt_ids == TOK.encode(render_builtin_chat(messages))
 
 
 def _without_origin(rows: list[Row]) -> list[Row]:

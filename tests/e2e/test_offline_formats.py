@@ -1,0 +1,109 @@
+"""Token-id rows and verl-format rows train through the real CLI (`torchrun -m megatron_ppo train <recipe>`): a
+random tiny Llama from `transformers` (converted on first use), a BPE tokenizer with a ChatML chat template, and
+one batch that holds every row, so the logged reward and response length are those of the rows as read."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import transformers
+import yaml
+
+from megatron_ppo.data.tokenizer import load_tokenizer
+from megatron_ppo.models.hf_conversion import model_config_from_hf
+from tests.distributed.harness import free_port
+from tests.e2e.tiny_runs import scalars
+from tests.unit.data_fixtures import GSM8K, INSTRUCTION, tokenizer_dir, verl_row
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = 16  # 8 token-id rows + 8 verl-format rows, all in the one batch
+
+
+def _tiny_llama(directory: Path) -> Path:
+    config = transformers.LlamaConfig(
+        vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    return directory
+
+
+def _token_id_rows(path: Path, tokenizer) -> list[dict]:
+    """Rows as a sampler writes them: the prompt ids it was given, the ids it sampled (ending in eos, or cut at a
+    length limit without one), their log-probs and a reward."""
+    rows = []
+    for i in range(ROWS // 2):
+        question, _, response = GSM8K[i % len(GSM8K)]
+        prompt = tokenizer.chat_template.render([{"role": "user", "content": question + INSTRUCTION}])
+        sampled = tokenizer.encode(response)[: 12 + i] + ([tokenizer.eos_id] if i % 2 else [])
+        rows.append({"prompt_ids": tokenizer.encode(prompt), "response_ids": sampled,
+                     "behavior_log_probs": [-0.5] * len(sampled), "reward": float(i % 3 == 0)})  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return rows
+
+
+def _verl_rows(path: Path) -> list[dict]:
+    """verl's GSM8K layout with our response, and its reward from verl's own scorer."""
+    from verl.utils.reward_score import default_compute_score
+
+    rows = [verl_row(i, *GSM8K[i % len(GSM8K)]) for i in range(ROWS // 2)]
+    for row in rows:
+        ground_truth = row["reward_model"]["ground_truth"]
+        row["reward"] = default_compute_score(row["data_source"], row["response"], ground_truth)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return rows
+
+
+def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
+    tokenizer_path = tokenizer_dir(tmp_path / "tokenizer", "chatml")
+    tokenizer = load_tokenizer(tokenizer_path)
+    hf_dir = _tiny_llama(tmp_path / "llama")
+    id_rows = _token_id_rows(tmp_path / "ids.jsonl", tokenizer)
+    verl_rows = _verl_rows(tmp_path / "gsm8k.parquet")
+    recipe = {
+        "defaults": ["defaults", "clusters/cpu"],
+        "model": {**model_config_from_hf(hf_dir), "hf_checkpoint": str(hf_dir), "params_dtype": "fp32",
+                  "tokenizer": str(tokenizer_path)},
+        "data": {"train_files": [str(tmp_path / "ids.jsonl"), str(tmp_path / "gsm8k.parquet")],
+                 "train_batch_size": ROWS, "max_prompt_length": 256, "max_response_length": 64,
+                 "tokenization_check": "strict"},
+        "actor": {"ppo_mini_batch_size": ROWS, "ppo_micro_batch_size_per_gpu": 8},
+        "critic": {"ppo_mini_batch_size": ROWS, "ppo_micro_batch_size_per_gpu": 8},
+        "trainer": {"total_epochs": 2, "total_training_steps": 2, "default_local_dir": str(tmp_path / "ckpt"),
+                    "log_dir": str(tmp_path / "tb"), "logger": ["console", "tensorboard"]},
+        "cluster": {"gpus_per_node": 1},
+    }  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    log = tmp_path / "train.log"
+    with log.open("w") as out:
+        result = subprocess.run(
+            [str(torchrun), "--nproc_per_node=1", f"--master_port={free_port()}", "-m", "megatron_ppo", "train",
+             str(tmp_path / "recipe.yaml")],
+            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, stdout=out,
+            stderr=subprocess.STDOUT, timeout=600, check=False,
+        )  # fmt: skip
+    text = log.read_text()
+    assert result.returncode == 0, f"training exited {result.returncode}; log tail:\n{text[-4000:]}"
+    assert f"data: read {ROWS} rows, kept {ROWS}, rejected 0" in text, text[-4000:]
+
+    logged = scalars(tmp_path / "tb")
+    rewards = [row["reward"] for row in id_rows + verl_rows]
+    # token-id rows as given (eos only where sampled); text responses tokenized, then eos
+    lengths = [len(row["response_ids"]) for row in id_rows] + [
+        len(tokenizer.encode(r["response"])) + 1 for r in verl_rows
+    ]
+    for step in (1, 2):
+        assert logged["reward/mean"][step] == pytest.approx(sum(rewards) / ROWS, abs=1e-6)
+        assert logged["response_length/mean"][step] == pytest.approx(sum(lengths) / ROWS, abs=1e-6)
+        assert math.isfinite(logged["actor/pg_loss"][step]) and math.isfinite(logged["critic/vf_loss"][step])
