@@ -34,10 +34,12 @@ VERL_ALIASES = {
     "actor_rollout_ref.model.path": "model.hf_checkpoint",
     "trainer.nnodes": "cluster.nodes",
     "trainer.n_gpus_per_node": "cluster.gpus_per_node",
+    "custom_reward_function.": "reward.custom_fn.",
 }
 _UNSUPPORTED_VERL = {
     "actor_rollout_ref.rollout.": "offline PPO trains on a fixed dataset and has no rollout; set data.* instead",
-    "reward_model.": "rewards come from the dataset (data.reward_key); shape them under reward.*",
+    "reward_model.": "rewards come from the dataset (data.reward_key) or are scored when it is read "
+    "(reward.score_fn: verl | custom, reward.custom_fn.path/name); no reward model is served",
 }
 
 

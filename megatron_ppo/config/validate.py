@@ -68,6 +68,8 @@ def resolve(config: PPOConfig) -> None:
         actor.loss_scale_factor = config.data.max_response_length
     if critic.loss_scale_factor is None:
         critic.loss_scale_factor = actor.loss_scale_factor
+    if config.reward.custom_fn.path and config.reward.score_fn is None:  # verl: a custom_reward_function.path is used
+        config.reward.score_fn = "custom"
 
 
 def get(config: Any, dotted: str) -> Any:
@@ -449,9 +451,9 @@ def _reward_problems(c: PPOConfig) -> list[str]:
             f"reward.score_fn={c.reward.score_fn!r} scores rows without a reward, but data.task='addition' writes "
             "its rewards into its rows; unset reward.score_fn"
         )
-    if custom.path and c.reward.score_fn != "custom":
+    if custom.path and c.reward.score_fn == "verl":
         p.append(
-            f"reward.custom_fn.path={custom.path!r} is set but reward.score_fn={c.reward.score_fn!r}; "
-            "set reward.score_fn=custom to score rows with it, or drop the path"
+            f"reward.custom_fn.path={custom.path!r} is set but reward.score_fn='verl'; choose one: "
+            "reward.score_fn=custom to score rows with your function, or drop the path"
         )
     return p

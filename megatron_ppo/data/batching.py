@@ -1,4 +1,5 @@
-"""Split a batch into micro-batches, and draw batches epoch by epoch. Pure Python and torch, no Megatron.
+"""Split a batch into micro-batches, and draw batches (of rows, or of whole GRPO groups) epoch by epoch. Pure Python
+and torch, no Megatron.
 
 A micro-batch is a list of row indices; it is padded to its longest row, so its cost is
     padded size = len(micro-batch) × max length in it,
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -119,3 +121,83 @@ class EpochSampler:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.dropped_last = int(state["dropped_last"])
         self._order = self._permutation(self.epoch)
+
+
+class GroupSampler:
+    """Batches of whole groups (GRPO: the rows sharing a `uid`), epoch after epoch, reproducible like
+    `EpochSampler`, whose permutation it applies to the groups.
+
+    Every group has `group_size` rows and a batch holds `batch_size / group_size` of them, so no group is ever split
+    across batches. Groups left at the end of an epoch that cannot fill a batch are dropped (their rows counted in
+    `dropped_last`) and the batch is drawn from the next epoch.
+    """
+
+    def __init__(self, groups: Sequence[Sequence[int]], seed: int, shuffle: bool = True) -> None:
+        sizes = {len(group) for group in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"groups must all have one size, got sizes {sorted(sizes)}")
+        self.groups = [list(group) for group in groups]
+        self.group_size = sizes.pop()
+        self.groups_sampler = EpochSampler(len(self.groups), seed=seed, shuffle=shuffle)
+
+    def next_batch(self, batch_size: int) -> list[int]:
+        """The rows of the next `batch_size / group_size` groups, all from one epoch, group by group."""
+        if batch_size % self.group_size:
+            raise ValueError(f"batch_size {batch_size} is not a multiple of the group size {self.group_size}")
+        picked = self.groups_sampler.next_batch(batch_size // self.group_size)
+        return [row for group in picked for row in self.groups[group]]
+
+    @property
+    def epoch(self) -> int:
+        return self.groups_sampler.epoch
+
+    @property
+    def dropped_last(self) -> int:
+        return self.groups_sampler.dropped_last * self.group_size
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.groups_sampler.state_dict(), "group_size": self.group_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("group_size") != self.group_size:
+            raise ValueError(
+                f"sampler state has group_size={state.get('group_size')!r} but the data has {self.group_size}; "
+                "resuming would draw different groups"
+            )
+        self.groups_sampler.load_state_dict({k: v for k, v in state.items() if k != "group_size"})
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """The GRPO groups of a dataset: the groups of the common size, and what is left out."""
+
+    groups: list[list[int]]  # row indices of each kept group, in first-appearance order
+    group_size: int  # the most common group size
+    left_out: list[list[int]]  # groups of another size: not sampled
+    singleton_rows: int  # rows alone in their group, among all rows
+
+    def summary(self, sources: Sequence[str]) -> str:
+        text = f"grpo: {len(self.groups)} groups of {self.group_size} rows"
+        if self.left_out:
+            rows = sum(len(g) for g in self.left_out)
+            text += (f"; {len(self.left_out)} groups of another size ({rows} rows) left out, e.g. the group of "
+                     f"{sources[self.left_out[0][0]]} ({len(self.left_out[0])} rows)")  # fmt: skip
+        return text + f"; {self.singleton_rows} rows alone in their group"
+
+
+def group_rows(uids: Sequence[str]) -> Grouping:
+    """Rows grouped by `uid`; the groups of the most common size (the larger one on a tie) are kept."""
+    by_uid: dict[str, list[int]] = {}
+    for index, uid in enumerate(uids):
+        by_uid.setdefault(uid, []).append(index)
+    groups = list(by_uid.values())
+    counts: dict[int, int] = {}
+    for group in groups:
+        counts[len(group)] = counts.get(len(group), 0) + 1
+    size = max(counts, key=lambda s: (counts[s], s)) if counts else 0
+    return Grouping(
+        groups=[g for g in groups if len(g) == size],
+        group_size=size,
+        left_out=[g for g in groups if len(g) != size],
+        singleton_rows=sum(1 for g in groups if len(g) == 1),
+    )

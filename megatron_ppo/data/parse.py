@@ -14,7 +14,8 @@ and
     token_rewards       finite numbers, one per response token — or neither, when `reward.score_fn` scores the row
                         from verl's columns: data_source, reward_model.ground_truth, extra_info (see `scoring.py`)
     behavior_log_probs  optional: log-probs ≤ 0 of the behaviour policy, one per response token
-    uid                 optional: GRPO group id (string or integer); default: the row's source "path:line"
+    uid                 optional: GRPO group id (string or integer); default: the prompt (rows with the same prompt
+                        tokens form one group)
     data_source         optional: a string; default ""
 The prompt/response/reward names come from `DataConfig.*_key`; other columns are ignored, a null counts as absent,
 and blank JSONL lines are not rows. For text rows the per-token lists have one entry per response token before
@@ -29,6 +30,7 @@ tokens the log-probs belong to are not the ones trained on. Such data should com
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -156,7 +158,7 @@ def parse_row(record: Any, source: str, tokenizer: Tokenizer, config: DataConfig
         reward=reward,
         token_rewards=None if token_rewards is None else [*token_rewards, *eos],
         behavior_log_probs=None if behavior_log_probs is None else [*behavior_log_probs, *eos],
-        uid=_uid(record.get(UID_KEY), source),
+        uid=_uid(record.get(UID_KEY), tokens.prompt_ids),
         data_source=data_source,
         source=source,
     )
@@ -319,9 +321,10 @@ def _prompt_text(prompt: str | list[dict[str, Any]], tokenizer: Tokenizer) -> tu
         ) from None
 
 
-def _uid(uid: Any, source: str) -> str:
+def _uid(uid: Any, prompt_ids: list[int]) -> str:
+    """The row's GRPO group: its `uid`, else its prompt (a digest of the prompt's token ids)."""
     if uid is None:
-        return source
+        return "prompt:" + hashlib.blake2b(repr(prompt_ids).encode(), digest_size=8).hexdigest()
     if isinstance(uid, bool) or not isinstance(uid, str | int):
         raise BadRow("wrong_type", f"'{UID_KEY}' is {describe(uid)}; expected a string or an integer group id")
     return str(uid)

@@ -14,6 +14,7 @@ from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.config.validate import world_size
 from megatron_ppo.convert import converted_init_checkpoint
 from megatron_ppo.data.rows import read_rows
+from megatron_ppo.data.scoring import build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
 from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 from megatron_ppo.train.ppo import PPOTrainer
@@ -62,11 +63,12 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
             "model.hf_checkpoint=<Hugging Face dir> or model.init_checkpoint=<megatron-ppo checkpoint> "
             "(or model.allow_random_init=true for a smoke test: the reference then copies the actor)"
         ])  # fmt: skip
+    scorer = build_scorer(config.reward)  # before any process group: a missing verl or custom file fails at once
     with distributed_run(config):
         tokenizer = load_tokenizer(config.model.tokenizer)
         rows, report = read_rows(
             config.data.train_files, tokenizer, config.data,
-            rejects_path=os.path.join(config.trainer.default_local_dir, "rejects.jsonl"),
+            rejects_path=os.path.join(config.trainer.default_local_dir, "rejects.jsonl"), scorer=scorer,
         )  # fmt: skip
         trainer = PPOTrainer(config, rows, tokenizer.pad_id)
         trainer.logger.event(0, "data", report.summary())

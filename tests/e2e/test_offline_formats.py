@@ -52,16 +52,15 @@ def _token_id_rows(path: Path, tokenizer) -> list[dict]:
     return rows
 
 
-def _verl_rows(path: Path) -> list[dict]:
-    """verl's GSM8K layout with our response, and its reward from verl's own scorer."""
+def _verl_rows(path: Path) -> tuple[list[dict], list[float]]:
+    """verl's GSM8K layout with our response and no reward (the trainer scores it at load time), and the rewards
+    verl's own scorer gives those rows."""
     from verl.utils.reward_score import default_compute_score
 
     rows = [verl_row(i, *GSM8K[i % len(GSM8K)]) for i in range(ROWS // 2)]
-    for row in rows:
-        ground_truth = row["reward_model"]["ground_truth"]
-        row["reward"] = default_compute_score(row["data_source"], row["response"], ground_truth)
     pq.write_table(pa.Table.from_pylist(rows), path)
-    return rows
+    expected = [default_compute_score(r["data_source"], r["response"], r["reward_model"]["ground_truth"]) for r in rows]
+    return rows, expected
 
 
 def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
@@ -69,7 +68,8 @@ def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(tokenizer_path)
     hf_dir = _tiny_llama(tmp_path / "llama")
     id_rows = _token_id_rows(tmp_path / "ids.jsonl", tokenizer)
-    verl_rows = _verl_rows(tmp_path / "gsm8k.parquet")
+    verl_rows, verl_rewards = _verl_rows(tmp_path / "gsm8k.parquet")
+    assert set(verl_rewards) == {0.0, 1.0}, "the test rows should hold right and wrong answers"
     recipe = {
         "defaults": ["defaults", "clusters/cpu"],
         "model": {**model_config_from_hf(hf_dir), "hf_checkpoint": str(hf_dir), "params_dtype": "fp32",
@@ -79,6 +79,7 @@ def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
                  "tokenization_check": "strict"},
         "actor": {"ppo_mini_batch_size": ROWS, "ppo_micro_batch_size_per_gpu": 8},
         "critic": {"ppo_mini_batch_size": ROWS, "ppo_micro_batch_size_per_gpu": 8},
+        "reward": {"score_fn": "verl"},
         "trainer": {"total_epochs": 2, "total_training_steps": 2, "default_local_dir": str(tmp_path / "ckpt"),
                     "log_dir": str(tmp_path / "tb"), "logger": ["console", "tensorboard"]},
         "cluster": {"gpus_per_node": 1},
@@ -98,7 +99,7 @@ def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
     assert f"data: read {ROWS} rows, kept {ROWS}, rejected 0" in text, text[-4000:]
 
     logged = scalars(tmp_path / "tb")
-    rewards = [row["reward"] for row in id_rows + verl_rows]
+    rewards = [row["reward"] for row in id_rows] + verl_rewards
     # token-id rows as given (eos only where sampled); text responses tokenized, then eos
     lengths = [len(row["response_ids"]) for row in id_rows] + [
         len(tokenizer.encode(r["response"])) + 1 for r in verl_rows

@@ -144,7 +144,7 @@ def test_good_rows_get_ids_eos_aligned_per_token_lists_and_defaults(tmp_path: Pa
             reward=2.0,
             token_rewards=None,
             behavior_log_probs=None,
-            uid=f"{path}:1",
+            uid=rows[0].uid,  # no uid given: the prompt's group (see test_rows_without_a_uid_are_grouped...)
             data_source="",
             source=f"{path}:1",
         ),
@@ -215,7 +215,7 @@ def test_chat_prompts_are_rendered_with_the_documented_template(tmp_path: Path) 
 
 
 def _without_origin(rows: list[Row]) -> list[Row]:
-    return [dataclasses.replace(row, source="", uid="") for row in rows]
+    return [dataclasses.replace(row, source="") for row in rows]
 
 
 def test_parquet_gives_the_same_rows_as_jsonl(tmp_path: Path) -> None:
@@ -244,7 +244,8 @@ def test_parquet_gives_the_same_rows_as_jsonl(tmp_path: Path) -> None:
     from_parquet, report = read_rows([parquet_path], TOK, _config())
     from_jsonl, _ = read_rows([jsonl_path], TOK, _config())
     assert [row.source for row in from_parquet] == [f"{parquet_path}:row 0", f"{parquet_path}:row 1"]
-    assert [row.uid for row in from_parquet] == ["g0", f"{parquet_path}:row 1"]
+    assert from_parquet[0].uid == "g0" and from_parquet[1].uid.startswith("prompt:"), "no uid: the prompt's group"
+    assert [row.uid for row in from_parquet] == [row.uid for row in from_jsonl]
     assert _without_origin(from_parquet) == _without_origin(from_jsonl)
     assert report.rows_kept == 2
 
@@ -287,3 +288,13 @@ def test_an_empty_dataset_is_an_error(tmp_path: Path) -> None:
     all_long = _write_jsonl(tmp_path / "long.jsonl", ['{"prompt": "abcdef", "response": "x", "reward": 1}'])
     with pytest.raises(DataError, match="filtered 1 over-long"):
         read_rows([all_long], TOK, _config(max_prompt_length=2))
+
+
+def test_rows_without_a_uid_are_grouped_by_their_prompt(tmp_path: Path) -> None:
+    """GRPO's groups: a row without `uid` joins the rows with the same prompt, never a group of its own."""
+    records = [{"prompt": "1+1=", "response": r, "reward": 1} for r in ("2", "3")]
+    records += [{"prompt": "2+2=", "response": "4", "reward": 1}, {"prompt": "1+1=", "response": "2", "uid": 7}]
+    path = _write_jsonl(tmp_path / "data.jsonl", [json.dumps({"reward": 0, **r}) for r in records])
+    rows, _ = read_rows([path], TOK, _config())
+    assert rows[0].uid == rows[1].uid != rows[2].uid
+    assert rows[3].uid == "7"

@@ -114,14 +114,29 @@ def test_validation_refuses_reward_and_tokenization_keys_that_would_do_nothing()
     assert any("reward.score_fn='custom' needs reward.custom_fn.path" in p for p in problems), problems
     assert any("data.tokenization_check='sometimes' is not one of 'strict', 'warn', 'off'" in p for p in problems)
     config = PPOConfig()
-    config.reward.custom_fn.path = "my_reward.py"
     config.reward.score_fn = "rule"
     problems = validate(config)
     assert any("reward.score_fn='rule' is not one of None, 'verl', 'custom'" in p for p in problems), problems
-    assert any("reward.custom_fn.path='my_reward.py' is set but reward.score_fn='rule'" in p for p in problems)
+    config = PPOConfig()
+    config.reward.custom_fn.path, config.reward.score_fn = "my_reward.py", "verl"
+    problems = validate(config)
+    assert any("reward.custom_fn.path='my_reward.py' is set but reward.score_fn='verl'" in p for p in problems)
     config = PPOConfig()
     config.reward.score_fn, config.data.task = "verl", "addition"
     assert validate(config) == [
         "reward.score_fn='verl' scores rows without a reward, but data.task='addition' writes its rewards into its "
         "rows; unset reward.score_fn"
     ]
+
+
+def test_verl_custom_reward_function_keys_select_the_custom_scorer(tmp_path: Path) -> None:
+    """verl's `custom_reward_function.path/name` land on reward.custom_fn, and a path alone selects it (as in
+    verl, where a given custom_reward_function is used)."""
+    from megatron_ppo.config import load_config
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
+    config = load_config(recipe, ["data.task=null", "model.allow_random_init=true",
+                                  f"custom_reward_function.path={tmp_path / 'my_reward.py'}",
+                                  "custom_reward_function.name=score"])  # fmt: skip
+    assert (config.reward.score_fn, config.reward.custom_fn.name) == ("custom", "score")
+    assert config.reward.custom_fn.path == str(tmp_path / "my_reward.py")
