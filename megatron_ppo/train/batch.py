@@ -13,7 +13,15 @@ from typing import NotRequired, TypedDict, TypeVar
 
 import torch
 
-from megatron_ppo.data.batching import dynamic_micro_batches, fixed_micro_batches
+from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.data.batching import (
+    EpochSampler,
+    GroupSampler,
+    dynamic_micro_batches,
+    fixed_micro_batches,
+    group_rows,
+)
 from megatron_ppo.data.rows import Row
 from megatron_ppo.parallel.collectives import data_parallel_share
 
@@ -69,6 +77,36 @@ def collate(rows: Sequence[Row], pad_id: int) -> Batch:
     if any(r.behavior_log_probs is not None for r in rows):
         batch["behavior_log_prob"] = behavior_log_prob
     return batch
+
+
+def build_sampler(config: PPOConfig, rows: Sequence[Row]) -> tuple[EpochSampler | GroupSampler, int, str | None]:
+    """The batch order of a run: rows shuffled one by one (GAE), or whole `uid` groups (GRPO, so that every group's
+    advantage is relative to all of its responses). Returns (sampler, rows it draws from, a line for the logs).
+
+    GRPO keeps the groups of the most common size and leaves the others out (counted in the line);
+    `data.train_batch_size` must be a multiple of that size, and a dataset whose rows are mostly alone in their
+    group is refused: their advantage would be the raw score or zero."""
+    seed, shuffle = config.data.seed, config.data.shuffle
+    if config.algorithm.adv_estimator != "grpo":
+        return EpochSampler(len(rows), seed=seed, shuffle=shuffle), len(rows), None
+    grouping = group_rows([row.uid for row in rows])
+    line = grouping.summary([row.source for row in rows])
+    if grouping.group_size <= 1 or 2 * grouping.singleton_rows > len(rows):
+        raise ConfigError([
+            f"algorithm.adv_estimator=grpo: {line} — GRPO compares the responses to one prompt, so most rows here "
+            "have nothing to compare with; give each row its prompt's group as 'uid' (or the same prompt), with "
+            "several responses per prompt, or use algorithm.adv_estimator=gae"
+        ])  # fmt: skip
+    batch = config.data.train_batch_size
+    if batch % grouping.group_size:
+        low = batch // grouping.group_size * grouping.group_size
+        raise ConfigError([
+            f"data.train_batch_size={batch}: GRPO draws whole groups of {grouping.group_size} rows, so it must be "
+            f"a multiple of {grouping.group_size}, e.g. {max(low, grouping.group_size)} or "
+            f"{low + grouping.group_size} ({line})"
+        ])  # fmt: skip
+    sampler = GroupSampler(grouping.groups, seed=seed, shuffle=shuffle)
+    return sampler, len(grouping.groups) * grouping.group_size, line
 
 
 def select(batch: AnyBatch, indices: Sequence[int]) -> AnyBatch:

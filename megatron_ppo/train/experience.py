@@ -149,7 +149,8 @@ def compute_advantages(
 
 def experience_metrics(config: PPOConfig, experience: Experience) -> dict[str, float]:
     """Response length; KL(actor‖ref) per token, mean and std over sequences (the estimator of the KL loss, else
-    of the reward penalty); the critic's mean value and explained variance of the returns."""
+    of the reward penalty); GRPO groups of one row in the batch; the critic's mean value and explained variance of
+    the returns."""
     mask = experience["loss_mask"]
     out = {"response_length/mean": float(mask.sum(-1).mean())}
     if "ref_log_prob" in experience:
@@ -157,6 +158,8 @@ def experience_metrics(config: PPOConfig, experience: Experience) -> dict[str, f
         kl = algo.kl_penalty(experience["old_log_prob"], experience["ref_log_prob"], kind)
         per_sequence = algo.masked_mean(kl, mask, dim=-1)
         out |= {"kl/mean": float(per_sequence.mean()), "kl/std": float(per_sequence.std())}
+    if config.algorithm.adv_estimator == "grpo":
+        out["grpo/singleton_groups"] = float((torch.bincount(experience["group"]) == 1).sum())
     if "values" in experience:
         out["critic/values_mean"] = float(algo.masked_mean(experience["values"], mask))
         out["critic/vf_explained_var"] = float(

@@ -11,10 +11,9 @@ from typing import Any
 
 from megatron_ppo import algo, checkpoint
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.data.batching import EpochSampler
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import RoleModel, build_role_model, copy_weights
-from megatron_ppo.train.batch import collate
+from megatron_ppo.train.batch import build_sampler, collate
 from megatron_ppo.train.experience import Experience, compute_advantages, experience_metrics, forward_passes
 from megatron_ppo.train.guards import GuardAction, Guards, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import KLCoefficients
@@ -39,10 +38,11 @@ class PPOTrainer:
     def __init__(self, config: PPOConfig, rows: Sequence[Row], pad_id: int, evaluate: Evaluate | None = None) -> None:
         self.config, self.rows, self.pad_id, self.evaluate = config, rows, pad_id, evaluate
         trainer, layout = config.trainer, config.actor.megatron
-        steps_per_epoch = len(rows) // config.data.train_batch_size
+        self.sampler, sampled_rows, grouping = build_sampler(config, rows)
+        steps_per_epoch = sampled_rows // config.data.train_batch_size
         if steps_per_epoch == 0:
             raise ValueError(
-                f"{len(rows)} rows cannot fill one batch of data.train_batch_size={config.data.train_batch_size}"
+                f"{sampled_rows} rows cannot fill one batch of data.train_batch_size={config.data.train_batch_size}"
             )
         self.total_steps = trainer.total_training_steps or steps_per_epoch * trainer.total_epochs
         uses_kl = config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
@@ -75,11 +75,12 @@ class PPOTrainer:
             )
         self.kl = KLCoefficients(config, self.total_steps)
         self.normalizer = algo.RunningRewardNormalizer() if config.reward.normalize else None
-        self.sampler = EpochSampler(len(rows), seed=config.data.seed, shuffle=config.data.shuffle)
         self.guards = Guards(config.guards)
         self.step = 0
         self.skipped_steps = 0
         self.logger = MetricsLogger(trainer.log_dir, trainer.logger, self.total_steps)
+        if grouping:
+            self.logger.event(0, "data", grouping)
         self.history: list[dict[str, float]] = []
 
     # --- state ---------------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The trainer's update path: the gradient of a mini-batch does not depend on how it is cut into micro-batches
 (every loss_agg_mode, actor and critic, through the real loss functions and Megatron's schedule), and a skipped
-SFT step holds the learning-rate schedule."""
+SFT step holds the learning-rate schedule; GRPO through the trainer keeps its groups whole."""
 
 from __future__ import annotations
+
+import math
 
 from tests.distributed import update_workers
 from tests.distributed.harness import run_distributed
@@ -22,3 +24,15 @@ def test_a_skipped_sft_step_holds_the_learning_rate_schedule() -> None:
     report = run_distributed(update_workers.sft_skip_holds_the_schedule, 1)[0]
     assert report["num_steps"] == 0, f"the schedule advanced {report['num_steps']} steps over skipped updates"
     assert report["lr"] == 0.0, "warm-up starts at 0 and must stay there while steps are skipped"
+
+
+def test_grpo_through_the_trainer_keeps_groups_whole_with_zero_mean_advantages() -> None:
+    report = run_distributed(update_workers.grpo_through_the_trainer, 2)[0]  # TP 2, as the tiny recipe
+    assert report["ref_equals_actor"], "with allow_random_init the reference must start as a copy of the actor"
+    assert not report["critic"], "GRPO needs no critic"
+    assert report["group_counts"] == [4] * 8, f"a batch of 32 rows must hold 8 whole groups of 4: {report}"
+    assert report["largest_group_mean_advantage"] < 1e-5
+    for metrics in report["history"]:
+        assert metrics["grpo/singleton_groups"] == 0.0
+        bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
+        assert not bad, f"non-finite metrics: {bad}"

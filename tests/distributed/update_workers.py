@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_ppo.algo import LOSS_AGG_MODES
 from megatron_ppo.config.schema import ActorConfig, CriticConfig, MegatronConfig, OptimConfig
+from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, run_micro_batches
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.tasks.addition.sft import run_sft
-from megatron_ppo.train.batch import replica_micro_batches
+from megatron_ppo.train.batch import collate, replica_micro_batches
 from megatron_ppo.train.experience import Experience
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, zero_grads
 from megatron_ppo.train.update import actor_loss, critic_loss, mini_batch_counts
-from tests.distributed.workers import MODEL, experience, rows
+from tests.distributed.workers import MODEL, experience, rows, weights
 
 
 def _gradient(role_model, optimizer, batch: Experience, micro_batch_size: int, make_loss) -> torch.Tensor:
@@ -69,3 +73,58 @@ def sft_skip_holds_the_schedule(rank: int, world_size: int) -> dict[str, Any]:
     run_sft(actor, optimizer, scheduler, rows(8, seed=1), steps=3, batch_size=4, micro_batch_size=4, clip_grad=1.0,
             pad_id=0, seed=0)  # fmt: skip
     return {"num_steps": scheduler.num_steps, "lr": optimizer.param_groups[0]["lr"]}
+
+
+def grpo_rows(prompts: int, per_prompt: int, seed: int) -> list[Row]:
+    """`per_prompt` scored responses to each prompt, rows shuffled so that a group's rows are far apart."""
+    rng = random.Random(seed)
+    out = []
+    for p in range(prompts):
+        prompt = [rng.randrange(4, 16) for _ in range(rng.randint(3, 6))]
+        for r in range(per_prompt):
+            out.append(Row(prompt_ids=prompt, response_ids=[rng.randrange(4, 16) for _ in range(rng.randint(1, 4))],
+                           reward=float(rng.choice([-1, 0, 1])), token_rewards=None, behavior_log_probs=None,
+                           uid=f"p{p}", data_source="test", source=f"test:{p * per_prompt + r}"))  # fmt: skip
+    rng.shuffle(out)
+    return out
+
+
+def grpo_through_the_trainer(rank: int, world_size: int) -> dict[str, Any]:
+    """The tiny recipe's model under GRPO on grouped rows: batches of whole groups, zero-mean advantages per group,
+    two finite iterations; the reference starts as a copy of the (random) actor."""
+    from megatron_ppo.config import load_config
+    from megatron_ppo.train.experience import compute_advantages, forward_passes
+    from megatron_ppo.train.ppo import PPOTrainer
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
+    config = load_config(recipe, [
+        "data.task=null", "model.allow_random_init=true", "algorithm.adv_estimator=grpo", "trainer.logger=[]",
+        "data.train_batch_size=32", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8",
+        "critic.ppo_mini_batch_size=16", "critic.ppo_micro_batch_size_per_gpu=8", "trainer.total_training_steps=2",
+        f"cluster.gpus_per_node={world_size}",
+    ])  # fmt: skip
+    init_distributed(config.actor.megatron, seed=0)
+    rows = grpo_rows(prompts=24, per_prompt=4, seed=5)
+    trainer = PPOTrainer(config, rows, pad_id=0)
+    report: dict[str, Any] = {
+        "ref_equals_actor": all(
+            torch.equal(a, b)
+            for a, b in zip(weights(trainer.actor).values(), weights(trainer.ref).values(), strict=True)
+        ),
+        "critic": trainer.critic is not None,
+    }
+    state = trainer.sampler.state_dict()
+    batch_rows = [rows[i] for i in trainer.sampler.next_batch(config.data.train_batch_size)]
+    trainer.sampler.load_state_dict(state)
+    report["group_counts"] = sorted(Counter(row.uid for row in batch_rows).values())
+    batch = collate(batch_rows, pad_id=0)
+    passes = forward_passes(config, batch, trainer.actor, trainer.ref, None)
+    experience, _ = compute_advantages(config, batch, passes, None, None)
+    first_response_token = batch["loss_mask"].argmax(-1)
+    advantage = experience["advantages"][torch.arange(len(batch_rows)), first_response_token]
+    report["largest_group_mean_advantage"] = max(
+        abs(float(advantage[batch["group"] == g].mean())) for g in batch["group"].unique()
+    )
+    report["history"] = [trainer.iteration() for _ in range(2)]
+    trainer.close()
+    return report

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from megatron_ppo.data import EpochSampler, dynamic_micro_batches, fixed_micro_batches, padding_fraction
+from megatron_ppo.data.batching import GroupSampler, group_rows
 
 
 def _skewed_lengths(n: int = 256, seed: int = 0) -> list[int]:
@@ -101,3 +102,34 @@ def test_a_sampler_state_from_another_dataset_is_refused() -> None:
     state = EpochSampler(10, seed=7).state_dict()
     with pytest.raises(ValueError, match="num_rows=10"):
         EpochSampler(11, seed=7).load_state_dict(state)
+
+
+def test_group_sampler_draws_whole_groups_and_resumes_exactly() -> None:
+    groups = [[3 * g, 3 * g + 1, 3 * g + 2] for g in range(10)]
+    sampler = GroupSampler(groups, seed=4)
+    owner = {row: g for g, group in enumerate(groups) for row in group}
+    drawn = [sampler.next_batch(9) for _ in range(3)]
+    for batch in drawn:
+        assert len(batch) == 9
+        assert all(sorted(batch[i : i + 3]) == groups[owner[batch[i]]] for i in range(0, 9, 3)), batch
+    # 10 groups, 3 per batch: the 4th batch starts epoch 1 and the 1 group left over is dropped (3 rows)
+    state = sampler.state_dict()
+    fourth = sampler.next_batch(9)
+    assert (sampler.epoch, sampler.dropped_last) == (1, 3)
+    resumed = GroupSampler(groups, seed=4)
+    resumed.load_state_dict(state)
+    assert resumed.next_batch(9) == fourth
+    with pytest.raises(ValueError, match="not a multiple of the group size 3"):
+        sampler.next_batch(8)
+
+
+def test_group_rows_keeps_the_common_size_and_counts_what_it_leaves_out() -> None:
+    uids = ["a", "b", "a", "b", "c", "a", "b", "d", "d"]
+    grouping = group_rows(uids)
+    assert (grouping.groups, grouping.group_size) == ([[0, 2, 5], [1, 3, 6]], 3)
+    assert grouping.left_out == [[4], [7, 8]] and grouping.singleton_rows == 1
+    sources = [f"data.jsonl:{i + 1}" for i in range(len(uids))]
+    assert grouping.summary(sources) == (
+        "grpo: 2 groups of 3 rows; 2 groups of another size (3 rows) left out, e.g. the group of data.jsonl:5 "
+        "(1 rows); 1 rows alone in their group"
+    )
