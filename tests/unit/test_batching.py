@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
+from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.data import EpochSampler, dynamic_micro_batches, fixed_micro_batches, padding_fraction
 from megatron_ppo.data.batching import GroupSampler, group_rows
+from megatron_ppo.data.rows import Row
+from megatron_ppo.train.batch import build_sampler
 
 
 def _skewed_lengths(n: int = 256, seed: int = 0) -> list[int]:
@@ -133,3 +137,25 @@ def test_group_rows_keeps_the_common_size_and_counts_what_it_leaves_out() -> Non
         "grpo: 2 groups of 3 rows; 2 groups of another size (3 rows) left out, e.g. the group of data.jsonl:5 "
         "(1 rows); 1 rows alone in their group"
     )
+
+
+def _rows(uids: list[str]) -> list[Row]:
+    return [Row([5, 6], [7], 1.0, None, None, uid, "test", f"data.jsonl:{i + 1}") for i, uid in enumerate(uids)]
+
+
+def test_grpo_sampling_refuses_singleton_data_and_a_batch_that_would_split_groups() -> None:
+    tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
+    sizes = [f"{role}.{key}" for role in ("actor", "critic")
+             for key in ("ppo_mini_batch_size=8", "ppo_micro_batch_size_per_gpu=4")]  # fmt: skip
+    config = load_config(tiny, ["algorithm.adv_estimator=grpo", "data.train_batch_size=8", *sizes])
+    with pytest.raises(ConfigError, match=r"grpo: 6 groups of 1 rows.*6 rows alone in their group — GRPO compares"):
+        build_sampler(config, _rows(["a", "a", *"bcdefg"]))
+    with pytest.raises(ConfigError, match=r"train_batch_size=8: GRPO draws whole groups of 3 rows.* e\.g\. 6 or 9"):
+        build_sampler(config, _rows([u for u in "abcd" for _ in range(3)]))
+    config.data.train_batch_size = 6
+    sampler, sampled, line = build_sampler(config, _rows([*(u for u in "abcd" for _ in range(3)), "e"]))
+    assert (sampled, line) == (12, "grpo: 4 groups of 3 rows; 1 groups of another size (1 rows) left out, e.g. the "
+                                    "group of data.jsonl:13 (1 rows); 1 rows alone in their group")  # fmt: skip
+    batch = sampler.next_batch(6)
+    assert len(batch) == 6 and {i // 3 for i in batch[:3]} != {i // 3 for i in batch[3:]}
+    assert all(len({i // 3 for i in batch[k : k + 3]}) == 1 for k in (0, 3)), f"groups split: {batch}"
