@@ -246,7 +246,7 @@ class GuardsConfig:
 class TrainerConfig:
     """Loop length, logging, checkpoints (verl `trainer.*`)."""
 
-    project_name: str = "megatron-ppo"
+    project_name: str = "megatron-ppo"  # with experiment_name, names the run in the logs (and the Slurm job)
     experiment_name: str = "run"
     total_epochs: int = 1
     total_training_steps: int | None = None  # None: derived from the data and total_epochs

@@ -101,7 +101,7 @@ def read_rows(
     """
     _check_options(config)
     if not paths:
-        raise DataError("no data files given; set data.train_files (or data.val_files)")
+        raise DataError("no data files given; set data.train_files")
     files = [(Path(p), _format_of(Path(p), config.format)) for p in paths]
     report = DataReport(scorer=None if scorer is None else scorer.name)
     rejects: IO[str] | None = None

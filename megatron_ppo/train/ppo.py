@@ -79,6 +79,7 @@ class PPOTrainer:
         self.step = 0
         self.skipped_steps = 0
         self.logger = MetricsLogger(trainer.log_dir, trainer.logger, self.total_steps)
+        self.logger.event(0, "run", f"{trainer.project_name}/{trainer.experiment_name}")
         if grouping:
             self.logger.event(0, "data", grouping)
         self.history: list[dict[str, float]] = []
