@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+KL_ESTIMATORS = (*KL_KINDS, *(kind + "+" for kind in KL_KINDS))  # a trailing "+": straight-through k2 gradient
 _LOG_RATIO_CLAMP = 20.0  # exp(±20) keeps float32 finite
 _K3_CLAMP = 10.0
 

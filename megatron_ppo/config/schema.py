@@ -3,12 +3,37 @@
 Top level: model, data, actor, ref, critic, algorithm, reward, guards, trainer, cluster. Each role (actor, ref,
 critic) has a `megatron` section (its parallel layout); the trained roles also have an `optim` section — the
 shape of verl's Megatron config, so `actor_rollout_ref.actor.*` paths map onto `actor.*`.
-Values are checked for range and consistency in `validate.py`; this file only says what exists and its type.
+Each field carries its own rule (`choice`: the values it may take; `ranged`: its valid range), which
+`validate.py` walks; rules across keys (batch divisibility, layouts, KL stages) live in `validate.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from megatron_ppo.algo.aggregation import LOSS_AGG_MODES
+from megatron_ppo.algo.kl import KL_ESTIMATORS
+from megatron_ppo.algo.kl_control import CONTROLLER_TYPES
+from megatron_ppo.algo.kl_schedule import WARMUP
+from megatron_ppo.config.fields import (
+    AT_LEAST_ONE,
+    COEFFICIENT,
+    FACTOR,
+    NON_NEGATIVE,
+    POSITIVE,
+    UNIT_INTERVAL,
+    Range,
+    choice,
+    ranged,
+)
+
+BETA = Range(lambda v: 0 <= v < 1, "in [0, 1)")
+CLIP_GRAD = Range(lambda v: v >= 0, "≥ 0 (0 turns clipping off)")
+CLIP_LOW = Range(lambda v: 0 < v < 1, "in (0, 1) (the ratio is clipped at 1 − low)")
+DUAL_CLIP = Range(lambda v: v > 1, "> 1 (dual clip caps −A·ρ at −A·c; try 3.0)")
+SPIKE_FACTOR = Range(lambda v: v > 1, "> 1 (a multiple of the running grad norm)")
+OFF_OR_POSITIVE = Range(lambda v: v > 0, "> 0 (or null: off)")
+ROLES = ("actor", "ref", "critic")
 
 
 @dataclass
@@ -16,26 +41,27 @@ class ModelConfig:
     """GPT architecture shared by actor, critic trunk and reference (Megatron `TransformerConfig` names)."""
 
     name: str = "tiny"
-    num_layers: int = 2
-    hidden_size: int = 128
-    ffn_hidden_size: int | None = None  # None: 4 × hidden (gelu) or Megatron's SwiGLU default
-    num_attention_heads: int = 4
-    num_query_groups: int | None = None  # None: multi-head attention (= num_attention_heads)
-    kv_channels: int | None = None  # None: hidden_size / num_attention_heads
-    vocab_size: int = 256
-    max_position_embeddings: int = 512
-    position_embedding_type: str = "rope"  # rope | learned_absolute
+    num_layers: int = ranged(2, AT_LEAST_ONE)
+    hidden_size: int = ranged(128, AT_LEAST_ONE)
+    ffn_hidden_size: int | None = ranged(None, AT_LEAST_ONE)  # None: 4 × hidden (gelu) or Megatron's SwiGLU default
+    num_attention_heads: int = ranged(4, AT_LEAST_ONE)
+    num_query_groups: int | None = ranged(None, AT_LEAST_ONE)  # None: multi-head attention (= num_attention_heads)
+    kv_channels: int | None = ranged(None, AT_LEAST_ONE)  # None: hidden_size / num_attention_heads
+    vocab_size: int = ranged(256, AT_LEAST_ONE)
+    max_position_embeddings: int = ranged(512, AT_LEAST_ONE)
+    position_embedding_type: str = choice("rope", ("rope", "learned_absolute"))
     rotary_base: float = 10000.0
-    normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
+    normalization: str = choice("RMSNorm", ("RMSNorm", "LayerNorm"))
     layernorm_epsilon: float = 1.0e-6
-    activation: str = "swiglu"  # swiglu | gelu
+    activation: str = choice("swiglu", ("swiglu", "gelu"))
     add_qkv_bias: bool = False  # Qwen2
     add_bias_linear: bool = False  # biases on the other linear layers (GPT-2 style); Llama/Qwen have none
     untie_embeddings_and_output_weights: bool = True
-    params_dtype: str = "bf16"  # bf16 | fp16 | fp32
+    params_dtype: str = choice("bf16", ("bf16", "fp16", "fp32"))
     init_method_std: float = 0.02
-    make_vocab_size_divisible_by: int = 128  # lcm with TP; padded logits are masked out of every log-prob
-    transformer_impl: str = "auto"  # auto (Transformer Engine on CUDA when installed) | local | transformer_engine
+    # lcm with TP; padded logits are masked out of every log-prob
+    make_vocab_size_divisible_by: int = ranged(128, AT_LEAST_ONE)
+    transformer_impl: str = choice("auto", ("auto", "local", "transformer_engine"))
     hf_checkpoint: str | None = None  # Hugging Face directory to convert from on first use
     init_checkpoint: str | None = None  # megatron-ppo checkpoint whose "actor" initialises actor, ref, critic trunk
     allow_random_init: bool = False  # a dataset run without initial weights (smoke tests, benchmarks only)
@@ -46,15 +72,15 @@ class ModelConfig:
 class MegatronConfig:
     """Parallel layout of one role (verl: `actor_rollout_ref.actor.megatron.*`)."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
+    tensor_model_parallel_size: int = ranged(1, AT_LEAST_ONE)
+    pipeline_model_parallel_size: int = ranged(1, AT_LEAST_ONE)
+    virtual_pipeline_model_parallel_size: int | None = ranged(None, AT_LEAST_ONE)
+    context_parallel_size: int = ranged(1, AT_LEAST_ONE)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
-    recompute_granularity: str | None = None  # None | full | selective
-    recompute_method: str | None = None  # uniform | block (with full recompute)
-    recompute_num_layers: int | None = None
+    recompute_granularity: str | None = choice(None, (None, "full", "selective"))
+    recompute_method: str | None = choice(None, (None, "uniform", "block"))
+    recompute_num_layers: int | None = ranged(None, AT_LEAST_ONE)
     param_offload: bool = False
     optimizer_offload: bool = False
 
@@ -63,17 +89,17 @@ class MegatronConfig:
 class OptimConfig:
     """Optimizer and learning-rate schedule of one trained role (verl: `actor_rollout_ref.actor.optim.*`)."""
 
-    optimizer: str = "adam"
-    lr: float = 1.0e-6
-    min_lr: float = 0.0
-    lr_warmup_steps: int | None = None  # wins over the ratio when set
-    lr_warmup_steps_ratio: float = 0.0
-    lr_decay_style: str = "constant"  # constant | linear | cosine
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
+    optimizer: str = choice("adam", ("adam", "sgd"))
+    lr: float = ranged(1.0e-6, POSITIVE)
+    min_lr: float = ranged(0.0, NON_NEGATIVE)
+    lr_warmup_steps: int | None = ranged(None, NON_NEGATIVE)  # wins over the ratio when set
+    lr_warmup_steps_ratio: float = ranged(0.0, UNIT_INTERVAL)
+    lr_decay_style: str = choice("constant", ("constant", "linear", "cosine"))
+    weight_decay: float = ranged(0.01, NON_NEGATIVE)
+    adam_beta1: float = ranged(0.9, BETA)
+    adam_beta2: float = ranged(0.999, BETA)
     adam_eps: float = 1.0e-8
-    clip_grad: float = 1.0
+    clip_grad: float = ranged(1.0, CLIP_GRAD)
 
 
 @dataclass
@@ -96,21 +122,23 @@ class DataConfig:
 
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
-    format: str = "auto"  # auto (by extension) | jsonl | parquet
+    format: str = choice("auto", ("auto", "jsonl", "parquet"))
     prompt_key: str = "prompt"
     response_key: str = "response"
     reward_key: str = "reward"
-    max_prompt_length: int = 64
-    max_response_length: int = 64
-    overlong_policy: str = "filter"  # filter | truncate (counted and reported either way)
-    on_bad_row: str = "error"  # error | skip (rejected rows go to a rejects file, with their reason)
+    max_prompt_length: int = ranged(64, AT_LEAST_ONE)
+    max_response_length: int = ranged(64, AT_LEAST_ONE)
+    overlong_policy: str = choice("filter", ("filter", "truncate"))
+    # skip: rejected rows go to a rejects file, with their reason
+    on_bad_row: str = choice("error", ("error", "skip"))
     # Text rows: tokenizing prompt and response apart vs together (verl's tokenization_sanity_check_mode):
     # strict rejects a row where they differ, warn counts it in the data report, off skips the check.
-    tokenization_check: str = "warn"  # strict | warn | off
-    train_batch_size: int = 512
+    tokenization_check: str = choice("warn", ("strict", "warn", "off"))
+    train_batch_size: int = ranged(512, AT_LEAST_ONE)
     shuffle: bool = True
     seed: int = 1
-    task: str | None = None  # "addition": build the tiny recipe's data (tokenizer, SFT policy, sampled rows) first
+    # "addition": build the tiny recipe's data (tokenizer, SFT policy, sampled rows) first
+    task: str | None = choice(None, (None, "addition"))
     addition: AdditionTaskConfig = field(default_factory=AdditionTaskConfig)
 
 
@@ -120,24 +148,27 @@ class ActorConfig:
 
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo_mini_batch_size: int = 128
-    ppo_micro_batch_size_per_gpu: int | None = 16
-    log_prob_micro_batch_size_per_gpu: int | None = None  # None: ppo_micro_batch_size_per_gpu
+    ppo_mini_batch_size: int = ranged(128, AT_LEAST_ONE)
+    ppo_micro_batch_size_per_gpu: int | None = ranged(16, AT_LEAST_ONE)
+    log_prob_micro_batch_size_per_gpu: int | None = ranged(None, AT_LEAST_ONE)  # None: ppo_micro_batch_size_per_gpu
     use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    ppo_epochs: int = 1
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None  # None: clip_ratio (verl defaults these to 0.2, hiding clip_ratio)
-    clip_ratio_high: float | None = None  # None: clip_ratio
-    clip_ratio_c: float = 3.0
+    ppo_max_token_len_per_gpu: int = ranged(16384, AT_LEAST_ONE)
+    ppo_epochs: int = ranged(1, AT_LEAST_ONE)
+    clip_ratio: float = ranged(0.2, POSITIVE)
+    # None: clip_ratio (verl defaults these to 0.2, hiding clip_ratio)
+    clip_ratio_low: float | None = ranged(None, CLIP_LOW)
+    clip_ratio_high: float | None = ranged(None, POSITIVE)  # None: clip_ratio
+    clip_ratio_c: float = ranged(3.0, DUAL_CLIP)
     use_kl_loss: bool = True
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    entropy_coeff: float = 0.0
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm divisor; None: data.max_response_length
-    behavior_is_cap: float | None = None  # truncated importance weights against behaviour log-probs, if set
-    behavior_is_level: str = "token"  # token | sequence
+    kl_loss_coef: float = ranged(0.001, COEFFICIENT)
+    kl_loss_type: str = choice("low_var_kl", KL_ESTIMATORS)
+    entropy_coeff: float = ranged(0.0, COEFFICIENT)
+    loss_agg_mode: str = choice("token-mean", LOSS_AGG_MODES)
+    # seq-mean-token-sum-norm divisor; None: data.max_response_length
+    loss_scale_factor: int | None = ranged(None, AT_LEAST_ONE)
+    # truncated importance weights against behaviour log-probs, if set
+    behavior_is_cap: float | None = ranged(None, POSITIVE)
+    behavior_is_level: str = choice("token", ("token", "sequence"))
 
 
 @dataclass
@@ -145,7 +176,8 @@ class RefConfig:
     """The frozen reference policy: only a layout."""
 
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    log_prob_micro_batch_size_per_gpu: int | None = None  # None: actor.log_prob_micro_batch_size_per_gpu
+    # None: actor.log_prob_micro_batch_size_per_gpu
+    log_prob_micro_batch_size_per_gpu: int | None = ranged(None, AT_LEAST_ONE)
 
 
 @dataclass
@@ -154,15 +186,17 @@ class CriticConfig:
 
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1.0e-5))
-    ppo_mini_batch_size: int = 128
-    ppo_micro_batch_size_per_gpu: int | None = 16
-    forward_micro_batch_size_per_gpu: int | None = None  # values in the experience pass; None: ppo_micro_...
+    ppo_mini_batch_size: int = ranged(128, AT_LEAST_ONE)
+    ppo_micro_batch_size_per_gpu: int | None = ranged(16, AT_LEAST_ONE)
+    # values in the experience pass; None: ppo_micro_...
+    forward_micro_batch_size_per_gpu: int | None = ranged(None, AT_LEAST_ONE)
     use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    ppo_epochs: int = 1
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm divisor; None: actor.loss_scale_factor
+    ppo_max_token_len_per_gpu: int = ranged(16384, AT_LEAST_ONE)
+    ppo_epochs: int = ranged(1, AT_LEAST_ONE)
+    cliprange_value: float = ranged(0.5, POSITIVE)
+    loss_agg_mode: str = choice("token-mean", LOSS_AGG_MODES)
+    # seq-mean-token-sum-norm divisor; None: actor.loss_scale_factor
+    loss_scale_factor: int | None = ranged(None, AT_LEAST_ONE)
 
 
 @dataclass
@@ -171,7 +205,7 @@ class KLStageConfig:
 
     name: str = "stage"
     end: float = 1.0
-    controller: str = "power_law"  # warmup | fixed | adaptive | power_law | band
+    controller: str = choice("power_law", (WARMUP, *CONTROLLER_TYPES))
     target_kl: float | None = None
     band: list[float] | None = None  # [low, high] for the band rule; default [target/1.5, target·1.5]
     horizon: float = 10000.0
@@ -184,16 +218,16 @@ class KLControlConfig:
     """How β moves (verl `algorithm.kl_ctrl`). It drives the coefficients listed in `apply_to` that are enabled:
     `loss` starts from `actor.kl_loss_coef`, `reward` from `kl_coef`; a term not listed keeps its coefficient."""
 
-    type: str = "fixed"  # fixed | adaptive | power_law | band | staged
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: float = 10000.0
-    alpha: float = 1.5
+    type: str = choice("fixed", (*CONTROLLER_TYPES, "staged"))
+    kl_coef: float = ranged(0.001, COEFFICIENT)
+    target_kl: float = ranged(0.1, POSITIVE)
+    horizon: float = ranged(10000.0, POSITIVE)
+    alpha: float = ranged(1.5, POSITIVE)
     band: list[float] | None = None
-    min_coef: float = 1.0e-6
+    min_coef: float = ranged(1.0e-6, COEFFICIENT)
     max_coef: float = 1.0
     apply_to: list[str] = field(default_factory=lambda: ["loss", "reward"])
-    stage_unit: str = "fraction"  # fraction | step
+    stage_unit: str = choice("fraction", ("fraction", "step"))
     stages: list[KLStageConfig] = field(default_factory=list)
 
 
@@ -201,12 +235,12 @@ class KLControlConfig:
 class AlgorithmConfig:
     """Advantage estimation and KL in the reward (verl `algorithm.*`)."""
 
-    adv_estimator: str = "gae"  # gae | grpo
-    gamma: float = 1.0
-    lam: float = 0.95
+    adv_estimator: str = choice("gae", ("gae", "grpo"))
+    gamma: float = ranged(1.0, UNIT_INTERVAL)
+    lam: float = ranged(0.95, UNIT_INTERVAL)
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
+    kl_penalty: str = choice("kl", KL_ESTIMATORS)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
 
@@ -223,7 +257,8 @@ class CustomRewardFnConfig:
 class RewardConfig:
     """Scoring of rows that carry no reward, then sequence-reward shaping before it is placed on the last token."""
 
-    score_fn: str | None = None  # None: rows carry rewards | verl (default_compute_score by data_source) | custom
+    # None: rows carry rewards; verl: default_compute_score by data_source; custom: custom_fn
+    score_fn: str | None = choice(None, (None, "verl", "custom"))
     custom_fn: CustomRewardFnConfig = field(default_factory=CustomRewardFnConfig)
     clip_range: list[float] | None = None  # [low, high]
     normalize: bool = False  # running mean/std over all rewards seen
@@ -233,13 +268,14 @@ class RewardConfig:
 class GuardsConfig:
     """Stability guards; each one that fires is logged and written to TensorBoard."""
 
-    max_consecutive_skips: int = 5
-    grad_norm_spike_factor: float = 10.0  # spike: grad norm > factor × running median of the window
-    grad_norm_window: int = 20
-    lr_backoff_factor: float = 0.5
-    kl_explosion_threshold: float = 1.0  # per-token KL(actor‖ref) in nats that triggers a rollback
-    rollback_lr_factor: float = 0.5
-    max_rollbacks: int = 3
+    max_consecutive_skips: int = ranged(5, NON_NEGATIVE)
+    # spike: grad norm > factor × running median of the window
+    grad_norm_spike_factor: float = ranged(10.0, SPIKE_FACTOR)
+    grad_norm_window: int = ranged(20, AT_LEAST_ONE)
+    lr_backoff_factor: float = ranged(0.5, FACTOR)
+    kl_explosion_threshold: float = ranged(1.0, POSITIVE)  # per-token KL(actor‖ref) in nats that triggers a rollback
+    rollback_lr_factor: float = ranged(0.5, FACTOR)
+    max_rollbacks: int = ranged(3, NON_NEGATIVE)
 
 
 @dataclass
@@ -248,21 +284,21 @@ class TrainerConfig:
 
     project_name: str = "megatron-ppo"  # with experiment_name, names the run in the logs (and the Slurm job)
     experiment_name: str = "run"
-    total_epochs: int = 1
-    total_training_steps: int | None = None  # None: derived from the data and total_epochs
-    critic_warmup: int = 0
-    save_freq: int = 0  # 0: only at the end
-    test_freq: int = 0
+    total_epochs: int = ranged(1, AT_LEAST_ONE)
+    total_training_steps: int | None = ranged(None, AT_LEAST_ONE)  # None: derived from the data and total_epochs
+    critic_warmup: int = ranged(0, NON_NEGATIVE)
+    save_freq: int = ranged(0, NON_NEGATIVE)  # 0: only at the end
+    test_freq: int = ranged(0, NON_NEGATIVE)
     default_local_dir: str = "outputs/checkpoints"
     log_dir: str = "outputs/tensorboard"
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
-    resume_mode: str = "auto"  # auto | disable | resume_path
+    resume_mode: str = choice("auto", ("auto", "disable", "resume_path"))
     resume_from_path: str | None = None
-    max_ckpt_to_keep: int | None = 2
+    max_ckpt_to_keep: int | None = ranged(2, NON_NEGATIVE)
     # One job of a chain stops cleanly (checkpoint, exit 0) for the next job to resume: after a step divisible by
     # exit_interval, or after exit_duration_in_mins of this job (Megatron-LM's --exit-interval/--exit-duration-in-mins).
-    exit_interval: int | None = None
-    exit_duration_in_mins: float | None = None
+    exit_interval: int | None = ranged(None, OFF_OR_POSITIVE)
+    exit_duration_in_mins: float | None = ranged(None, OFF_OR_POSITIVE)
     seed: int = 1
 
 
@@ -270,11 +306,11 @@ class TrainerConfig:
 class ClusterConfig:
     """Where the job runs; nodes × gpus_per_node is the world size every role's layout must fill."""
 
-    nodes: int = 1
-    gpus_per_node: int = 1  # processes per node on CPU
-    device: str = "cuda"  # cuda | cpu
+    nodes: int = ranged(1, AT_LEAST_ONE)
+    gpus_per_node: int = ranged(1, AT_LEAST_ONE)  # processes per node on CPU
+    device: str = choice("cuda", ("cuda", "cpu"))
     gpu_type: str = "h100-80gb"
-    gpu_memory_gib: float = 80.0
+    gpu_memory_gib: float = ranged(80.0, POSITIVE)
     partition: str | None = None
     account: str | None = None
     time_limit: str = "04:00:00"
@@ -294,6 +330,3 @@ class PPOConfig:
     guards: GuardsConfig = field(default_factory=GuardsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-
-
-ROLES = ("actor", "ref", "critic")

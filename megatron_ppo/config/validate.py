@@ -1,49 +1,17 @@
 """Resolution of derived defaults, and validation of a typed config before anything heavy is built.
 
-`validate` returns every problem as one line: the key, the value, what is wrong and what to change.
+`validate` returns every problem as one line: the key, the value, what is wrong and what to change. Each key's
+own choices and range are on its schema field (`config.fields`); the rules between keys are here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
 from typing import Any
 
-from megatron_ppo.algo.aggregation import LOSS_AGG_MODES
-from megatron_ppo.algo.kl import KL_KINDS
-from megatron_ppo.algo.kl_control import CONTROLLER_TYPES
 from megatron_ppo.algo.kl_schedule import WARMUP
-from megatron_ppo.config.schema import ROLES, GuardsConfig, MegatronConfig, PPOConfig
-
-KL_ESTIMATORS = (*KL_KINDS, *(k + "+" for k in KL_KINDS))
-KL_CTRL_TYPES = (*CONTROLLER_TYPES, "staged")
-CHOICES: dict[str, tuple[Any, ...]] = {
-    "model.position_embedding_type": ("rope", "learned_absolute"),
-    "model.normalization": ("RMSNorm", "LayerNorm"),
-    "model.activation": ("swiglu", "gelu"),
-    "model.params_dtype": ("bf16", "fp16", "fp32"),
-    "model.transformer_impl": ("auto", "local", "transformer_engine"),
-    "data.format": ("auto", "jsonl", "parquet"),
-    "data.overlong_policy": ("filter", "truncate"),
-    "data.on_bad_row": ("error", "skip"),
-    "data.tokenization_check": ("strict", "warn", "off"),
-    "data.task": (None, "addition"),
-    "actor.kl_loss_type": KL_ESTIMATORS,
-    "actor.loss_agg_mode": LOSS_AGG_MODES,
-    "actor.behavior_is_level": ("token", "sequence"),
-    "critic.loss_agg_mode": LOSS_AGG_MODES,
-    "reward.score_fn": (None, "verl", "custom"),
-    "algorithm.adv_estimator": ("gae", "grpo"),
-    "algorithm.kl_penalty": KL_ESTIMATORS,
-    "algorithm.kl_ctrl.type": KL_CTRL_TYPES,
-    "algorithm.kl_ctrl.stage_unit": ("fraction", "step"),
-    "trainer.resume_mode": ("auto", "disable", "resume_path"),
-    "cluster.device": ("cuda", "cpu"),
-    **{f"{role}.optim.optimizer": ("adam", "sgd") for role in ("actor", "critic")},
-    **{f"{role}.optim.lr_decay_style": ("constant", "linear", "cosine") for role in ("actor", "critic")},
-    **{f"{role}.megatron.recompute_granularity": (None, "full", "selective") for role in ROLES},
-    **{f"{role}.megatron.recompute_method": (None, "uniform", "block") for role in ROLES},
-}
+from megatron_ppo.config.fields import choices_of, field_problems
+from megatron_ppo.config.schema import ROLES, GuardsConfig, KLStageConfig, MegatronConfig, PPOConfig
 
 
 def resolve(config: PPOConfig) -> None:
@@ -80,12 +48,8 @@ def get(config: Any, dotted: str) -> Any:
 
 def validate(config: PPOConfig) -> list[str]:
     """Every problem in `config`, one line each (empty when it is sound)."""
-    problems: list[str] = []
-    for key, allowed in CHOICES.items():
-        value = get(config, key)
-        if value not in allowed:
-            problems.append(f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}")
-    problems += _range_problems(config)
+    problems = field_problems(config)
+    problems += _cross_key_problems(config)
     problems += _model_problems(config)
     problems += _layout_problems(config)
     problems += _batch_problems(config)
@@ -94,113 +58,11 @@ def validate(config: PPOConfig) -> list[str]:
     return problems
 
 
-def _check(problems: list[str], config: Any, keys: Iterable[str], ok: Callable[[Any], bool], rule: str) -> None:
-    for key in keys:
-        value = get(config, key)
-        if value is not None and not ok(value):
-            problems.append(f"{key}={value!r}: must be {rule}")
-
-
-def _range_problems(c: PPOConfig) -> list[str]:
+def _cross_key_problems(c: PPOConfig) -> list[str]:
+    """Rules between keys (each key's own choices and range are on its schema field)."""
     p: list[str] = []
-    positive_ints = [
-        "model.num_layers",
-        "model.hidden_size",
-        "model.num_attention_heads",
-        "model.vocab_size",
-        "model.max_position_embeddings",
-        "model.ffn_hidden_size",
-        "model.make_vocab_size_divisible_by",
-        "model.num_query_groups",
-        "model.kv_channels",
-        "data.max_prompt_length",
-        "data.max_response_length",
-        "data.train_batch_size",
-        "actor.ppo_mini_batch_size",
-        "actor.ppo_micro_batch_size_per_gpu",
-        "actor.ppo_epochs",
-        "actor.ppo_max_token_len_per_gpu",
-        "actor.log_prob_micro_batch_size_per_gpu",
-        "ref.log_prob_micro_batch_size_per_gpu",
-        "critic.forward_micro_batch_size_per_gpu",
-        "actor.loss_scale_factor",
-        "critic.loss_scale_factor",
-        "critic.ppo_mini_batch_size",
-        "critic.ppo_micro_batch_size_per_gpu",
-        "critic.ppo_epochs",
-        "critic.ppo_max_token_len_per_gpu",
-        "trainer.total_epochs",
-        "trainer.total_training_steps",
-        "cluster.nodes",
-        "cluster.gpus_per_node",
-        "guards.grad_norm_window",
-        *(
-            f"{r}.megatron.{k}"
-            for r in ROLES
-            for k in (
-                "tensor_model_parallel_size",
-                "pipeline_model_parallel_size",
-                "virtual_pipeline_model_parallel_size",
-                "context_parallel_size",
-                "recompute_num_layers",
-            )
-        ),
-    ]
-    _check(p, c, positive_ints, lambda v: v >= 1, "≥ 1")
-    _check(p, c, ["trainer.exit_interval", "trainer.exit_duration_in_mins"], lambda v: v > 0, "> 0 (or null: off)")
-    _check(
-        p,
-        c,
-        [
-            "trainer.critic_warmup",
-            "trainer.save_freq",
-            "trainer.test_freq",
-            "guards.max_consecutive_skips",
-            "guards.max_rollbacks",
-            "trainer.max_ckpt_to_keep",
-        ],
-        lambda v: v >= 0,
-        "≥ 0",
-    )
-    _check(p, c, ["actor.clip_ratio", "actor.clip_ratio_high", "critic.cliprange_value"], lambda v: v > 0, "> 0")
-    _check(p, c, ["actor.clip_ratio_low"], lambda v: 0 < v < 1, "in (0, 1) (the ratio is clipped at 1 − low)")
-    _check(p, c, ["actor.clip_ratio_c"], lambda v: v > 1, "> 1 (dual clip caps −A·ρ at −A·c; try 3.0)")
-    _check(
-        p,
-        c,
-        ["actor.kl_loss_coef", "actor.entropy_coeff", "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.min_coef"],
-        lambda v: v >= 0,
-        "≥ 0 (a coefficient)",
-    )
-    _check(
-        p,
-        c,
-        [
-            "algorithm.kl_ctrl.target_kl",
-            "algorithm.kl_ctrl.horizon",
-            "algorithm.kl_ctrl.alpha",
-            "guards.kl_explosion_threshold",
-            "actor.behavior_is_cap",
-        ],
-        lambda v: v > 0,
-        "> 0",
-    )
-    _check(p, c, ["algorithm.gamma", "algorithm.lam"], lambda v: 0 <= v <= 1, "in [0, 1]")
-    _check(p, c, ["guards.lr_backoff_factor", "guards.rollback_lr_factor"], lambda v: 0 < v <= 1, "in (0, 1]")
-    _check(p, c, ["guards.grad_norm_spike_factor"], lambda v: v > 1, "> 1 (a multiple of the running grad norm)")
-    _check(p, c, ["cluster.gpu_memory_gib"], lambda v: v > 0, "> 0")
     for role in ("actor", "critic"):
         optim = f"{role}.optim"
-        _check(p, c, [f"{optim}.lr"], lambda v: v > 0, "> 0")
-        _check(
-            p,
-            c,
-            [f"{optim}.min_lr", f"{optim}.weight_decay", f"{optim}.clip_grad", f"{optim}.lr_warmup_steps"],
-            lambda v: v >= 0,
-            "≥ 0 (clip_grad 0 turns clipping off)",
-        )
-        _check(p, c, [f"{optim}.lr_warmup_steps_ratio"], lambda v: 0 <= v <= 1, "in [0, 1]")
-        _check(p, c, [f"{optim}.adam_beta1", f"{optim}.adam_beta2"], lambda v: 0 <= v < 1, "in [0, 1)")
         if get(c, f"{optim}.min_lr") > get(c, f"{optim}.lr"):
             p.append(
                 f"{optim}.min_lr={get(c, f'{optim}.min_lr')!r}: must not exceed {optim}.lr={get(c, f'{optim}.lr')!r}"
@@ -406,8 +268,8 @@ def _kl_problems(c: PPOConfig) -> list[str]:
         if kl.stage_unit == "fraction" and not 0 < stage.end <= 1:
             p.append(f"{key}.end={stage.end}: with stage_unit='fraction' an end is a fraction of the run in (0, 1]")
         previous_end = stage.end
-        if stage.controller not in (WARMUP, *CONTROLLER_TYPES):
-            p.append(f"{key}.controller={stage.controller!r} is not one of {', '.join((WARMUP, *CONTROLLER_TYPES))}")
+        if stage.controller not in (allowed := choices_of(KLStageConfig, "controller")):
+            p.append(f"{key}.controller={stage.controller!r} is not one of {', '.join(allowed)}")
         if stage.controller == WARMUP and index > 0:
             p.append(f"{key}: only the first stage may be a warm-up (a later ramp from 0 breaks β's continuity)")
         needs_target = stage.controller in ("adaptive", "power_law") or (

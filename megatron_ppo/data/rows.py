@@ -17,6 +17,7 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megatron_ppo.config.fields import choices_of
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data.chat import BUILTIN_FORMAT
 from megatron_ppo.data.parse import ParsedRow, Row, Tokenizer, parse_row
@@ -26,12 +27,7 @@ from megatron_ppo.data.values import BadRow
 __all__ = ["DataError", "DataReport", "Row", "Tokenizer", "read_rows"]
 
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
-_OPTIONS = {
-    "format": ("auto", "jsonl", "parquet"),
-    "overlong_policy": ("filter", "truncate"),
-    "on_bad_row": ("error", "skip"),
-    "tokenization_check": ("strict", "warn", "off"),
-}
+_OPTIONS = ("format", "overlong_policy", "on_bad_row", "tokenization_check")
 
 
 @dataclass
@@ -154,8 +150,8 @@ def _count(parsed: ParsedRow, report: DataReport) -> None:
 
 
 def _check_options(config: DataConfig) -> None:
-    for name, allowed in _OPTIONS.items():
-        value = getattr(config, name)
+    for name in _OPTIONS:
+        value, allowed = getattr(config, name), choices_of(DataConfig, name)
         if value not in allowed:
             raise ValueError(f"data.{name}={value!r}; expected one of {', '.join(allowed)}")
 

@@ -17,12 +17,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_ppo.config.schema import MegatronConfig, ModelConfig
+from megatron_ppo.config.schema import ROLES, MegatronConfig, ModelConfig
 from megatron_ppo.models.transformer_config import build_transformer_config, padded_vocab_size
 from megatron_ppo.models.value_head import ValueHead
 
 logger = logging.getLogger(__name__)
-ROLES = ("actor", "critic", "ref")
 
 
 @dataclass

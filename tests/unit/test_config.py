@@ -231,3 +231,21 @@ def test_keys_that_nothing_reads_yet_are_refused() -> None:
         load_config(TINY, ["data.val_files=[a.jsonl]"])
     with pytest.raises(ConfigError, match=r"unknown key 'guards.skip_nonfinite'"):
         load_config(TINY, ["guards.skip_nonfinite=false"])
+
+
+def test_each_key_carries_its_own_rule_on_the_schema() -> None:
+    """Choices and ranges live on the schema fields; validation walks them in every section, shared ones too."""
+    from megatron_ppo.config.fields import choices_of, field_problems
+    from megatron_ppo.config.schema import DataConfig, MegatronConfig, PPOConfig
+
+    config = PPOConfig()
+    config.critic.megatron.recompute_method = "sometimes"
+    config.actor.optim.adam_beta2 = 1.0
+    config.data.format = "xml"
+    assert field_problems(config) == [
+        "data.format='xml' is not one of 'auto', 'jsonl', 'parquet'",
+        "actor.optim.adam_beta2=1.0: must be in [0, 1)",
+        "critic.megatron.recompute_method='sometimes' is not one of None, 'uniform', 'block'",
+    ]
+    assert choices_of(DataConfig, "format") == ("auto", "jsonl", "parquet")
+    assert choices_of(MegatronConfig, "recompute_granularity") == (None, "full", "selective")

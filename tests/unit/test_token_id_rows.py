@@ -54,8 +54,9 @@ def test_token_id_rows_are_used_as_given_from_jsonl_and_parquet(tokenizer: HFTok
         source = f"{path}:2" if path.suffix == ".jsonl" else f"{path}:row 1"
         assert rows == [
             Row([5, 6, 7], [8, last], 1.0, None, [-0.5, -1.5], "g", "", rows[0].source),
-            Row([0], [9, 10, tokenizer.eos_id], None, [0.0, 0.5, 1.0], None, source, "", source),
+            Row([0], [9, 10, tokenizer.eos_id], None, [0.0, 0.5, 1.0], None, rows[1].uid, "", source),
         ], f"{path.suffix}: no eos appended, no re-tokenization, per-token lists as given"
+        assert rows[1].uid.startswith("prompt:"), "no uid: the group of its prompt ids"
         assert report.tokenization_mismatches == 0
 
 

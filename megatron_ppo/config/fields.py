@@ -1,0 +1,56 @@
+"""Schema fields that carry their own rule — the values a key may take, or its valid range — so the schema is the
+one place a rule is written: `validate` walks the fields, and modules ask `choices_of` instead of restating them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Range:
+    """A range rule: `check(value)` holds for valid values; `rule` completes "must be …" in the error."""
+
+    check: Callable[[Any], bool]
+    rule: str
+
+
+AT_LEAST_ONE = Range(lambda v: v >= 1, "≥ 1")
+NON_NEGATIVE = Range(lambda v: v >= 0, "≥ 0")
+POSITIVE = Range(lambda v: v > 0, "> 0")
+COEFFICIENT = Range(lambda v: v >= 0, "≥ 0 (a coefficient)")
+UNIT_INTERVAL = Range(lambda v: 0 <= v <= 1, "in [0, 1]")
+FACTOR = Range(lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+def choice(default: Any, options: Sequence[Any]) -> Any:
+    """A field whose value must be one of `options` (the default among them)."""
+    assert default in options, f"default {default!r} is not among {options}"
+    return dataclasses.field(default=default, metadata={"choices": tuple(options)})
+
+
+def ranged(default: Any, rule: Range) -> Any:
+    """A field whose value, unless None, must satisfy `rule`."""
+    return dataclasses.field(default=default, metadata={"range": rule})
+
+
+def choices_of(schema: type, name: str) -> tuple[Any, ...]:
+    """The allowed values of field `name` of the dataclass `schema`."""
+    return next(f for f in dataclasses.fields(schema) if f.name == name).metadata["choices"]
+
+
+def field_problems(config: Any, prefix: str = "") -> list[str]:
+    """Every value in the (nested) dataclass `config` that breaks its field's choices or range rule."""
+    problems = []
+    for field in dataclasses.fields(config):
+        value, key = getattr(config, field.name), f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(value):
+            problems += field_problems(value, f"{key}.")
+        elif "choices" in field.metadata and value not in field.metadata["choices"]:
+            problems.append(f"{key}={value!r} is not one of {', '.join(map(repr, field.metadata['choices']))}")
+        elif "range" in field.metadata and value is not None and not field.metadata["range"].check(value):
+            problems.append(f"{key}={value!r}: must be {field.metadata['range'].rule}")
+    return problems
