@@ -193,6 +193,11 @@ def _range_problems(c: PPOConfig) -> list[str]:
         p.append(f"algorithm.kl_ctrl.min_coef={kl_ctrl.min_coef!r}: must not exceed max_coef={kl_ctrl.max_coef!r}")
     if c.trainer.resume_mode == "resume_path" and not c.trainer.resume_from_path:
         p.append("trainer.resume_mode='resume_path' needs trainer.resume_from_path=<checkpoint dir>")
+    if c.trainer.overwrite and c.trainer.resume_mode == "auto":
+        p.append(
+            "trainer.overwrite=true moves other runs' checkpoints aside, but with trainer.resume_mode='auto' the run "
+            "would continue the one `latest` names; set trainer.resume_mode=disable for a new run"
+        )
     unknown_loggers = sorted(set(c.trainer.logger) - {"console", "tensorboard"})
     if unknown_loggers:
         p.append(f"trainer.logger={c.trainer.logger!r}: unknown {unknown_loggers}; use console and/or tensorboard")
