@@ -30,12 +30,12 @@ QUICK = [
 ]  # fmt: skip
 
 
-def train(directory: Path, overrides: list[str], log: Path) -> int:
-    """`python -m megatron_ppo train` as one process (its own rendezvous port; console lines unwrapped); the exit
-    status."""
+def train(directory: Path, overrides: list[str], log: Path, subcommand: str = "train") -> int:
+    """`python -m megatron_ppo train` (or another recipe subcommand) as one process, with its own rendezvous port
+    and console lines unwrapped; the exit status."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port()),
            "COLUMNS": "1000"}  # fmt: skip
-    command = [sys.executable, "-m", "megatron_ppo", "train", str(RECIPE), *QUICK,
+    command = [sys.executable, "-m", "megatron_ppo", subcommand, str(RECIPE), *QUICK,
                f"data.addition.work_dir={directory}/work", f"trainer.default_local_dir={directory}/ckpt",
                f"trainer.log_dir={directory}/tb", *overrides]  # fmt: skip
     with log.open("w") as out:
@@ -93,3 +93,25 @@ def test_overwrite_moves_the_first_run_aside_and_the_second_never_loads_it(first
     log = (first_run / "c.log").read_text()
     assert status == 0, log[-3000:]
     assert f"resumed from {ckpt}/step_3 (named by {ckpt}/latest): run {second_id} continues" in log
+
+
+def test_two_compare_kl_invocations_write_apart_and_name_what_they_read(first_run: Path) -> None:
+    """`compare-kl` twice with the same recipe directories (the second with another seed), each variant 2 steps."""
+    outputs = []
+    for seed in (1, 2):
+        log = first_run / f"compare-kl-{seed}.log"
+        status = train(first_run, ["trainer.total_training_steps=2", f"trainer.seed={seed}"], log, "compare-kl")
+        assert status == 0, log.read_text()[-3000:]
+        outputs.append(log.read_text())
+    invocations = sorted((first_run / "compare-kl").iterdir())
+    assert len(invocations) == 2, f"each invocation needs its own directory: {invocations}"
+    for invocation, table in zip(invocations, outputs, strict=True):
+        assert f"read from {invocation}" in table
+        runs = set()
+        for variant in ("off", "fixed", "adaptive", "staged"):
+            (latest,) = (invocation / variant / "checkpoints" / "latest").read_text().split()
+            assert latest == "step_2"
+            runs.add(run_id(invocation / variant / "checkpoints" / latest))
+            (log_dir,) = (invocation / variant / "tensorboard").iterdir()
+            assert str(log_dir) in table and log_dir.name in runs
+        assert len(runs) == 4, "every variant is a run of its own"
