@@ -2,8 +2,10 @@
 
 A checkpoint is written to `<root>/.tmp_step_N`, published by renaming it to `<root>/step_N`, and only then
 named in `<root>/latest` (itself replaced atomically). A save killed at any point therefore leaves the previous
-checkpoint as the newest complete one; `find_resumable` skips anything incomplete with a warning. Loading goes
-through Megatron's sharded state dicts, so a checkpoint saved at one TP/PP layout loads at another.
+checkpoint as the newest complete one; `find_resumable` skips anything incomplete with a warning. A step saved
+again (after a rollback to it) replaces the old `step_N` by two renames, the old one kept as `.replaced_step_N`
+until the new one is in place; `restore_replaced` undoes a save killed between the two. Loading goes through
+Megatron's sharded state dicts, so a checkpoint saved at one TP/PP layout loads at another.
 
 A training run's checkpoints hold its identity (`run.json`, see `run_identity.py`). Resuming and rolling back
 follow one run only, and pruning removes only that run's older checkpoints, never the one `latest` names (which is
@@ -29,6 +31,7 @@ logger = logging.getLogger(__name__)
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 OPTIMIZERS_SAVED = "checkpoint/optimizers_saved"
+REPLACED_PREFIX = ".replaced_"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -84,14 +87,27 @@ def save_checkpoint(
             run.write(temporary)
     barrier()
     if global_rank() == 0:
-        # `latest` never names `final` here: a run saves only past the step it resumed or rolled back to
-        shutil.rmtree(final, ignore_errors=True)
+        replaced = root / f"{REPLACED_PREFIX}{final.name}"
+        if final.exists():  # `latest` may name it (a step saved again after a rollback): kept until replaced
+            shutil.rmtree(replaced, ignore_errors=True)
+            final.rename(replaced)
         temporary.rename(final)
         point_latest_at(final)
+        shutil.rmtree(replaced, ignore_errors=True)
         if keep:
             _prune(root, run.run_id, keep, step)
     barrier()
     return final
+
+
+def restore_replaced(root: Path) -> Path | None:
+    """Put back the checkpoint `latest` names when a save that was replacing it was killed between its two renames
+    (it is then `.replaced_step_N`, complete); returns it. Rank 0 only, before anything reads the directory."""
+    named = named_by_latest(root)
+    if named is None or named.exists() or not (root / f"{REPLACED_PREFIX}{named.name}").is_dir():
+        return None
+    (root / f"{REPLACED_PREFIX}{named.name}").rename(named)
+    return named
 
 
 def point_latest_at(checkpoint: Path) -> None:

@@ -76,8 +76,10 @@ def start_run(config: PPOConfig) -> RunStart:
 def _start(config: PPOConfig) -> RunStart:
     trainer = config.trainer
     root = Path(trainer.default_local_dir)
-    source, how = _resume_source(trainer, root)
     messages = []
+    if (restored := checkpoint.restore_replaced(root)) is not None:
+        messages.append(f"restored {restored}, which a killed save was replacing")
+    source, how = _resume_source(trainer, root)
     if source is None:
         identity = RunIdentity.of(new_run_id(), config)
         messages.append(f"new run {identity.run_id} (config {identity.config_hash})")
@@ -163,7 +165,8 @@ def _move_aside(root: Path) -> str:
     destination.mkdir(parents=True)
     tracker = root / checkpoint.LATEST
     entries = [tracker] if tracker.is_file() else []  # first: `latest` never names a checkpoint already moved
-    entries += [path for _, path in checkpoint.step_directories(root)] + sorted(root.glob(".tmp_step_*"))
+    entries += [path for _, path in checkpoint.step_directories(root)]
+    entries += sorted([*root.glob(".tmp_step_*"), *root.glob(f"{checkpoint.REPLACED_PREFIX}step_*")])
     for entry in entries:
         entry.rename(destination / entry.name)
     return f"trainer.overwrite=true: moved {', '.join(e.name for e in entries)} aside into {destination}"

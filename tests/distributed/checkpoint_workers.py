@@ -95,6 +95,15 @@ def two_runs_in_one_directory(rank: int, world_size: int, root: str) -> dict[str
     checkpoint.point_latest_at(branch / "step_2")
     save(branch, 3, trainer_state={"step": 3}, run=run_a, keep=2)
     report["branch"] = _listing(branch)
+    save(branch, 3, trainer_state={"step": 3, "again": True}, run=run_a, keep=2)  # a rollback to step_3 saves it again
+    report["saved_again"] = (
+        _listing(branch),
+        sorted(p.name for p in branch.iterdir() if p.name.startswith(".")),
+        torch.load(branch / "step_3" / checkpoint.TRAINER_STATE, weights_only=True).get("again"),
+    )
+    (branch / "step_3").rename(branch / ".replaced_step_3")  # killed between the two renames of a save
+    restored = checkpoint.restore_replaced(branch)
+    report["restored"] = (restored.name, checkpoint.is_complete(restored), checkpoint.restore_replaced(branch))
     return report
 
 

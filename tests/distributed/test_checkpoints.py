@@ -27,6 +27,9 @@ def test_a_second_run_in_the_same_directory_neither_prunes_nor_is_pruned_by_the_
     assert (report["rollback_a"], report["rollback_b"], report["rollback_new"]) == ("step_6", "step_3", None)
     # after resuming from step_2, the abandoned step_4 goes first; step_2 and the new step_3 stay
     assert report["branch"] == {"step_2": "run-a", "step_3": "run-a", "latest": "step_3"}
+    listing, hidden, resaved = report["saved_again"]
+    assert (listing, hidden, resaved) == (report["branch"], [], True), "saving the named step again"
+    assert report["restored"] == ("step_3", True, None), "a save killed mid-replace is undone at the next start"
 
 
 def test_a_run_starts_only_where_no_other_run_has_checkpoints(tmp_path) -> None:
