@@ -126,10 +126,8 @@ def _prune(root: Path, run_id: str, keep: int, step: int) -> None:
     incomplete one (left for a person to inspect)."""
     own = [(s, path) for s, path in complete_checkpoints(root) if run_of(path) == run_id]
     own.sort(key=lambda item: (item[0] <= step, item[0]), reverse=True)
-    named = named_by_latest(root)
     for _, path in own[keep:]:
-        if path != named:
-            shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _stateless(optimizer: Any) -> bool:

@@ -99,9 +99,10 @@ def _start(config: PPOConfig) -> RunStart:
     if foreign and not trainer.overwrite:
         raise ConfigError([_refusal(root, foreign, trainer.resume_mode)])
     if foreign:
-        messages.append(_move_aside(root))
+        messages.append(_move_aside(root, foreign))
     named = checkpoint.named_by_latest(root)
-    if source is not None and source.parent.resolve() == root.resolve() and named != source:
+    in_root = source is not None and source.parent.resolve() == root.resolve()
+    if in_root and (named is None or named.resolve() != source.resolve()):
         checkpoint.point_latest_at(source)  # the run goes on from here: a restart before its next save does too
         messages.append(f"{root / checkpoint.LATEST} now names {source.name}, the checkpoint this run continues")
     return RunStart(identity, source, Path(trainer.log_dir) / identity.run_id, tuple(messages))
@@ -132,19 +133,22 @@ def _resume_source(trainer: TrainerConfig, root: Path) -> tuple[Path | None, str
     return source, how
 
 
-def _other_runs_checkpoints(root: Path, run_id: str) -> dict[str, list[str]]:
-    """{run id (or "no run id"): its `step_N` names} for the checkpoints under `root` not saved by `run_id`. An
-    incomplete one without identity (a damaged save) is not counted: it is left for a person to inspect."""
-    found: dict[str, list[str]] = {}
-    for _, path in checkpoint.step_directories(root):
+def _other_runs_checkpoints(root: Path, run_id: str) -> list[Path]:
+    """The `step_N` directories under `root` not saved by run `run_id`. An incomplete one without identity (a
+    damaged save) is not counted: it is left for a person to inspect."""
+    return [
+        path
+        for _, path in checkpoint.step_directories(root)
+        if checkpoint.run_of(path) != run_id and (checkpoint.run_of(path) is not None or checkpoint.is_complete(path))
+    ]
+
+
+def _refusal(root: Path, foreign: list[Path], resume_mode: str) -> str:
+    by_run: dict[str, list[str]] = {}
+    for path in foreign:
         owner = checkpoint.run_of(path)
-        if owner != run_id and (owner is not None or checkpoint.is_complete(path)):
-            found.setdefault(owner or "no run id", []).append(path.name)
-    return found
-
-
-def _refusal(root: Path, foreign: dict[str, list[str]], resume_mode: str) -> str:
-    held = "; ".join(f"run {run}: {', '.join(names)}" for run, names in foreign.items())
+        by_run.setdefault(f"run {owner}" if owner else "saved without a run id", []).append(path.name)
+    held = "; ".join(f"{run}: {', '.join(names)}" for run, names in by_run.items())
     choices = []
     if resume_mode != "auto":
         choices.append("trainer.resume_mode=auto to continue the run that latest names")
@@ -152,20 +156,22 @@ def _refusal(root: Path, foreign: dict[str, list[str]], resume_mode: str) -> str
     overwrite = "trainer.overwrite=true"
     if resume_mode == "auto":
         overwrite = f"trainer.resume_mode=disable {overwrite}"
-    choices.append(f"{overwrite} to move them aside into {root / MOVED_ASIDE}/<UTC time>/ (nothing is deleted)")
+    choices.append(f"{overwrite} to move them aside into {root / MOVED_ASIDE}/<UTC time>-<hex>/ (nothing is deleted)")
     return (
         f"trainer.default_local_dir={str(root)!r} holds checkpoints of another run ({held}), which this run "
         f"(trainer.resume_mode={resume_mode}) would mix with its own. Choose one of:\n      " + "\n      ".join(choices)
     )
 
 
-def _move_aside(root: Path) -> str:
-    """Move every checkpoint, unfinished save and `latest` under `root` into a new dated folder."""
+def _move_aside(root: Path, foreign: list[Path]) -> str:
+    """Move other runs' checkpoints, `latest` when it names one of them (or nothing), and unfinished saves into a new
+    dated folder."""
     destination = root / MOVED_ASIDE / new_run_id()
     destination.mkdir(parents=True)
-    tracker = root / checkpoint.LATEST
-    entries = [tracker] if tracker.is_file() else []  # first: `latest` never names a checkpoint already moved
-    entries += [path for _, path in checkpoint.step_directories(root)]
+    named = checkpoint.named_by_latest(root)
+    # `latest` first, so that it never names a checkpoint already moved
+    entries = [root / checkpoint.LATEST] if named is not None and (named in foreign or not named.exists()) else []
+    entries += foreign
     entries += sorted([*root.glob(".tmp_step_*"), *root.glob(f"{checkpoint.REPLACED_PREFIX}step_*")])
     for entry in entries:
         entry.rename(destination / entry.name)

@@ -135,6 +135,14 @@ def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
     moved = sorted((root / "ckpt" / "moved-aside").iterdir())
     report["fresh"] = (fresh.identity.run_id, fresh.resume_from, fresh.messages, _listing(root / "ckpt"),
                        [(m.name, _listing(m)) for m in moved])  # fmt: skip
+    # two runs' checkpoints side by side (as saved by hand); resuming one of them with overwrite moves only the other
+    for step, identity in ((1, fresh.identity), (6, first.identity)):
+        checkpoint.save_checkpoint(root / "ckpt", step, {"actor": actor}, {"actor": optimizer}, {"step": step},
+                                   run=identity)  # fmt: skip
+    mixed = start_run(_config(root, resume_mode="resume_path", resume_from_path=str(root / "ckpt" / "step_6"),
+                              overwrite=True))  # fmt: skip
+    moved_now = [_listing(m) for m in sorted((root / "ckpt" / "moved-aside").iterdir()) if m not in moved]
+    report["mixed"] = (mixed.identity.run_id, mixed.resume_from.name, _listing(root / "ckpt"), moved_now)
     checkpoint.save_checkpoint(root / "init", 1, {"actor": actor}, {}, {"step": 1})
     try:
         start_run(_config(root, resume_mode="resume_path", resume_from_path=str(root / "init")))

@@ -56,4 +56,7 @@ def test_a_run_starts_only_where_no_other_run_has_checkpoints(tmp_path) -> None:
     assert run_id != first_id and source is None and listing == {"latest": None}
     assert [entries for _, entries in moved] == [{"step_4": first_id, "step_6": first_id, "latest": "step_4"}]
     assert f"moved latest, step_4, step_6 aside into {ckpt}/moved-aside/{moved[0][0]}" in messages[1]
+    run_id, source, listing, moved_now = report["mixed"]
+    assert (run_id, source, listing) == (first_id, "step_6", {"step_6": first_id, "latest": "step_6"})
+    assert moved_now == [{"step_1": report["fresh"][0], "latest": None}], "only the other run's checkpoint moves"
     assert "holds no run identity" in report["no_identity"] and "model.init_checkpoint=" in report["no_identity"]
