@@ -109,28 +109,27 @@ def _start(config: PPOConfig) -> RunStart:
 
 
 def _resume_source(trainer: TrainerConfig, root: Path) -> tuple[Path | None, str]:
-    """The checkpoint to continue and how it was chosen; refuses one that holds no run identity."""
+    """The checkpoint to continue and how it was chosen. `trainer.resume_from_path` naming one that holds no run
+    identity is refused here; `auto` finding one continues nothing (the directory rule then refuses it)."""
     if trainer.resume_mode == "disable":
         return None, ""
-    if trainer.resume_mode == "resume_path":
-        try:
-            source = checkpoint.resolve(trainer.resume_from_path)
-        except FileNotFoundError as missing:
-            raise ConfigError([f"trainer.resume_from_path={trainer.resume_from_path!r}: {missing}"]) from None
-        how = "trainer.resume_from_path"
-    else:
+    if trainer.resume_mode == "auto":
         source = checkpoint.find_resumable(root)
-        if source is None:
+        if source is None or RunIdentity.read(source) is None:
             return None, ""
         named = checkpoint.named_by_latest(root)
-        how = f"named by {root / checkpoint.LATEST}" if named == source else "its newest complete checkpoint"
+        return source, f"named by {root / checkpoint.LATEST}" if named == source else "its newest complete checkpoint"
+    try:
+        source = checkpoint.resolve(trainer.resume_from_path)
+    except FileNotFoundError as missing:
+        raise ConfigError([f"trainer.resume_from_path={trainer.resume_from_path!r}: {missing}"]) from None
     if RunIdentity.read(source) is None:
         raise ConfigError(
-            [f"{source} holds no run identity (an initialisation, or a checkpoint from before run ids), so no run "
-             f"continues from it: start a new run from its weights with model.init_checkpoint={source} "
-             "trainer.resume_mode=disable"]
+            [f"trainer.resume_from_path: {source} holds no run identity (an initialisation, or a checkpoint from "
+             f"before run ids), so no run continues from it: start a new run from its weights with "
+             f"model.init_checkpoint={source} trainer.resume_mode=disable"]
         )  # fmt: skip
-    return source, how
+    return source, "trainer.resume_from_path"
 
 
 def _other_runs_checkpoints(root: Path, run_id: str) -> list[Path]:

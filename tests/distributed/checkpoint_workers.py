@@ -13,6 +13,7 @@ from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import MegatronConfig, OptimConfig, PPOConfig
 from megatron_ppo.models import build_role_model
 from megatron_ppo.parallel import init_distributed
+from megatron_ppo.parallel.collectives import barrier
 from megatron_ppo.run_identity import RunIdentity
 from megatron_ppo.train.optimizer import build_optimizer
 from megatron_ppo.train.run_start import start_run
@@ -65,9 +66,11 @@ def _config(root: Path, **trainer: Any) -> PPOConfig:
 
 
 def _listing(root: Path) -> dict[str, str | None]:
-    """{step_N: the run that saved it} under `root`, and `latest`."""
+    """{step_N: the run that saved it} under `root`, and `latest`, as every rank sees it before rank 0 goes on."""
     found = {path.name: checkpoint.run_of(path) for _, path in checkpoint.step_directories(root)}
-    return found | {"latest": (root / "latest").read_text() if (root / "latest").is_file() else None}
+    found["latest"] = (root / "latest").read_text() if (root / "latest").is_file() else None
+    barrier()
+    return found
 
 
 def two_runs_in_one_directory(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -148,4 +151,10 @@ def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
         start_run(_config(root, resume_mode="resume_path", resume_from_path=str(root / "init")))
     except ConfigError as refusal:
         report["no_identity"] = str(refusal)
+    auto_over_init = _config(root, resume_mode="auto")
+    auto_over_init.trainer.default_local_dir = str(root / "init")
+    try:
+        start_run(auto_over_init)
+    except ConfigError as refusal:
+        report["auto_without_identity"] = str(refusal)
     return report

@@ -60,3 +60,6 @@ def test_a_run_starts_only_where_no_other_run_has_checkpoints(tmp_path) -> None:
     assert (run_id, source, listing) == (first_id, "step_6", {"step_6": first_id, "latest": "step_6"})
     assert moved_now == [{"step_1": report["fresh"][0], "latest": None}], "only the other run's checkpoint moves"
     assert "holds no run identity" in report["no_identity"] and "model.init_checkpoint=" in report["no_identity"]
+    refusal = report["auto_without_identity"]
+    assert "(saved without a run id: step_1)" in refusal, refusal
+    assert "trainer.resume_mode=disable trainer.overwrite=true" in refusal, refusal
