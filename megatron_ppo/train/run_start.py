@@ -4,9 +4,10 @@
   `trainer.default_local_dir`; `resume_path` the run that saved `trainer.resume_from_path`; `disable` (or nothing to
   continue) starts a new run with a new id. The start says which, and a continued run lists the config keys that
   differ from its checkpoint's (`run_identity.config_differences`).
-- No silent reuse. A run refuses (`ConfigError`, exit 2) to start in a `default_local_dir` holding checkpoints of
-  another run; the message names the directory and the ways on. `trainer.overwrite=true` moves those checkpoints
-  (and `latest`) aside into `<default_local_dir>/moved-aside/<UTC time>-<hex>/`; nothing is deleted.
+- No silent reuse. A run refuses (`ConfigError`: each process exits 2) to start in a `default_local_dir` holding
+  checkpoints of another run; the message names the directory and the ways on. `trainer.overwrite=true` moves those
+  checkpoints (with `latest` if it names one) aside into `<default_local_dir>/moved-aside/<UTC time>-<hex>/`;
+  nothing is deleted.
 - Logs. Each run writes its TensorBoard events into `<trainer.log_dir>/<run id>/` (the run's own folder, continued
   by every job that resumes it): two runs never share event files, TensorBoard shows them as separate runs, and
   `report` reads one run at a time and names it.
