@@ -2,8 +2,14 @@
 
 A checkpoint is written to `<root>/.tmp_step_N`, published by renaming it to `<root>/step_N`, and only then
 named in `<root>/latest` (itself replaced atomically). A save killed at any point therefore leaves the previous
-checkpoint as the newest complete one; `find_resumable` skips anything incomplete with a warning. Loading goes
-through Megatron's sharded state dicts, so a checkpoint saved at one TP/PP layout loads at another.
+checkpoint as the newest complete one; `find_resumable` skips anything incomplete with a warning. A step saved
+again (after a rollback to it) replaces the old `step_N` by two renames, the old one kept as `.replaced_step_N`
+until the new one is in place; `restore_replaced` undoes a save killed between the two. Loading goes through
+Megatron's sharded state dicts, so a checkpoint saved at one TP/PP layout loads at another.
+
+A training run's checkpoints hold its identity (`run.json`, see `run_identity.py`). Resuming and rolling back
+follow one run only, and pruning removes only that run's older checkpoints, never the one `latest` names (which is
+also the one a rollback loads).
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from megatron.core import dist_checkpointing
 
 from megatron_ppo.models import RoleModel, unwrap
 from megatron_ppo.parallel.collectives import barrier, global_rank
+from megatron_ppo.run_identity import RUN_FILE, RunIdentity
 
 logger = logging.getLogger(__name__)
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 OPTIMIZERS_SAVED = "checkpoint/optimizers_saved"
+REPLACED_PREFIX = ".replaced_"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -48,9 +56,15 @@ def save_checkpoint(
     models: dict[str, RoleModel],
     optimizers: dict[str, Any],
     trainer_state: dict[str, Any],
+    run: RunIdentity | None = None,
     keep: int | None = None,
 ) -> Path:
-    """Save models (and their optimizers) under their role names, and `trainer_state` (plain Python/tensors)."""
+    """Save models (and their optimizers) under their role names, `trainer_state` (plain Python/tensors) and the
+    identity of the `run` saving them (None: an initialisation, such as the SFT start, that no run resumes).
+
+    With `keep`, the run's own checkpoints beyond the newest `keep` are then deleted (`_prune`)."""
+    if keep and run is None:
+        raise ValueError("pruning (keep) needs the run identity: only a run's own checkpoints are pruned")
     root = Path(root)
     final, temporary = root / f"step_{step}", root / f".tmp_step_{step}"
     if global_rank() == 0:
@@ -69,18 +83,51 @@ def save_checkpoint(
     torch.save({"cpu": torch.get_rng_state()}, temporary / f"rng_rank{global_rank()}.pt")
     if global_rank() == 0:
         torch.save({**trainer_state, OPTIMIZERS_SAVED: stateful}, temporary / TRAINER_STATE)
+        if run is not None:
+            run.write(temporary)
     barrier()
     if global_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        replaced = root / f"{REPLACED_PREFIX}{final.name}"
+        if final.exists():  # `latest` may name it (a step saved again after a rollback): kept until replaced
+            shutil.rmtree(replaced, ignore_errors=True)
+            final.rename(replaced)
         temporary.rename(final)
-        tracker = root / f".{LATEST}.tmp"
-        tracker.write_text(final.name)
-        tracker.replace(root / LATEST)
+        point_latest_at(final)
+        shutil.rmtree(replaced, ignore_errors=True)
         if keep:
-            for old in sorted(_complete_steps(root))[:-keep]:
-                shutil.rmtree(root / f"step_{old}", ignore_errors=True)
+            _prune(root, run.run_id, keep, step)
     barrier()
     return final
+
+
+def restore_replaced(root: Path) -> Path | None:
+    """Put back the checkpoint `latest` names when a save that was replacing it was killed between its two renames
+    (it is then `.replaced_step_N`, complete); returns it. Rank 0 only, before anything reads the directory."""
+    named = named_by_latest(root)
+    if named is None or named.exists() or not (root / f"{REPLACED_PREFIX}{named.name}").is_dir():
+        return None
+    (root / f"{REPLACED_PREFIX}{named.name}").rename(named)
+    return named
+
+
+def point_latest_at(checkpoint: Path) -> None:
+    """Name `checkpoint` (complete, directly under its root) in the root's `latest`, atomically."""
+    tracker = checkpoint.parent / f".{LATEST}.tmp"
+    tracker.write_text(checkpoint.name)
+    tracker.replace(checkpoint.parent / LATEST)
+
+
+def _prune(root: Path, run_id: str, keep: int, step: int) -> None:
+    """Delete the complete checkpoints of run `run_id` beyond the `keep` newest of its current line of training.
+
+    The line of training is the checkpoints up to `step`, newest first; a checkpoint past `step` (left by a branch
+    the run abandoned when it resumed from an older one) counts as older than all of them. The checkpoint just
+    saved ranks first, so the one `latest` names is never deleted; nor is another run's checkpoint, or an
+    incomplete one (left for a person to inspect)."""
+    own = [(s, path) for s, path in complete_checkpoints(root) if run_of(path) == run_id]
+    own.sort(key=lambda item: (item[0] <= step, item[0]), reverse=True)
+    for _, path in own[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _stateless(optimizer: Any) -> bool:
@@ -88,32 +135,70 @@ def _stateless(optimizer: Any) -> bool:
     return all(not getattr(o, "optimizer", None) or not o.optimizer.state for o in inner)
 
 
-def _is_complete(path: Path) -> bool:
+def is_complete(path: Path) -> bool:
     return (path / TRAINER_STATE).is_file() and dist_checkpointing.check_is_distributed_checkpoint(str(path))
 
 
-def _complete_steps(root: Path) -> list[int]:
-    steps = []
+def step_directories(root: Path) -> list[tuple[int, Path]]:
+    """Every `step_N` directory under `root`, complete or not, as (N, path)."""
+    found = []
     for child in root.iterdir() if root.is_dir() else []:
         match = _STEP_DIR.match(child.name)
-        if match and _is_complete(child):
-            steps.append(int(match.group(1)))
-    return steps
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    return [(step, path) for step, path in step_directories(root) if is_complete(path)]
+
+
+def run_of(checkpoint: Path) -> str | None:
+    """The id of the run that saved `checkpoint`; None for an initialisation or a checkpoint from before run ids."""
+    identity = RunIdentity.read(checkpoint)
+    return identity.run_id if identity else None
+
+
+def named_by_latest(root: Path) -> Path | None:
+    tracker = root / LATEST
+    return root / tracker.read_text().strip() if tracker.is_file() else None
 
 
 def find_resumable(root: str | Path) -> Path | None:
-    """The checkpoint named by `latest` if complete, else the newest complete `step_N` (with a warning)."""
+    """The checkpoint to continue: the one `latest` names when complete. Otherwise (with a warning) the newest
+    complete checkpoint of the run `latest` named — or, without a readable `latest`, of the only run present; never
+    another run's. None when there is nothing to continue (or several runs and nothing to choose between them)."""
     root = Path(root)
-    tracker = root / LATEST
-    if tracker.is_file():
-        named = root / tracker.read_text().strip()
-        if _is_complete(named):
-            return named
-        logger.warning("checkpoint %s named by %s is incomplete; looking for an older one", named, tracker)
+    named = named_by_latest(root)
+    if named is not None and is_complete(named):
+        return named
     for partial in root.glob(".tmp_step_*") if root.is_dir() else []:
         logger.warning("ignoring %s: a save that did not finish", partial)
-    steps = _complete_steps(root)
-    return root / f"step_{max(steps)}" if steps else None
+    complete = complete_checkpoints(root)
+    if named is not None and (named / RUN_FILE).is_file():
+        runs = {run_of(named)}
+        logger.warning("checkpoint %s named by %s is incomplete; looking for an older one of its run", named, LATEST)
+    else:
+        runs = {run_of(path) for _, path in complete}
+        if named is not None and complete:
+            logger.warning("checkpoint %s named by %s is missing; looking for an older one", named, LATEST)
+        if len(runs) > 1:
+            logger.warning("%s holds checkpoints of %d runs and no usable %s: not choosing", root, len(runs), LATEST)
+            return None
+    own = [path for _, path in complete if run_of(path) in runs]
+    return own[-1] if own else None
+
+
+def latest_of_run(root: str | Path, run_id: str) -> Path | None:
+    """The checkpoint a rollback of run `run_id` loads: the one `latest` names when it is complete and this run's
+    (the last known good state: the newest the run saved), else this run's newest complete one; None when the run
+    has none yet. Another run's checkpoint is never returned."""
+    root = Path(root)
+    named = named_by_latest(root)
+    if named is not None and is_complete(named) and run_of(named) == run_id:
+        return named
+    own = [path for _, path in complete_checkpoints(root) if run_of(path) == run_id]
+    return own[-1] if own else None
 
 
 def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: dict[str, Any]) -> dict[str, Any]:
@@ -138,7 +223,7 @@ def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: 
 def resolve(path: str | Path) -> Path:
     """`path` if it is a complete checkpoint, else the newest complete one under it (a checkpoint root)."""
     path = Path(path)
-    if _is_complete(path):
+    if is_complete(path):
         return path
     found = find_resumable(path)
     if found is None:

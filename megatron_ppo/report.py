@@ -3,6 +3,10 @@ then every guard, checkpoint, preemption and job event in step order. Read with 
 works on a run still in progress, on a finished one, or on one copied off the cluster.
 
     python -m megatron_ppo report outputs/tiny/tensorboard     (or the recipe: its trainer.log_dir)
+    python -m megatron_ppo report outputs/tiny/tensorboard/20261201-004445-3fa9c1
+
+Each run writes into its own folder `<trainer.log_dir>/<run id>/`. Given `trainer.log_dir`, the report reads the run
+written most recently and names it and the others; given a run's folder, it reads that run.
 """
 
 from __future__ import annotations
@@ -33,12 +37,28 @@ class Event:
     message: str
 
 
+def _event_files(folder: Path) -> list[Path]:
+    return [path for path in folder.glob("events.out.tfevents.*") if path.is_file()]
+
+
+def find_runs(log_dir: str | Path) -> list[Path]:
+    """The run folders `log_dir` stands for, the one written most recently last: `log_dir` itself when it holds
+    event files (a run's own folder), else its subfolders that do."""
+    log_dir = Path(log_dir)
+    if not log_dir.is_dir():
+        raise FileNotFoundError(f"no TensorBoard directory at {log_dir}")
+    if _event_files(log_dir):
+        return [log_dir]
+    runs = [folder for folder in log_dir.iterdir() if folder.is_dir() and _event_files(folder)]
+    if not runs:
+        raise FileNotFoundError(f"no TensorBoard run in {log_dir} (neither event files nor run folders holding them)")
+    return sorted(runs, key=lambda folder: max(path.stat().st_mtime for path in _event_files(folder)))
+
+
 def read_run(log_dir: str | Path) -> tuple[list[ScalarSummary], list[Event]]:
     """Per-tag scalar summaries (the last value written for a step wins, as after a rollback or a resume) and the
-    text events, from the event files under `log_dir`."""
-    if not Path(log_dir).is_dir():
-        raise FileNotFoundError(f"no TensorBoard directory at {log_dir}")
-    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    text events of one run: the newest of `find_runs(log_dir)`."""
+    accumulator = EventAccumulator(str(find_runs(log_dir)[-1]), size_guidance={"scalars": 0, "tensors": 0})
     accumulator.Reload()
     tags = accumulator.Tags()
     summaries = []
@@ -56,9 +76,10 @@ def read_run(log_dir: str | Path) -> tuple[list[ScalarSummary], list[Event]]:
 
 
 def print_report(log_dir: str | Path, console: Console | None = None) -> None:
-    summaries, events = read_run(log_dir)
+    *others, run = find_runs(log_dir)
+    summaries, events = read_run(run)
     console = console or Console()
-    table = Table(title=f"run {log_dir}")
+    table = Table(title=f"run {run.name} ({run})")
     for column in ("metric", "steps", "first", "last", "min (step)", "max (step)"):
         table.add_column(column, justify="left" if column == "metric" else "right", no_wrap=column == "metric")
     for s in summaries:
@@ -72,3 +93,6 @@ def print_report(log_dir: str | Path, console: Console | None = None) -> None:
         for event in events:
             log.add_row(str(event.step), event.tag, event.message)
         console.print(log)
+    if others:
+        console.print(f"{len(others)} other run(s) in {log_dir}: {', '.join(o.name for o in others)}; report one "
+                      f"with `python -m megatron_ppo report {Path(log_dir) / '<run>'}`")  # fmt: skip

@@ -294,6 +294,9 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
     resume_mode: str = choice("auto", ("auto", "disable", "resume_path"))
     resume_from_path: str | None = None
+    # Where default_local_dir holds another run's checkpoints, move them (and `latest`) into
+    # default_local_dir/moved-aside/<UTC time>-<hex>/ instead of refusing to start; nothing is deleted.
+    overwrite: bool = False
     max_ckpt_to_keep: int | None = ranged(2, NON_NEGATIVE)
     # One job of a chain stops cleanly (checkpoint, exit 0) for the next job to resume: after a step divisible by
     # exit_interval, or after exit_duration_in_mins of this job (Megatron-LM's --exit-interval/--exit-duration-in-mins).

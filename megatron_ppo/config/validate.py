@@ -77,6 +77,11 @@ def _cross_key_problems(c: PPOConfig) -> list[str]:
             f"data.val_files={c.data.val_files!r}: nothing reads validation files yet (evaluation during training "
             "comes with the stability-guard work); leave it empty"
         )
+    if c.trainer.overwrite and c.trainer.resume_mode == "auto":
+        p.append(
+            "trainer.overwrite=true moves other runs' checkpoints aside, but with trainer.resume_mode='auto' the run "
+            "would continue the one `latest` names; set trainer.resume_mode=disable for a new run"
+        )
     unknown_loggers = sorted(set(c.trainer.logger) - {"console", "tensorboard"})
     if unknown_loggers:
         p.append(f"trainer.logger={c.trainer.logger!r}: unknown {unknown_loggers}; use console and/or tensorboard")

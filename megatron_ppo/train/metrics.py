@@ -25,7 +25,10 @@ def is_logging_rank() -> bool:
 
 
 class MetricsLogger:
-    """Scalars to `log_dir` (TensorBoard) and a one-line summary plus a progress bar with ETA on the console."""
+    """Scalars to `log_dir` (TensorBoard) and a one-line summary plus a progress bar with ETA on the console.
+
+    The trainer passes its run's own folder, `<trainer.log_dir>/<run id>` (`train/run_start.py`), so event files of
+    two runs never mix; a resumed run appends to its folder, and a step written again wins in `report`."""
 
     def __init__(self, log_dir: str | Path, loggers: list[str], total_steps: int, description: str = "ppo") -> None:
         self.enabled = is_logging_rank()

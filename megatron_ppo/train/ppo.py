@@ -27,6 +27,7 @@ from megatron_ppo.train.preemption import (
     mark_preempted,
     watching,
 )
+from megatron_ppo.train.run_start import start_run
 from megatron_ppo.train.update import RoleUpdate, actor_loss, critic_loss, update_role
 
 Evaluate = Callable[[RoleModel], dict[str, float]]
@@ -45,6 +46,8 @@ class PPOTrainer:
                 f"{sampled_rows} rows cannot fill one batch of data.train_batch_size={config.data.train_batch_size}"
             )
         self.total_steps = trainer.total_training_steps or steps_per_epoch * trainer.total_epochs
+        self.run = start_run(config)  # before the models are built: a run that may not start refuses at once
+        self.logger = MetricsLogger(self.run.log_dir, trainer.logger, self.total_steps)
         uses_kl = config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.actor = build_role_model("actor", config.model, layout)
         self.ref = build_role_model("ref", config.model, config.ref.megatron) if uses_kl else None
@@ -78,7 +81,6 @@ class PPOTrainer:
         self.guards = Guards(config.guards)
         self.step = 0
         self.skipped_steps = 0
-        self.logger = MetricsLogger(trainer.log_dir, trainer.logger, self.total_steps)
         self.logger.event(0, "run", f"{trainer.project_name}/{trainer.experiment_name}")
         if grouping:
             self.logger.event(0, "data", grouping)
@@ -109,24 +111,18 @@ class PPOTrainer:
     def save(self) -> Path:
         path = checkpoint.save_checkpoint(
             self.config.trainer.default_local_dir, self.step, self.models, self.optimizers, self.trainer_state(),
-            keep=self.config.trainer.max_ckpt_to_keep,
+            run=self.run.identity, keep=self.config.trainer.max_ckpt_to_keep,
         )  # fmt: skip
         self.logger.event(self.step, "checkpoint", f"saved {path}")
         return path
 
     def resume(self) -> Path | None:
-        trainer = self.config.trainer
-        if trainer.resume_mode == "disable":
-            return None
-        path = (
-            Path(trainer.resume_from_path)
-            if trainer.resume_mode == "resume_path"
-            else checkpoint.find_resumable(trainer.default_local_dir)
-        )
-        if path is None:
-            return None
-        self.load_trainer_state(checkpoint.load_checkpoint(path, self.models, self.optimizers))
-        self.logger.event(self.step, "checkpoint", f"resumed from {path}")
+        """Load the checkpoint `start_run` chose (None: a new run), and log what the start decided."""
+        path = self.run.resume_from
+        if path is not None:
+            self.load_trainer_state(checkpoint.load_checkpoint(path, self.models, self.optimizers))
+        for message in self.run.messages:
+            self.logger.event(self.step, "run", message)
         return path
 
     # --- one iteration -------------------------------------------------------------------------------------------
@@ -189,9 +185,11 @@ class PPOTrainer:
     def _roll_back(self, lr_factor: float, max_rollbacks: int) -> None:
         """Restore the last good checkpoint with lower learning rates (the guards keep their own counters)."""
         guards = self.guards
-        path = checkpoint.find_resumable(self.config.trainer.default_local_dir)
+        path = checkpoint.latest_of_run(self.config.trainer.default_local_dir, self.run.identity.run_id)
         if path is None or guards.rollbacks >= max_rollbacks:
-            reason = "no checkpoint yet" if path is None else f"guards.max_rollbacks={max_rollbacks} reached"
+            reason = (
+                "no checkpoint of this run yet" if path is None else f"guards.max_rollbacks={max_rollbacks} reached"
+            )
             self.logger.event(self.step, "guard", f"rollback not possible: {reason}; continuing")
             return
         counters = guards.state_dict()

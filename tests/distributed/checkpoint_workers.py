@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_ppo import checkpoint
-from megatron_ppo.config.schema import MegatronConfig, OptimConfig
+from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.schema import MegatronConfig, OptimConfig, PPOConfig
 from megatron_ppo.models import build_role_model
 from megatron_ppo.parallel import init_distributed
+from megatron_ppo.parallel.collectives import barrier
+from megatron_ppo.run_identity import RunIdentity
 from megatron_ppo.train.optimizer import build_optimizer
+from megatron_ppo.train.run_start import start_run
 from tests.distributed.workers import MODEL, weights
+
+RUN = RunIdentity.of("a-run", PPOConfig())
 
 
 def publish_and_recover(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -26,7 +33,7 @@ def publish_and_recover(rank: int, world_size: int, root: str) -> dict[str, Any]
         with torch.no_grad():
             for parameter in actor.chunks[0].parameters():
                 parameter.add_(0.01 * step)
-        checkpoint.save_checkpoint(root, step, {"actor": actor}, {"actor": optimizer}, {"step": step}, keep=5)
+        checkpoint.save_checkpoint(root, step, {"actor": actor}, {"actor": optimizer}, {"step": step}, run=RUN, keep=5)
     saved_at_2 = weights(actor)
     report["after_two_saves"] = checkpoint.find_resumable(root).name
     (root / ".tmp_step_3").mkdir()
@@ -40,6 +47,114 @@ def publish_and_recover(rank: int, world_size: int, root: str) -> dict[str, Any]
     report["weights_restored"] = all(torch.equal(v, saved_at_2[k]) for k, v in weights(actor).items())
     (root / "step_2" / "metadata.json").unlink()
     report["with_step_2_broken"] = checkpoint.find_resumable(root).name
-    checkpoint.save_checkpoint(root, 4, {"actor": actor}, {"actor": optimizer}, {"step": 4}, keep=1)
+    checkpoint.save_checkpoint(root, 4, {"actor": actor}, {"actor": optimizer}, {"step": 4}, run=RUN, keep=1)
     report["kept_after_prune"] = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    return report
+
+
+def _actor_and_optimizer():
+    actor = build_role_model("actor", MODEL, MegatronConfig())
+    return actor, build_optimizer(actor, OptimConfig(lr=1e-3), MegatronConfig())
+
+
+def _config(root: Path, **trainer: Any) -> PPOConfig:
+    config = PPOConfig()
+    config.trainer.default_local_dir, config.trainer.log_dir = str(root / "ckpt"), str(root / "tb")
+    for key, value in trainer.items():
+        setattr(config.trainer, key, value)
+    return config
+
+
+def _listing(root: Path) -> dict[str, str | None]:
+    """{step_N: the run that saved it} under `root`, and `latest`, as every rank sees it before rank 0 goes on."""
+    found = {path.name: checkpoint.run_of(path) for _, path in checkpoint.step_directories(root)}
+    found["latest"] = (root / "latest").read_text() if (root / "latest").is_file() else None
+    barrier()
+    return found
+
+
+def two_runs_in_one_directory(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """The issue's case at the checkpoint level: run A saves steps 2, 4, 6 keeping 2; run B then saves steps 2 and 3
+    into the same directory, keeping 2. Then a run that resumed from an older checkpoint of its own prunes."""
+    root = Path(root)
+    init_distributed(MegatronConfig(), seed=0)
+    actor, optimizer = _actor_and_optimizer()
+    run_a, run_b = RunIdentity.of("run-a", PPOConfig()), RunIdentity.of("run-b", PPOConfig())
+    save = functools.partial(checkpoint.save_checkpoint, models={"actor": actor}, optimizers={"actor": optimizer})
+    shared = root / "shared"
+    for step in (2, 4, 6):
+        save(shared, step, trainer_state={"step": step}, run=run_a, keep=2)
+    for step in (2, 3):
+        save(shared, step, trainer_state={"step": step}, run=run_b, keep=2)
+    report: dict[str, Any] = {"shared": _listing(shared)}
+    resumable = checkpoint.find_resumable(shared)
+    report["resumable"] = (resumable.name, checkpoint.run_of(resumable))
+    report["rollback_a"] = checkpoint.latest_of_run(shared, "run-a").name
+    report["rollback_b"] = checkpoint.latest_of_run(shared, "run-b").name
+    report["rollback_new"] = checkpoint.latest_of_run(shared, "run-c")
+    branch = root / "branch"  # steps 1-4 saved, the run resumes from step_2 and saves step_3 again, keeping 2
+    for step in (1, 2, 3, 4):
+        save(branch, step, trainer_state={"step": step}, run=run_a, keep=3)
+    checkpoint.point_latest_at(branch / "step_2")
+    save(branch, 3, trainer_state={"step": 3}, run=run_a, keep=2)
+    report["branch"] = _listing(branch)
+    save(branch, 3, trainer_state={"step": 3, "again": True}, run=run_a, keep=2)  # a rollback to step_3 saves it again
+    report["saved_again"] = (
+        _listing(branch),
+        sorted(p.name for p in branch.iterdir() if p.name.startswith(".")),
+        torch.load(branch / "step_3" / checkpoint.TRAINER_STATE, weights_only=True).get("again"),
+    )
+    (branch / "step_3").rename(branch / ".replaced_step_3")  # killed between the two renames of a save
+    restored = checkpoint.restore_replaced(branch)
+    report["restored"] = (restored.name, checkpoint.is_complete(restored), checkpoint.restore_replaced(branch))
+    return report
+
+
+def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """`start_run` on every rank against a directory holding run A's steps 2, 4, 6: a new run is refused, a resume
+    continues A and lists the changed keys, a resume from an older checkpoint repoints `latest`, overwrite moves A
+    aside, and a checkpoint without identity cannot be continued."""
+    root = Path(root)
+    init_distributed(MegatronConfig(), seed=0)
+    actor, optimizer = _actor_and_optimizer()
+    report: dict[str, Any] = {}
+    first = start_run(_config(root, resume_mode="disable"))
+    for step in (2, 4, 6):
+        checkpoint.save_checkpoint(root / "ckpt", step, {"actor": actor}, {"actor": optimizer}, {"step": step},
+                                   run=first.identity, keep=2)  # fmt: skip
+    report["first"] = (first.identity.run_id, first.resume_from, str(first.log_dir), first.messages)
+    try:
+        start_run(_config(root, resume_mode="disable"))
+    except ConfigError as refusal:
+        report["refused"] = str(refusal)
+    report["after_refusal"] = _listing(root / "ckpt")
+    changed = _config(root, resume_mode="auto", exit_interval=3)
+    changed.actor.optim.lr = 2e-3
+    resumed = start_run(changed)
+    report["resumed"] = (resumed.identity.run_id, resumed.resume_from.name, str(resumed.log_dir), resumed.messages)
+    older = start_run(_config(root, resume_mode="resume_path", resume_from_path=str(root / "ckpt" / "step_4")))
+    report["older"] = (older.identity.run_id, older.resume_from.name, older.messages, _listing(root / "ckpt"))
+    fresh = start_run(_config(root, resume_mode="disable", overwrite=True))
+    moved = sorted((root / "ckpt" / "moved-aside").iterdir())
+    report["fresh"] = (fresh.identity.run_id, fresh.resume_from, fresh.messages, _listing(root / "ckpt"),
+                       [(m.name, _listing(m)) for m in moved])  # fmt: skip
+    # two runs' checkpoints side by side (as saved by hand); resuming one of them with overwrite moves only the other
+    for step, identity in ((1, fresh.identity), (6, first.identity)):
+        checkpoint.save_checkpoint(root / "ckpt", step, {"actor": actor}, {"actor": optimizer}, {"step": step},
+                                   run=identity)  # fmt: skip
+    mixed = start_run(_config(root, resume_mode="resume_path", resume_from_path=str(root / "ckpt" / "step_6"),
+                              overwrite=True))  # fmt: skip
+    moved_now = [_listing(m) for m in sorted((root / "ckpt" / "moved-aside").iterdir()) if m not in moved]
+    report["mixed"] = (mixed.identity.run_id, mixed.resume_from.name, _listing(root / "ckpt"), moved_now)
+    checkpoint.save_checkpoint(root / "init", 1, {"actor": actor}, {}, {"step": 1})
+    try:
+        start_run(_config(root, resume_mode="resume_path", resume_from_path=str(root / "init")))
+    except ConfigError as refusal:
+        report["no_identity"] = str(refusal)
+    auto_over_init = _config(root, resume_mode="auto")
+    auto_over_init.trainer.default_local_dir = str(root / "init")
+    try:
+        start_run(auto_over_init)
+    except ConfigError as refusal:
+        report["auto_without_identity"] = str(refusal)
     return report

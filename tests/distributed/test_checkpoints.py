@@ -14,3 +14,52 @@ def test_resume_skips_unfinished_and_broken_checkpoints(tmp_path) -> None:
     assert report["with_step_2_broken"] == "step_1", "latest names a broken checkpoint: fall back to the previous one"
     # keep=1 prunes complete checkpoints only; the broken step_2 is left for a person to inspect
     assert report["kept_after_prune"] == ["step_2", "step_4"]
+
+
+def test_a_second_run_in_the_same_directory_neither_prunes_nor_is_pruned_by_the_first(tmp_path) -> None:
+    """The issue's 6-step/3-step case: pruning by step number deleted run B's newest checkpoint (`latest` then named
+    a deleted directory and a resume fell back to run A's step_6)."""
+    report = run_distributed(checkpoint_workers.two_runs_in_one_directory, 1, str(tmp_path))[0]
+    # each run keeps its own newest two; latest names B's step_3
+    assert report["shared"] == {"step_2": "run-b", "step_3": "run-b", "step_4": "run-a", "step_6": "run-a",
+                                "latest": "step_3"}  # fmt: skip
+    assert report["resumable"] == ("step_3", "run-b")
+    assert (report["rollback_a"], report["rollback_b"], report["rollback_new"]) == ("step_6", "step_3", None)
+    # after resuming from step_2, the abandoned step_4 goes first; step_2 and the new step_3 stay
+    assert report["branch"] == {"step_2": "run-a", "step_3": "run-a", "latest": "step_3"}
+    listing, hidden, resaved = report["saved_again"]
+    assert (listing, hidden, resaved) == (report["branch"], [], True), "saving the named step again"
+    assert report["restored"] == ("step_3", True, None), "a save killed mid-replace is undone at the next start"
+
+
+def test_a_run_starts_only_where_no_other_run_has_checkpoints(tmp_path) -> None:
+    ranks = run_distributed(checkpoint_workers.start_rules, 2, str(tmp_path))
+    assert ranks[0] == ranks[1], "every rank must receive rank 0's decision"
+    report, ckpt = ranks[0], tmp_path / "ckpt"
+    first_id, resume_from, log_dir, messages = report["first"]
+    assert resume_from is None and log_dir == str(tmp_path / "tb" / first_id) and f"new run {first_id}" in messages[0]
+    refusal = report["refused"]
+    for part in (f"trainer.default_local_dir='{ckpt}' holds checkpoints of another run", f"run {first_id}: step_4",
+                 "trainer.resume_mode=auto", "another trainer.default_local_dir",
+                 f"trainer.overwrite=true to move them aside into {ckpt}/moved-aside/"):  # fmt: skip
+        assert part in refusal, f"{part!r} missing from the refusal:\n{refusal}"
+    assert report["after_refusal"] == {"step_4": first_id, "step_6": first_id, "latest": "step_6"}
+    run_id, source, log_dir, messages = report["resumed"]
+    assert (run_id, source, log_dir) == (first_id, "step_6", str(tmp_path / "tb" / first_id))
+    assert f"resumed from {ckpt}/step_6 (named by {ckpt}/latest): run {first_id} continues" == messages[0]
+    assert "in 1 key(s): actor.optim.lr: 1e-06 → 0.002" in messages[1], messages
+    assert messages[2] == ("changed since the checkpoint (keys meant to change): trainer.exit_interval: None → 3; "
+                           "trainer.resume_mode: 'disable' → 'auto'")  # fmt: skip
+    run_id, source, messages, listing = report["older"]
+    assert (run_id, source, listing["latest"]) == (first_id, "step_4", "step_4"), "latest follows the resumed run"
+    run_id, source, messages, listing, moved = report["fresh"]
+    assert run_id != first_id and source is None and listing == {"latest": None}
+    assert [entries for _, entries in moved] == [{"step_4": first_id, "step_6": first_id, "latest": "step_4"}]
+    assert f"moved latest, step_4, step_6 aside into {ckpt}/moved-aside/{moved[0][0]}" in messages[1]
+    run_id, source, listing, moved_now = report["mixed"]
+    assert (run_id, source, listing) == (first_id, "step_6", {"step_6": first_id, "latest": "step_6"})
+    assert moved_now == [{"step_1": report["fresh"][0], "latest": None}], "only the other run's checkpoint moves"
+    assert "holds no run identity" in report["no_identity"] and "model.init_checkpoint=" in report["no_identity"]
+    refusal = report["auto_without_identity"]
+    assert "(saved without a run id: step_1)" in refusal, refusal
+    assert "trainer.resume_mode=disable trainer.overwrite=true" in refusal, refusal

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megatron_ppo.report import find_runs
 from tests.distributed.harness import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,8 +95,9 @@ def _kill_tree(pid: int) -> None:
 
 
 def scalars(log_dir: Path) -> dict[str, dict[int, float]]:
-    """tag → {step: value} from the event files under `log_dir` (the last value written for a step wins)."""
-    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    """tag → {step: value} of the run written last under `log_dir` (`trainer.log_dir`; each run writes its own
+    folder there), the last value written for a step winning."""
+    accumulator = EventAccumulator(str(find_runs(log_dir)[-1]), size_guidance={"scalars": 0})
     accumulator.Reload()
     return {
         tag: {event.step: event.value for event in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]

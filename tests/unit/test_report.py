@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,36 @@ def test_the_cli_names_a_run_that_has_not_started(tmp_path: Path, capsys) -> Non
     recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml")
     assert main(["report", recipe, f"trainer.log_dir={tmp_path}/never"]) == 1
     assert f"no TensorBoard directory at {tmp_path}/never" in capsys.readouterr().err
+
+
+def _run_folder(log_dir: Path, run_id: str, losses: list[float]) -> Path:
+    writer = SummaryWriter(str(log_dir / run_id))
+    for step, loss in enumerate(losses, start=1):
+        writer.add_scalar("actor/pg_loss", loss, step)
+    writer.add_text("run", f"new run {run_id}", 0)
+    writer.close()
+    return log_dir / run_id
+
+
+def test_each_run_is_read_on_its_own_and_named(tmp_path: Path) -> None:
+    """Two runs in one trainer.log_dir (each in its run-id folder): the report reads the one written last, whole and
+    alone, names it, and lists the other; given a run's folder, it reads that run."""
+    first = _run_folder(tmp_path, "20261201-000000-aaaaaa", [0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    second = _run_folder(tmp_path, "20261201-010000-bbbbbb", [0.3, 0.2, 0.1])
+    os.utime(next(first.iterdir()), (1, 1))  # the first run's events are older, whatever the clock did
+    (loss,), events = read_run(tmp_path)
+    assert (loss.steps, loss.first, loss.last) == (3, (1, pytest.approx(0.3)), (3, pytest.approx(0.1)))
+    assert [e.message for e in events] == ["new run 20261201-010000-bbbbbb"]
+    console = Console(record=True, width=200)
+    print_report(tmp_path, console)
+    text = console.export_text()
+    assert f"run {second.name}" in text
+    assert "1 other run(s)" in text and "20261201-000000-aaaaaa" in text
+    (loss,), _ = read_run(first)
+    assert (loss.steps, loss.last) == (6, (6, pytest.approx(0.4)))
+
+
+def test_a_log_dir_without_runs_is_named(tmp_path: Path) -> None:
+    (tmp_path / "empty-run").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"no TensorBoard run in {tmp_path}"):
+        read_run(tmp_path)

@@ -1,7 +1,9 @@
 """`compare-kl`: the tiny recipe's PPO run with the KL term off, fixed, adaptive and staged, side by side.
 
 The project's central claim — KL regularisation keeps offline PPO from degrading — measured on the user's own
-machine: same SFT start, same offline data, same seed; only the KL control differs.
+machine: same SFT start, same offline data, same seed; only the KL control differs. Each invocation writes into a
+directory of its own, `<parent of trainer.default_local_dir>/compare-kl/<UTC time>-<hex>/<variant>/`, so a second
+comparison (another seed, other overrides) never meets the first one's checkpoints; the table names what it read.
 """
 
 from __future__ import annotations
@@ -13,13 +15,20 @@ from rich.console import Console
 from rich.table import Table
 
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.run_identity import new_run_id
 from megatron_ppo.tasks.addition.recipe import prepare_addition_task, train_on_task
 from megatron_ppo.train.metrics import is_logging_rank
+from megatron_ppo.train.run_start import broadcast_from_rank0
 
 
-def variants(config: PPOConfig) -> dict[str, PPOConfig]:
+def comparison_directory(config: PPOConfig, invocation: str) -> Path:
+    """Where one invocation's variants write: `invocation` is its own key (a time-ordered id)."""
+    return Path(config.trainer.default_local_dir).parent / "compare-kl" / invocation
+
+
+def variants(config: PPOConfig, invocation: str) -> dict[str, PPOConfig]:
     """off: no KL term; fixed: the recipe's start coefficient held; adaptive: Ziegler toward the late-stage target;
-    staged: the recipe as it is."""
+    staged: the recipe as it is. Each a new run in `comparison_directory(config, invocation) / <variant>`."""
     stages = config.algorithm.kl_ctrl.stages
     late_target = stages[-1].target_kl if stages and stages[-1].target_kl else config.algorithm.kl_ctrl.target_kl
     out = {}
@@ -32,7 +41,7 @@ def variants(config: PPOConfig) -> dict[str, PPOConfig]:
         if name in ("off", "fixed", "adaptive"):
             kl_ctrl.type, kl_ctrl.stages = ("adaptive" if name == "adaptive" else "fixed"), []
             kl_ctrl.target_kl, kl_ctrl.horizon = late_target, 1000.0
-        root = Path(config.trainer.default_local_dir).parent / "compare-kl" / name
+        root = comparison_directory(config, invocation) / name
         variant.trainer.default_local_dir = str(root / "checkpoints")
         variant.trainer.log_dir = str(root / "tensorboard")
         variant.trainer.resume_mode = "disable"
@@ -41,20 +50,28 @@ def variants(config: PPOConfig) -> dict[str, PPOConfig]:
 
 
 def compare_kl(config: PPOConfig) -> dict[str, dict[str, float]]:
+    """Train every variant; print a table naming each run's TensorBoard folder, and return {variant: accuracy
+    before and after, final KL and β}."""
     task = prepare_addition_task(config)
-    results = {}
-    for name, variant in variants(config).items():
-        _, history, before, after = train_on_task(variant, task)
+    invocation = broadcast_from_rank0(new_run_id())
+    results, log_dirs = {}, {}
+    for name, variant in variants(config, invocation).items():
+        trainer, history, before, after = train_on_task(variant, task)
         kls = [h["kl/mean"] for h in history if "kl/mean" in h]
         results[name] = {"before": before["accuracy"], "after": after["accuracy"],
                          "kl_final": kls[-1] if kls else float("nan"),
                          "coef_final": history[-1].get("kl/coef", 0.0) if history else float("nan")}  # fmt: skip
+        log_dirs[name] = str(trainer.run.log_dir)
     if is_logging_rank():
-        table = Table(title="held-out accuracy after offline PPO, by KL control (same SFT start, data and seed)")
-        for column in ("KL control", "SFT start", "after PPO", "change", "final KL/token", "final β"):
+        table = Table(
+            title="held-out accuracy after offline PPO, by KL control (same SFT start, data and seed)",
+            caption=f"runs of this comparison, read from {comparison_directory(config, invocation)}",
+        )
+        columns = ("KL control", "SFT start", "after PPO", "change", "final KL/token", "final β", "run (TensorBoard)")
+        for column in columns:
             table.add_column(column, justify="right")
         for name, r in results.items():
             table.add_row(name, f"{r['before']:.3f}", f"{r['after']:.3f}", f"{r['after'] - r['before']:+.3f}",
-                          f"{r['kl_final']:.3g}", f"{r['coef_final']:.3g}")  # fmt: skip
+                          f"{r['kl_final']:.3g}", f"{r['coef_final']:.3g}", log_dirs[name])  # fmt: skip
         Console().print(table)
     return results

@@ -1,7 +1,8 @@
 """The embedded default (data.task=addition): tokenizer → SFT policy → sampled offline dataset → PPO → table.
 
 Every stage caches its product under `data.addition.work_dir` (tokenizer, SFT checkpoint, dataset), so a second
-run goes straight to PPO. The PPO run itself writes checkpoints and TensorBoard logs where `trainer.*` says.
+run goes straight to PPO. The PPO run itself writes checkpoints and TensorBoard logs where `trainer.*` says (under
+the rules of `train/run_start.py`).
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ def _summary(config: PPOConfig, trainer: PPOTrainer, history, before, after, dat
     table.add_row("max actor grad norm", "", f"{summary['max_grad_norm']:.3g}")
     table.add_row("skipped steps", "", f"{trainer.skipped_steps}")
     table.add_row("data", "", data_line)
+    table.add_row("run", "", trainer.run.identity.run_id)
     table.add_row("checkpoints", "", config.trainer.default_local_dir)
-    table.add_row("TensorBoard", "", config.trainer.log_dir)
+    table.add_row("TensorBoard", "", str(trainer.run.log_dir))
     Console().print(table)
     return summary

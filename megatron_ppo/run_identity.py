@@ -1,0 +1,122 @@
+"""Which run wrote a checkpoint, and with which config.
+
+A run is one training from its first step to its last, across every job that resumes it. It is named once, when it
+starts fresh (`20261201-004445-3fa9c1`: UTC start time and six random hex digits), and every checkpoint it saves
+holds `run.json`: the run id, the resolved config flattened to dotted keys, and a hash of that config without the
+keys meant to change between the jobs of one run (`meant_to_change`). Two checkpoints with the same run id belong
+to the same training; equal hashes mean the same experiment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_ppo.config.schema import PPOConfig
+
+RUN_FILE = "run.json"
+
+# trainer.* keys that say how a job runs, where it writes and when it stops, not what is trained
+RUN_CONTROL = frozenset(
+    f"trainer.{key}"
+    for key in (
+        "resume_mode", "resume_from_path", "overwrite", "exit_interval", "exit_duration_in_mins", "logger",
+        "save_freq", "test_freq", "max_ckpt_to_keep", "default_local_dir", "log_dir",
+    )
+)  # fmt: skip
+# The run's length: the KL schedule (stage ends) and the learning-rate schedule refuse, on load, a change they cannot
+# follow, with their own message.
+RUN_LENGTH = frozenset({"trainer.total_training_steps", "trainer.total_epochs"})
+# How the work is split over devices and micro-batches: the same training at another layout.
+LAYOUT_LEAVES = frozenset(
+    {
+        "ppo_micro_batch_size_per_gpu",
+        "log_prob_micro_batch_size_per_gpu",
+        "use_dynamic_bsz",
+        "ppo_max_token_len_per_gpu",
+    }
+)
+
+
+def meant_to_change(key: str) -> bool:
+    """Whether a resumed run may change `key` (dotted) without being a different experiment: run control, the
+    run's length, the parallel layout (`*.megatron.*`, `cluster.*`) and micro-batching."""
+    return (
+        key in RUN_CONTROL
+        or key in RUN_LENGTH
+        or key.startswith("cluster.")
+        or ".megatron." in key
+        or key.rsplit(".", 1)[-1] in LAYOUT_LEAVES
+    )
+
+
+def new_run_id(now: float | None = None) -> str:
+    """`YYYYmmdd-HHMMSS-xxxxxx`: the UTC start time (so ids sort by start) and 24 random bits (two runs started in
+    the same second differ)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    return f"{stamp}-{secrets.token_hex(3)}"
+
+
+def flatten_config(config: PPOConfig) -> dict[str, Any]:
+    """The config as {dotted key: JSON value}; lists (KL stages, loggers) stay whole values."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, inner)
+        else:
+            flat[prefix] = value
+
+    walk("", dataclasses.asdict(config))
+    return json.loads(json.dumps(flat))  # the form it has after a round trip through run.json
+
+
+def config_hash(flat: dict[str, Any]) -> str:
+    """sha256 (first 12 hex digits) of the keys that define the experiment: everything not `meant_to_change`."""
+    defining = {key: value for key, value in flat.items() if not meant_to_change(key)}
+    return hashlib.sha256(json.dumps(defining, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    run_id: str
+    config_hash: str
+    config: dict[str, Any]  # flatten_config of the resolved config
+
+    @classmethod
+    def of(cls, run_id: str, config: PPOConfig) -> RunIdentity:
+        flat = flatten_config(config)
+        return cls(run_id, config_hash(flat), flat)
+
+    def write(self, directory: str | Path) -> None:
+        payload = {"run_id": self.run_id, "config_hash": self.config_hash, "config": self.config}
+        (Path(directory) / RUN_FILE).write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+
+    @classmethod
+    def read(cls, directory: str | Path) -> RunIdentity | None:
+        """The identity saved in a checkpoint directory; None when it has none (an initialisation such as the SFT
+        start or a converted Hugging Face model, or a checkpoint from before run ids)."""
+        path = Path(directory) / RUN_FILE
+        if not path.is_file():
+            return None
+        payload = json.loads(path.read_text())
+        return cls(payload["run_id"], payload["config_hash"], payload["config"])
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Keys whose values differ between a checkpoint's config and the current one, as `key: old → new`, split into
+    (meant to change, the others). A key present on one side only shows as `(absent)` on the other."""
+    absent = "(absent)"
+    expected, other = [], []
+    for key in sorted(saved.keys() | current.keys()):
+        old, new = saved.get(key, absent), current.get(key, absent)
+        if old != new:
+            (expected if meant_to_change(key) else other).append(f"{key}: {old!r} → {new!r}")
+    return expected, other

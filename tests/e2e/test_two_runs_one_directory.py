@@ -1,0 +1,117 @@
+"""The issue's case through the real CLI: compare-kl-style runs (`trainer.resume_mode=disable`) one after another in
+the same checkpoint directory. Before run identities, the second run pruned its own newest checkpoint, left `latest`
+naming a deleted one, and its rollbacks loaded the first run's checkpoints.
+
+One process (TP 1) and a deliberately weak, quick SFT start: what is tested is where the runs write and what they
+load, not how well they learn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.harness import free_port
+from tests.e2e.tiny_runs import RECIPE, REPO
+
+QUICK = [
+    "data.addition.num_prompts=64", "data.addition.num_heldout=16", "data.addition.samples_per_prompt=2",
+    "data.addition.sft_steps=20", "data.addition.sft_batch_size=32", "data.train_batch_size=32",
+    *(f"{role}.{key}=16" for role in ("actor", "critic")
+      for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu")),
+    *(f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")),
+    "cluster.gpus_per_node=1", "trainer.test_freq=0", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=2",
+]  # fmt: skip
+
+
+def train(directory: Path, overrides: list[str], log: Path, subcommand: str = "train") -> int:
+    """`python -m megatron_ppo train` (or another recipe subcommand) as one process, with its own rendezvous port
+    and console lines unwrapped; the exit status."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port()),
+           "COLUMNS": "1000"}  # fmt: skip
+    command = [sys.executable, "-m", "megatron_ppo", subcommand, str(RECIPE), *QUICK,
+               f"data.addition.work_dir={directory}/work", f"trainer.default_local_dir={directory}/ckpt",
+               f"trainer.log_dir={directory}/tb", *overrides]  # fmt: skip
+    with log.open("w") as out:
+        return subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=900).returncode
+
+
+def run_id(checkpoint: Path) -> str:
+    return json.loads((checkpoint / "run.json").read_text())["run_id"]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> Path:
+    """Run A: 6 steps, a checkpoint every 2, the last 2 kept."""
+    directory = tmp_path_factory.mktemp("two-runs")
+    status = train(directory, ["trainer.total_training_steps=6", "trainer.resume_mode=disable"], directory / "a.log")
+    assert status == 0, (directory / "a.log").read_text()[-3000:]
+    return directory
+
+
+def test_a_second_new_run_in_the_directory_is_refused_and_changes_nothing(first_run: Path) -> None:
+    ckpt = first_run / "ckpt"
+    before = sorted(p.name for p in ckpt.iterdir())
+    status = train(first_run, ["trainer.total_training_steps=3", "trainer.resume_mode=disable"], first_run / "b0.log")
+    log = (first_run / "b0.log").read_text()
+    assert status == 2, f"exit {status}; log tail:\n{log[-3000:]}"
+    for part in (f"trainer.default_local_dir='{ckpt}' holds checkpoints of another run", "trainer.resume_mode=auto",
+                 "another trainer.default_local_dir", "trainer.overwrite=true"):  # fmt: skip
+        assert part in log, f"{part!r} missing from:\n{log[-3000:]}"
+    assert sorted(p.name for p in ckpt.iterdir()) == before and (ckpt / "latest").read_text() == "step_6"
+
+
+def test_overwrite_moves_the_first_run_aside_and_the_second_never_loads_it(first_run: Path) -> None:
+    """Run B with trainer.overwrite=true and a KL threshold every step exceeds (a rollback whenever it can); then a
+    resume, which must continue run B."""
+    ckpt = first_run / "ckpt"
+    first_id = run_id(ckpt / "step_6")
+    overrides = ["trainer.total_training_steps=3", "trainer.resume_mode=disable", "trainer.overwrite=true",
+                 "guards.kl_explosion_threshold=1e-9"]  # fmt: skip
+    status = train(first_run, overrides, first_run / "b.log")
+    log = (first_run / "b.log").read_text()
+    assert status == 0, log[-3000:]
+    (moved,) = (ckpt / "moved-aside").iterdir()
+    assert sorted(p.name for p in moved.iterdir()) == ["latest", "step_4", "step_6"], "run A is kept, moved aside"
+    assert {run_id(moved / "step_4"), run_id(moved / "step_6")} == {first_id}
+    assert (ckpt / "latest").read_text() == "step_3", "latest names run B's last checkpoint"
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_2", "step_3"]
+    second_id = run_id(ckpt / "step_3")
+    assert second_id != first_id and run_id(ckpt / "step_2") == second_id
+    rolled_back_to = re.findall(r"rolled back to (\S+),", log)
+    assert rolled_back_to, f"the KL threshold should have forced a rollback; log tail:\n{log[-3000:]}"
+    assert all(run_id(Path(path)) == second_id for path in rolled_back_to), rolled_back_to
+    assert sorted(p.name for p in (first_run / "tb").iterdir()) == sorted([first_id, second_id]), "a folder per run"
+
+    status = train(first_run, ["trainer.total_training_steps=3", "trainer.resume_mode=auto"], first_run / "c.log")
+    log = (first_run / "c.log").read_text()
+    assert status == 0, log[-3000:]
+    assert f"resumed from {ckpt}/step_3 (named by {ckpt}/latest): run {second_id} continues" in log
+
+
+def test_two_compare_kl_invocations_write_apart_and_name_what_they_read(first_run: Path) -> None:
+    """`compare-kl` twice with the same recipe directories (the second with another seed), each variant 2 steps."""
+    outputs = []
+    for seed in (1, 2):
+        log = first_run / f"compare-kl-{seed}.log"
+        status = train(first_run, ["trainer.total_training_steps=2", f"trainer.seed={seed}"], log, "compare-kl")
+        assert status == 0, log.read_text()[-3000:]
+        outputs.append(log.read_text())
+    invocations = sorted((first_run / "compare-kl").iterdir())
+    assert len(invocations) == 2, f"each invocation needs its own directory: {invocations}"
+    for invocation, table in zip(invocations, outputs, strict=True):
+        assert f"read from {invocation}" in table
+        runs = set()
+        for variant in ("off", "fixed", "adaptive", "staged"):
+            (latest,) = (invocation / variant / "checkpoints" / "latest").read_text().split()
+            assert latest == "step_2"
+            runs.add(run_id(invocation / variant / "checkpoints" / latest))
+            (log_dir,) = (invocation / variant / "tensorboard").iterdir()
+            assert str(log_dir) in table and log_dir.name in runs
+        assert len(runs) == 4, "every variant is a run of its own"
