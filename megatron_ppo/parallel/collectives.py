@@ -30,6 +30,15 @@ def broadcast_from_last_stage(obj: Any) -> Any:
     return box[0]
 
 
+def broadcast_from_rank0(obj: Any) -> Any:
+    """`obj` as global rank 0 holds it, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def data_parallel_share(num_items: int) -> list[int]:
     """The indices of `num_items` this data-parallel rank handles (strided, so shares differ by at most one)."""
     return list(

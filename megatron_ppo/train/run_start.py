@@ -21,12 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from megatron_ppo import checkpoint
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig, TrainerConfig
-from megatron_ppo.parallel.collectives import global_rank
+from megatron_ppo.parallel.collectives import broadcast_from_rank0, global_rank
 from megatron_ppo.run_identity import RunIdentity, config_differences, new_run_id
 
 MOVED_ASIDE = "moved-aside"
@@ -41,15 +39,6 @@ class RunStart:
     resume_from: Path | None
     log_dir: Path
     messages: tuple[str, ...]
-
-
-def broadcast_from_rank0(obj: Any) -> Any:
-    """`obj` as global rank 0 holds it, on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def start_run(config: PPOConfig) -> RunStart:

@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "parallel": 2,
     "plan": 2,
     "report": 2,
+    "run_identity": 2,
     "models": 3,
     "checkpoint": 4,
     "convert": 5,

@@ -15,10 +15,10 @@ from rich.console import Console
 from rich.table import Table
 
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.parallel.collectives import broadcast_from_rank0
 from megatron_ppo.run_identity import new_run_id
 from megatron_ppo.tasks.addition.recipe import prepare_addition_task, train_on_task
 from megatron_ppo.train.metrics import is_logging_rank
-from megatron_ppo.train.run_start import broadcast_from_rank0
 
 
 def comparison_directory(config: PPOConfig, invocation: str) -> Path:
