@@ -38,6 +38,7 @@ LAYOUT_LEAVES = frozenset(
     {
         "ppo_micro_batch_size_per_gpu",
         "log_prob_micro_batch_size_per_gpu",
+        "forward_micro_batch_size_per_gpu",
         "use_dynamic_bsz",
         "ppo_max_token_len_per_gpu",
     }
