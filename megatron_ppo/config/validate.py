@@ -99,6 +99,7 @@ def _range_problems(c: PPOConfig) -> list[str]:
         "model.make_vocab_size_divisible_by",
         "model.num_query_groups",
         "model.kv_channels",
+        "model.logprob_chunk_tokens",
         "data.max_prompt_length",
         "data.max_response_length",
         "data.train_batch_size",
