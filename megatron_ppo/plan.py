@@ -53,6 +53,14 @@ def parameter_count(model: ModelConfig) -> int:
     return model.num_layers * layer + embeddings + h
 
 
+def flop_parameter_count(model: ModelConfig, role: str) -> int:
+    """Parameters that enter a matrix product for every token: the transformer layers and the vocabulary output
+    layer (actor, reference); the critic's value head is ~h. The input embedding is a lookup and is left out."""
+    embedding = model.vocab_size * model.hidden_size
+    trunk = parameter_count(model) - embedding * (2 if model.untie_embeddings_and_output_weights else 1)
+    return trunk + (embedding if role != "critic" else model.hidden_size + 1)
+
+
 @dataclass
 class RolePlan:
     role: str
@@ -222,7 +230,8 @@ def step_time_estimate(config: PPOConfig, roles: dict[str, RolePlan], bubble: fl
     """Seconds and tokens/s per GPU of one iteration of full-length rows (`iteration_flops`) at the assumed MFU."""
     seq = config.data.max_prompt_length + config.data.max_response_length
     tokens = config.data.train_batch_size * seq
-    flops = sum(iteration_flops(config, {r: p.params for r, p in roles.items()}, tokens, tokens * seq).values())
+    params = {role: flop_parameter_count(config.model, role) for role in roles}
+    flops = sum(iteration_flops(config, params, tokens, tokens * seq).values())
     gpus = world_size(config)
     peak = PEAK_TFLOPS.get(config.cluster.gpu_type, 989.0) * 1e12
     mfu = ASSUMED_MFU.get(config.cluster.gpu_type, 0.35)
