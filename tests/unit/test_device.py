@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megatron_ppo.config.errors import ConfigError
-from megatron_ppo.config.schema import MegatronConfig, ModelConfig
+from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.models import build_transformer_config
-from megatron_ppo.models.kernels import FUSIONS, importable_fusions
+from megatron_ppo.models.kernels import FUSIONS, describe_kernels, importable_fusions
 from megatron_ppo.parallel.device import module_device, select_device, to_device
 
 
@@ -59,3 +59,11 @@ def test_host_tensors_reach_the_model_device_unchanged() -> None:
 def test_a_model_on_another_device_than_the_run_is_caught() -> None:
     with pytest.raises(RuntimeError, match=r"parameters on \['meta'\], but this run computes on cpu"):
         module_device(torch.nn.Linear(2, 2, device="meta"), "the critic model")
+
+
+def test_the_start_line_names_spec_attention_fusions_optimizer_and_dtype() -> None:
+    config = PPOConfig(model=ModelConfig(params_dtype="fp32"))
+    line = describe_kernels(config)
+    for part in ("device cpu", "spec Megatron local", "scaled_dot_product_attention", "fusions none",
+                 "optimizer torch AdamW", "dtype fp32"):  # fmt: skip
+        assert part in line, f"{part!r} missing from {line!r}"
