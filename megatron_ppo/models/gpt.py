@@ -99,7 +99,13 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
         )
         if role == "critic" and post_process:
             gpt.output_layer = ValueHead(config)
-        chunks.append(gpt.to(current_device()))  # parameters Megatron made on the host (norms, value head)
+        # Megatron's torch norms and our value head are made on the host in fp32: all of it to the run's device and
+        # dtype (as Megatron-LM's Float16Module does), so norms run their fused bf16 kernels
+        gpt.to(device=current_device(), dtype=config.params_dtype)
+        for module in gpt.modules():  # RoPE's inverse frequencies: a plain fp32 attribute that .to() does not move
+            if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+                module.inv_freq = module.inv_freq.to(current_device())
+        chunks.append(gpt)
     if role == "ref":
         for chunk in chunks:
             chunk.requires_grad_(False)

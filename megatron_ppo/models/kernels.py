@@ -61,13 +61,16 @@ def importable_fusions() -> dict[str, bool]:
 
 def fusion_flags(model: ModelConfig) -> dict[str, bool]:
     """The fusion flags for `TransformerConfig`: all off on CPU; on CUDA each on where its kernel imports and the
-    model can use it (Megatron fuses a bias with GeLU only when there is a bias; RoPE fusion needs RoPE)."""
+    model can use it (Megatron fuses a bias with GeLU only when there is a bias; RoPE fusion needs RoPE; the
+    persistent layer norm needs the local spec's LayerNorm)."""
     if not on_cuda():
         return dict.fromkeys(FUSIONS, False)
     flags = importable_fusions()
     swiglu = model.activation == "swiglu"
     flags["bias_activation_fusion"] &= swiglu or model.add_bias_linear
     flags["apply_rope_fusion"] &= model.position_embedding_type == "rope"
+    # only apex's LayerNorm of the local spec has a persistent kernel (torch's norms refuse the flag; TE ignores it)
+    flags["persist_layer_norm"] &= model.normalization == "LayerNorm" and not uses_transformer_engine(model)
     return flags
 
 

@@ -19,7 +19,7 @@ def reports_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cuda_config_initialises_on_the_gpu_with_only_importable_fusions(reports_cuda: None) -> None:
-    model = ModelConfig(activation="swiglu", position_embedding_type="rope", params_dtype="bf16")
+    model = ModelConfig(activation="swiglu", position_embedding_type="rope", normalization="LayerNorm")
     config = build_transformer_config(model, MegatronConfig(tensor_model_parallel_size=2))
     assert not config.use_cpu_initialization, "on CUDA the weights must be drawn on the GPU"
     assert config.batch_p2p_comm
