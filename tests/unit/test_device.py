@@ -9,6 +9,7 @@ import torch
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.models import build_transformer_config
+from megatron_ppo.models.gpt import data_parallel_config
 from megatron_ppo.models.kernels import FUSIONS, describe_kernels, importable_fusions
 from megatron_ppo.parallel.device import module_device, select_device, to_device
 
@@ -67,3 +68,13 @@ def test_the_start_line_names_spec_attention_fusions_optimizer_and_dtype() -> No
     for part in ("device cpu", "spec Megatron local", "scaled_dot_product_attention", "fusions none",
                  "optimizer torch AdamW", "dtype fp32"):  # fmt: skip
         assert part in line, f"{part!r} missing from {line!r}"
+
+
+def test_data_parallel_communication_overlaps_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = MegatronConfig(use_distributed_optimizer=True)
+    on_cpu = data_parallel_config(layout)
+    assert not (on_cpu.overlap_grad_reduce or on_cpu.overlap_param_gather)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu = data_parallel_config(layout)
+    assert on_gpu.overlap_grad_reduce and on_gpu.overlap_param_gather and on_gpu.use_distributed_optimizer
+    assert not data_parallel_config(MegatronConfig()).overlap_param_gather, "param gather overlap needs the dist opt"
