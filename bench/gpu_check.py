@@ -322,15 +322,22 @@ def check_logprobs(plan: Plan, work: Path) -> dict[str, Any]:
     if result.returncode != 0:
         raise RuntimeError(f"CPU fp32 subprocess exit {result.returncode}:\n{(result.stdout + result.stderr)[-3000:]}")
     cpu_lp = torch.load(work / "logprob_cpu.pt")
-    diff = (device_lp - cpu_lp).abs()
+    # relative to the log-prob (≈ −log V for a fresh model), in units of bf16's precision 2⁻⁸: bf16 activations
+    # and logits carry that rounding through every layer. Measured on CPU (bf16 vs fp32, this 4-layer shape):
+    # mean 0.004 ≈ 1 ulp, max 0.02, correlation 0.9995.
+    relative = (device_lp - cpu_lp).abs() / cpu_lp.abs().clamp(min=1.0)
     correlation = float(torch.corrcoef(torch.stack([device_lp.flatten(), cpu_lp.flatten()]))[0, 1])
-    # bf16 keeps 8 mantissa bits: activations and logits carry ~0.4 % relative rounding through every layer, which
-    # moves per-token log-probs by hundredths of a nat on average; fp32 on both sides must agree to rounding.
-    mean_tol, max_tol, corr_tol = (1e-4, 1e-3, 0.999999) if plan.dtype == "fp32" else (0.05, 0.5, 0.999)
-    out = {"mean_abs_diff": float(diff.mean()), "max_abs_diff": float(diff.max()), "correlation": correlation,
-           "tolerance": {"mean": mean_tol, "max": max_tol, "correlation": corr_tol},
-           "logprob_std": float(cpu_lp.std()), "tokens": diff.numel()}  # fmt: skip
-    out["ok"] = out["mean_abs_diff"] <= mean_tol and out["max_abs_diff"] <= max_tol and correlation >= corr_tol
+    ulp = 2.0**-8 if plan.dtype != "fp32" else 2.0**-23
+    tolerance = {"mean_relative": 2 * ulp, "max_relative": 16 * ulp, "correlation": 0.999 if ulp > 1e-6 else 0.999999}
+    out = {"mean_relative_diff": float(relative.mean()), "max_relative_diff": float(relative.max()),
+           "mean_abs_diff": float((device_lp - cpu_lp).abs().mean()), "correlation": correlation,
+           "tolerance": tolerance, "logprob_mean": float(cpu_lp.mean()), "logprob_std": float(cpu_lp.std()),
+           "tokens": relative.numel()}  # fmt: skip
+    out["ok"] = (
+        out["mean_relative_diff"] <= tolerance["mean_relative"]
+        and out["max_relative_diff"] <= tolerance["max_relative"]
+        and correlation >= tolerance["correlation"]
+    )
     return out
 
 
@@ -379,12 +386,13 @@ def table(results: dict[str, Any]) -> str:
             f"{b.get('peak_allocated_gib', float('nan')):9.1f} {b['planned_peak_gib']:12.1f}"
         )  # fmt: skip
     c = results["c_logprobs"]
-    if c.get("ok") is not None and "mean_abs_diff" in c:
+    if "mean_relative_diff" in c:
         tol = c["tolerance"]
-        lines.append(f"(c) log-probs {results['dtype']} vs CPU fp32        {'ok' if c['ok'] else 'FAILED'}  mean |Δ| "
-                     f"{c['mean_abs_diff']:.2e} (≤ {tol['mean']:g}), max |Δ| {c['max_abs_diff']:.2e} "
-                     f"(≤ {tol['max']:g}), correlation {c['correlation']:.5f} (≥ {tol['correlation']}), "
-                     f"log-prob std {c['logprob_std']:.2f}")  # fmt: skip
+        lines.append(f"(c) log-probs {results['dtype']} vs CPU fp32        {'ok' if c['ok'] else 'FAILED'}  relative "
+                     f"|Δ| mean {c['mean_relative_diff']:.1e} (≤ {tol['mean_relative']:.1e}), max "
+                     f"{c['max_relative_diff']:.1e} (≤ {tol['max_relative']:.1e}); correlation "
+                     f"{c['correlation']:.5f} (≥ {tol['correlation']}); "
+                     f"mean |Δ| {c['mean_abs_diff']:.3f} nats")  # fmt: skip
     else:
         lines.append(f"(c) log-probs                       FAILED {c.get('error', '')[:300]}")
     return "\n".join(lines)
