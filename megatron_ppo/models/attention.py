@@ -6,8 +6,9 @@ softmax: at 4096 tokens that alone is 1 GiB per micro-batch row and layer. SDPA 
     out = softmax(q·kᵀ · scale + mask) · v
 
 with flash or memory-efficient kernels on a GPU (no `s × s` tensor), and an exact math kernel on CPU. Grouped-
-query attention is passed as is (`enable_gqa`: key/value heads are shared by consecutive query heads, as in
-Megatron's `repeat_interleave`), so keys and values are never copied per query head.
+query attention is passed as is to the (causal, unmasked) flash kernel (`enable_gqa`: key/value heads are shared
+by consecutive query heads, as in Megatron's `repeat_interleave`); with an explicit mask, keys and values are
+repeated per query head for the memory-efficient kernel.
 
 Masks follow Megatron: a boolean `attention_mask` broadcastable to `[b, 1, sq, sk]`, True where attention is NOT
 allowed. Without a mask, `AttnMaskType.causal` means the causal mask (passed to the kernel as `is_causal`, which
@@ -86,11 +87,18 @@ class SDPAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         causal = attention_mask is None and mask_type == AttnMaskType.causal and sq > 1
         allowed = None if attention_mask is None else ~attention_mask
+        grouped = self.heads_per_partition != self.groups_per_partition
+        if grouped and allowed is not None:
+            # flash takes no mask and the memory-efficient kernel no grouped heads: repeat keys and values so a
+            # masked call still avoids the math kernel's [s, s] scores on a GPU
+            repeats = self.heads_per_partition // self.groups_per_partition
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+            grouped = False
         dropout = self.dropout if self.training else 0.0
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed, dropout_p=dropout, is_causal=causal, scale=self.softmax_scale,
-                enable_gqa=self.heads_per_partition != self.groups_per_partition,
+                enable_gqa=grouped,
             )  # fmt: skip
         if allowed is not None:  # rows with no allowed key: a zero output (the math kernel may give NaN)
             out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
