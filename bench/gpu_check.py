@@ -373,7 +373,7 @@ def table(results: dict[str, Any]) -> str:
     verdict = "ok" if a.get("ok") else f"FAILED {a.get('error', '')[:200]}"
     detail = f"accuracy {a['accuracy_before']:.3f} → {a['accuracy_after']:.3f}" if "accuracy_after" in a else ""
     lines.append(f"(a) tiny recipe via the CLI          {verdict}  {detail}  ({a['wall_s']:.0f} s)")
-    lines.append("(b) PPO iteration, 1.5B shape        tokens  iter s  tokens/s  MFU iter  MFU bare  iter/bare  "
+    lines.append(f"(b) PPO iteration, {results['shape']:<18}tokens  iter s  tokens/s  MFU iter  MFU bare  iter/bare  "
                  "peak GiB  planned GiB")  # fmt: skip
     for b in results["b_ppo_iteration"]:
         if not b.get("ok"):
@@ -402,7 +402,8 @@ def run(plan: Plan, out_path: Path, work: Path) -> int:
     from megatron_ppo.models.kernels import describe_kernels
     from megatron_ppo.parallel import destroy_distributed, init_distributed
 
-    results: dict[str, Any] = {"dry_run": plan is DRY, "dtype": plan.dtype}
+    shape = "tiny (dry run)" if plan is DRY else "1.5B shape"
+    results: dict[str, Any] = {"dry_run": plan is DRY, "dtype": plan.dtype, "shape": shape}
     _part(results, "a_tiny_recipe", lambda: check_tiny_recipe(plan, work))
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     config = ppo_config(plan, plan.seq_lengths[0], work)
