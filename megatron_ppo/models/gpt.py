@@ -76,7 +76,13 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
     """
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
-    spec, _ = select_layer_spec(model)
+    spec, uses_te = select_layer_spec(model)
+    if layout.sequence_parallel and not uses_te:
+        raise ValueError(
+            f"{role}.megatron.sequence_parallel=true needs Transformer Engine's layer spec (Megatron's local torch "
+            f"norms refuse it), which is not usable here; set {role}.megatron.sequence_parallel=false or install "
+            "Transformer Engine on this CUDA machine"
+        )
     config = build_transformer_config(model, layout)
     vocab = padded_vocab_size(model, layout.tensor_model_parallel_size)
     num_chunks = layout.virtual_pipeline_model_parallel_size or 1
