@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint validate bench train compare-kl plan submit report
+.PHONY: setup test lint validate bench train compare-kl plan submit report gpu-check
 
 setup: $(STAMP)
 
@@ -56,3 +56,16 @@ bench: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29655 -m bench.bench_logprobs
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 1 --master_port 29656 -m bench.bench_actor_step
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29657 -m bench.bench_ppo_step
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 1 --master_port 29658 -m bench.bench_logprob_chunks
+
+# The GPU check (one CUDA GPU, no network, ~8 min on an H100/H200): the tiny recipe on CUDA, a 1.5B-shaped PPO
+# iteration (tokens/s, MFU, peak memory against the planner), GPU bf16 against CPU fp32 log-probs; one table and
+# outputs/gpu_check.json. `make gpu-check DRY_RUN=1` runs it on the CPU with a tiny model (CI does).
+# Works without `make setup` on a bare machine: wheels in .whl/ (../shared/gpu/fetch-wheels.sh .whl) are installed
+# once into .whl/site and put on PYTHONPATH with the source tree (see NOTES-gpu.md).
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then \
+		$(GPU_PY) -m pip install -q --no-index --no-deps --target .whl/site .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR):$(CURDIR)/.whl/site$(if $(PYTHONPATH),:$(PYTHONPATH)) OMP_NUM_THREADS=$(or $(OMP_NUM_THREADS),8) \
+		$(GPU_PY) -m bench.gpu_check $(if $(DRY_RUN),--dry-run) $(ARGS)

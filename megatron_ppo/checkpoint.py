@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, tensor_parallel
 
 from megatron_ppo.models import RoleModel, unwrap
 from megatron_ppo.parallel.collectives import barrier, global_rank
@@ -80,7 +80,7 @@ def save_checkpoint(
     for role in stateful:
         sharded[f"{role}_optimizer"] = optimizers[role].sharded_state_dict(sharded[role])
     dist_checkpointing.save(sharded, str(temporary))
-    torch.save({"cpu": torch.get_rng_state()}, temporary / f"rng_rank{global_rank()}.pt")
+    torch.save(rng_states(), temporary / f"rng_rank{global_rank()}.pt")
     if global_rank() == 0:
         torch.save({**trainer_state, OPTIMIZERS_SAVED: stateful}, temporary / TRAINER_STATE)
         if run is not None:
@@ -216,8 +216,32 @@ def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: 
         optimizers[role].load_state_dict(state[f"{role}_optimizer"])
     rng_file = path / f"rng_rank{global_rank()}.pt"
     if rng_file.is_file():
-        torch.set_rng_state(torch.load(rng_file, weights_only=True)["cpu"])
+        set_rng_states(torch.load(rng_file, weights_only=True))
     return trainer_state
+
+
+def rng_states() -> dict[str, Any]:
+    """This rank's generators: the host one, the current GPU's (on CUDA), and Megatron's tracked states (the
+    tensor- and data-parallel streams that draw dropout and initialisation), tagged with the device they belong to."""
+    on_gpu = torch.cuda.is_available()
+    states: dict[str, Any] = {"cpu": torch.get_rng_state(), "device": "cuda" if on_gpu else "cpu"}
+    if on_gpu:
+        states["cuda"] = torch.cuda.get_rng_state()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if tracker.is_initialized():
+        states["tracker"] = tracker.get_states()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore `rng_states()`; device-side states only when saved on the same kind of device (a CPU checkpoint
+    resumed on GPUs keeps the GPU streams as seeded, and the other way round)."""
+    torch.set_rng_state(states["cpu"])
+    same_device = states.get("device", "cpu") == ("cuda" if torch.cuda.is_available() else "cpu")
+    if same_device and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+    if same_device and "tracker" in states:
+        tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
 
 
 def resolve(path: str | Path) -> Path:

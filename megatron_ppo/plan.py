@@ -27,7 +27,7 @@ from megatron_ppo.config.validate import validate, world_size
 GIB = 1024**3
 RESERVED_GIB = 3.0
 MARGIN = 0.10  # keep 10 % of the GPU free
-PEAK_TFLOPS = {"h100-80gb": 989.0, "a100-80gb": 312.0, "cpu": 1.0}  # dense bf16 tensor-core peak
+PEAK_TFLOPS = {"h100-80gb": 989.0, "h200-141gb": 989.0, "a100-80gb": 312.0, "cpu": 1.0}  # dense bf16 tensor-core peak
 # MFU of PPO's training and experience passes, calibrated in docs/planner.md ("Calibration"): Megatron-LM pretraining
 # reaches 42–47 % on H100 and 44 % on A100; verl's Megatron actor update measures 31–40 %. RL passes (short,
 # variable-length micro-batches; three models per iteration) keep about 0.8 of the pretraining MFU.
@@ -51,6 +51,14 @@ def parameter_count(model: ModelConfig) -> int:
     layer = attention + mlp + 2 * h
     embeddings = model.vocab_size * h * (2 if model.untie_embeddings_and_output_weights else 1)
     return model.num_layers * layer + embeddings + h
+
+
+def flop_parameter_count(model: ModelConfig, role: str) -> int:
+    """Parameters that enter a matrix product for every token: the transformer layers and the vocabulary output
+    layer (actor, reference); the critic's value head is ~h. The input embedding is a lookup and is left out."""
+    embedding = model.vocab_size * model.hidden_size
+    trunk = parameter_count(model) - embedding * (2 if model.untie_embeddings_and_output_weights else 1)
+    return trunk + (embedding if role != "critic" else model.hidden_size + 1)
 
 
 @dataclass
@@ -188,19 +196,42 @@ def plan(config: PPOConfig, recipe: str = "") -> Plan:
     )
 
 
-def step_time_estimate(config: PPOConfig, roles: dict[str, RolePlan], bubble: float) -> tuple[float, float]:
-    """FLOPs of one iteration at the assumed MFU: 6·N per token for each training pass (8·N with full recompute),
-    2·N per token for each forward-only experience pass, plus attention 12·L·h·s (training) / 4·L·h·s (forward)."""
+def pass_flops(model: ModelConfig, params: int, tokens: float, tokens_times_seq: float, *, train: bool,
+               full_recompute: bool = False) -> float:  # fmt: skip
+    """FLOPs of one pass of a model with `params` parameters over `tokens` tokens, where `tokens_times_seq` is
+    Σ over rows of (row length)² (B·S² for B rows of S tokens). Forward: 2·N per token for the matrix products
+    plus attention 4·L·h·s (q·kᵀ and p·v, causal masking not discounted); a training pass adds the backward
+    (2× the forward), and full recompute one more forward."""
+    forward = 2 * params * tokens + 4 * model.num_layers * model.hidden_size * tokens_times_seq
+    if not train:
+        return forward
+    return forward * (4 if full_recompute else 3)
+
+
+def iteration_flops(
+    config: PPOConfig, params: dict[str, int], tokens: float, tokens_times_seq: float
+) -> dict[str, float]:
+    """FLOPs of one PPO iteration by phase, for the roles in `params` (role → parameter count):
+    experience = a forward of each role (the reference has the actor's shape), update_<role> = `ppo_epochs`
+    training passes of the actor / critic. The planner and the measured MFU (`train/throughput.py`) both use it."""
     m = config.model
+    flops = {"experience": sum(pass_flops(m, n, tokens, tokens_times_seq, train=False) for n in params.values())}
+    for role in ("actor", "critic"):
+        if role in params:
+            role_config = getattr(config, role)
+            full = role_config.megatron.recompute_granularity == "full"
+            flops[f"update_{role}"] = role_config.ppo_epochs * pass_flops(
+                m, params[role], tokens, tokens_times_seq, train=True, full_recompute=full
+            )
+    return flops
+
+
+def step_time_estimate(config: PPOConfig, roles: dict[str, RolePlan], bubble: float) -> tuple[float, float]:
+    """Seconds and tokens/s per GPU of one iteration of full-length rows (`iteration_flops`) at the assumed MFU."""
     seq = config.data.max_prompt_length + config.data.max_response_length
     tokens = config.data.train_batch_size * seq
-    attention_train = 12 * m.num_layers * m.hidden_size * seq
-    attention_forward = 4 * m.num_layers * m.hidden_size * seq
-    flops = 0.0
-    for role, epochs in (("actor", config.actor.ppo_epochs), ("critic", config.critic.ppo_epochs)):
-        recompute = 8 if getattr(config, role).megatron.recompute_granularity == "full" else 6
-        flops += epochs * tokens * (recompute * roles[role].params + attention_train)
-    flops += 3 * tokens * (2 * roles["actor"].params + attention_forward)
+    params = {role: flop_parameter_count(config.model, role) for role in roles}
+    flops = sum(iteration_flops(config, params, tokens, tokens * seq).values())
     gpus = world_size(config)
     peak = PEAK_TFLOPS.get(config.cluster.gpu_type, 989.0) * 1e12
     mfu = ASSUMED_MFU.get(config.cluster.gpu_type, 0.35)

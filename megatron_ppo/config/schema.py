@@ -62,6 +62,12 @@ class ModelConfig:
     # lcm with TP; padded logits are masked out of every log-prob
     make_vocab_size_divisible_by: int = ranged(128, AT_LEAST_ONE)
     transformer_impl: str = choice("auto", ("auto", "local", "transformer_engine"))
+    # CUDA: draw full weights on the host, then split them: the same initial weights for every TP layout, but slow
+    # for large models (weights are drawn on the GPU, per shard, otherwise). The CPU path always does this.
+    use_cpu_initialization: bool = False
+    # Log-probs and entropy over [tokens, vocab / TP] run in chunks of this many tokens, in fp32 per chunk and
+    # recomputed in the backward: the memory above the logits is one chunk's fp32 (null: all tokens at once).
+    logprob_chunk_tokens: int | None = ranged(2048, AT_LEAST_ONE)
     hf_checkpoint: str | None = None  # Hugging Face directory to convert from on first use
     init_checkpoint: str | None = None  # megatron-ppo checkpoint whose "actor" initialises actor, ref, critic trunk
     allow_random_init: bool = False  # a dataset run without initial weights (smoke tests, benchmarks only)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -18,8 +17,11 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ppo.config.schema import ROLES, MegatronConfig, ModelConfig
+from megatron_ppo.models.attention import with_sdpa_attention
+from megatron_ppo.models.kernels import transformer_engine_importable, transformer_engine_usable
 from megatron_ppo.models.transformer_config import build_transformer_config, padded_vocab_size
 from megatron_ppo.models.value_head import ValueHead
+from megatron_ppo.parallel.device import current_device, on_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +35,11 @@ class RoleModel:
     config: TransformerConfig
     vocab_size: int  # the tokenizer's; logits beyond it are padding
     padded_vocab_size: int
+    logprob_chunk_tokens: int | None = None  # model.logprob_chunk_tokens, for vocab_parallel_log_probs
 
     @property
     def is_trained(self) -> bool:
         return self.role != "ref"
-
-
-def transformer_engine_usable() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
@@ -51,7 +50,7 @@ def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
         raise RuntimeError(
             "model.transformer_impl=transformer_engine, but Transformer Engine is not usable here "
             f"(CUDA available: {torch.cuda.is_available()}, transformer_engine installed: "
-            f"{importlib.util.find_spec('transformer_engine') is not None}); install the 'gpu' extra on a CUDA "
+            f"{transformer_engine_importable()}); install the 'gpu' extra on a CUDA "
             "machine or set model.transformer_impl=local"
         )
     use_te = model.transformer_impl == "transformer_engine" or (
@@ -60,9 +59,9 @@ def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
     spec = (
         get_gpt_layer_with_transformer_engine_spec()
         if use_te
-        else get_gpt_layer_local_spec(normalization=model.normalization)
+        else with_sdpa_attention(get_gpt_layer_local_spec(normalization=model.normalization))
     )
-    logger.info("layer spec: %s", "Transformer Engine" if use_te else "Megatron local (pure PyTorch)")
+    logger.info("layer spec: %s", "Transformer Engine" if use_te else "Megatron local, attention through SDPA")
     return spec, use_te
 
 
@@ -77,7 +76,13 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
     spec, uses_te = select_layer_spec(model)
-    config = build_transformer_config(model, layout, use_gpu_kernels=uses_te)
+    if layout.sequence_parallel and not uses_te:
+        raise ValueError(
+            f"{role}.megatron.sequence_parallel=true needs Transformer Engine's layer spec (Megatron's local torch "
+            f"norms refuse it), which is not usable here; set {role}.megatron.sequence_parallel=false or install "
+            "Transformer Engine on this CUDA machine"
+        )
+    config = build_transformer_config(model, layout)
     vocab = padded_vocab_size(model, layout.tensor_model_parallel_size)
     num_chunks = layout.virtual_pipeline_model_parallel_size or 1
     chunks: list[torch.nn.Module] = []
@@ -99,22 +104,47 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
         )
         if role == "critic" and post_process:
             gpt.output_layer = ValueHead(config)
+        # Megatron's torch norms and our value head are made on the host in fp32: all of it to the run's device and
+        # dtype (as Megatron-LM's Float16Module does), so norms run their fused bf16 kernels
+        gpt.to(device=current_device(), dtype=config.params_dtype)
+        for module in gpt.modules():  # RoPE's inverse frequencies: a plain fp32 attribute that .to() does not move
+            if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+                module.inv_freq = module.inv_freq.to(current_device())
         chunks.append(gpt)
     if role == "ref":
         for chunk in chunks:
             chunk.requires_grad_(False)
             chunk.eval()
     else:
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=layout.use_distributed_optimizer,
-        )
+        ddp_config = data_parallel_config(layout)
         chunks = [
             DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0)
             for index, chunk in enumerate(chunks)
         ]
-    return RoleModel(role, chunks, config, model.vocab_size, vocab)
+    return RoleModel(role, chunks, config, model.vocab_size, vocab, model.logprob_chunk_tokens)
+
+
+def data_parallel_config(layout: MegatronConfig) -> DistributedDataParallelConfig:
+    """Megatron DDP settings. On CUDA, gradients are reduced bucket by bucket while the backward pass still runs
+    (`overlap_grad_reduce`; 40M-element buckets, Megatron's default) and, with the distributed optimizer, the
+    updated parameters are all-gathered bucket by bucket ahead of the next forward (`overlap_param_gather`; call
+    `sync_parameters` before reading weights outside a forward). On CPU (gloo) both stay off: one reduction per
+    step keeps the CPU path simple and its results identical to the tests' references."""
+    cuda = on_cuda()
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cuda,
+        overlap_param_gather=cuda and layout.use_distributed_optimizer,
+        use_distributed_optimizer=layout.use_distributed_optimizer,
+    )
+
+
+def sync_parameters(model: RoleModel) -> None:
+    """Finish any parameter all-gather still pending from the last distributed-optimizer step (overlapped with the
+    next forward on CUDA), so the weights can be read directly — before saving a checkpoint or converting."""
+    for chunk in model.chunks:
+        if isinstance(chunk, DistributedDataParallel) and chunk.use_forward_hook:
+            chunk.start_param_sync(force_sync=True)
 
 
 def unwrap(chunk: torch.nn.Module) -> GPTModel:

@@ -1,8 +1,9 @@
 """Forward (and backward) over micro-batches through Megatron's pipeline schedule, with our loss on the last stage.
 
-`run_micro_batches` hands each micro-batch to `get_forward_backward_func()` — no pipelining, 1F1B, or the
-interleaved schedule with virtual stages — and calls `loss_fn(micro_batch, output)` on the last stage, where
-`output` is the model's last-stage output `[batch, seq, vocab/TP]` (actor/ref) or `[batch, seq, 1]` (critic).
+`run_micro_batches` moves each micro-batch to the model's device (pinned host memory, `non_blocking`), hands it to
+`get_forward_backward_func()` — no pipelining, 1F1B, or the interleaved schedule with virtual stages — and calls
+`loss_fn(micro_batch, output)` on the last stage, where `output` is the model's last-stage output
+`[batch, seq, vocab/TP]` (actor/ref) or `[batch, seq, 1]` (critic).
 
 Loss normalisation: `loss_fn` must return the micro-batch's share of the mini-batch loss, normalised by global
 counts and multiplied by the data-parallel size (as `megatron_ppo.algo.agg_loss(..., dp_size=DP,
@@ -22,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ppo.models.gpt import RoleModel
+from megatron_ppo.parallel.device import module_device, to_device
 
 MicroBatch = dict[str, torch.Tensor]
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
@@ -39,24 +41,23 @@ def run_micro_batches(
     *,
     forward_only: bool,
 ) -> list[dict[str, Any]]:
-    """Run the schedule over `micro_batches` (each with `input_ids` `[b, s]`, optional `position_ids` and
-    `attention_mask`); returns, on the last pipeline stage, the metrics dict `loss_fn` gave for each micro-batch
-    (an empty list on other stages). Gradients accumulate in the DDP buffers when not `forward_only`."""
+    """Run the schedule over `micro_batches` (each with `input_ids` `[b, s]`, optional `position_ids` and a boolean
+    `attention_mask` `[b, 1, s, s]`, True where attention is not allowed; causal without one); `loss_fn` sees the
+    micro-batch on the model's device. Returns, on the last pipeline stage, the metrics dict `loss_fn` gave for each
+    micro-batch (an empty list on other stages). Gradients accumulate in the DDP buffers when not `forward_only`."""
     num_micro_batches = len(micro_batches)
     seq_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
     micro_batch_size = max(batch["input_ids"].shape[0] for batch in micro_batches)
+    device = module_device(model.chunks[0], f"the {model.role} model")
 
     def forward_step(data_iterator, chunk):
-        batch = next(data_iterator)
+        batch = to_device(next(data_iterator), device, f"the {model.role} model's forward")
         input_ids = batch["input_ids"]
-        seq_len = input_ids.shape[1]
         position_ids = batch.get("position_ids")
         if position_ids is None:
-            position_ids = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
-        attention_mask = batch.get("attention_mask")
-        if attention_mask is None:
-            attention_mask = causal_attention_mask(seq_len, input_ids.device)
-        output = chunk(input_ids, position_ids, attention_mask)
+            position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
+        # no mask: causal attention by the layers' mask type (the flash path of SDPA / TE, no [s, s] tensor)
+        output = chunk(input_ids, position_ids, batch.get("attention_mask"))
         return output, partial(_scaled_loss, loss_fn, batch, num_micro_batches)
 
     iterators = [iter(micro_batches) for _ in model.chunks]

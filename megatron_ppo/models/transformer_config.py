@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig
+from megatron_ppo.models.kernels import fusion_flags
+from megatron_ppo.parallel.device import on_cuda
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -20,11 +22,16 @@ def padded_vocab_size(model: ModelConfig, tensor_parallel_size: int) -> int:
     return math.ceil(model.vocab_size / multiple) * multiple
 
 
-def build_transformer_config(model: ModelConfig, layout: MegatronConfig, *, use_gpu_kernels: bool) -> TransformerConfig:
-    """The Megatron config for one role. On CPU (`use_gpu_kernels=False`): weights initialised on the CPU (a full
+def build_transformer_config(model: ModelConfig, layout: MegatronConfig) -> TransformerConfig:
+    """The Megatron config for one role, for the device chosen at start (`megatron_ppo.parallel.device`).
+
+    On CUDA: weights initialised directly on the GPU (each rank draws its own shard) unless
+    `model.use_cpu_initialization` asks for layout-independent weights; each fusion on where its kernel imports
+    (`models.kernels.fusion_flags`); batched pipeline messages. On CPU: weights initialised on the CPU (a full
     master weight is drawn, then split, so every TP layout starts from the same weights), no fused kernels, and
     point-to-point pipeline messages sent one by one (gloo pairs batched messages out of order at PP=2 with VPP,
     which silently corrupts the interleaved schedule's gradients)."""
+    cuda = on_cuda()
     dtype = DTYPES[model.params_dtype]
     swiglu = model.activation == "swiglu"
     config = TransformerConfig(
@@ -56,14 +63,9 @@ def build_transformer_config(model: ModelConfig, layout: MegatronConfig, *, use_
         recompute_granularity=layout.recompute_granularity,
         recompute_method=layout.recompute_method,
         recompute_num_layers=layout.recompute_num_layers,
-        use_cpu_initialization=not use_gpu_kernels,
-        bias_activation_fusion=use_gpu_kernels and swiglu and not model.add_bias_linear,
-        bias_dropout_fusion=use_gpu_kernels,
-        masked_softmax_fusion=use_gpu_kernels,
-        apply_rope_fusion=use_gpu_kernels,
-        gradient_accumulation_fusion=use_gpu_kernels,
-        persist_layer_norm=use_gpu_kernels,
-        batch_p2p_comm=use_gpu_kernels,
+        use_cpu_initialization=not cuda or model.use_cpu_initialization,
+        batch_p2p_comm=cuda,
+        **fusion_flags(model),
     )
     # Micro-batches differ in length; the constructor refuses this flag for the default MoE dispatcher even
     # without experts, so it is set afterwards. Shapes then travel ahead of each pipeline message.

@@ -1,4 +1,5 @@
-"""Moving small Python objects between the ranks of the trainer's groups (torch.distributed object collectives).
+"""Moving results between the ranks of the trainer's groups: per-row tensors with tensor collectives (the hot
+path: experience over data-parallel ranks), small Python objects (metrics) with object collectives.
 
 Last-stage results (log-probs, values, metrics, sampled tokens) exist only on the last pipeline stage; experience
 is computed per data-parallel replica and then shared so that advantages are whitened over the whole batch.
@@ -95,3 +96,21 @@ def broadcast_tensor_from_last_stage(tensor: torch.Tensor | None, like: torch.Te
         group=parallel_state.get_pipeline_model_parallel_group(),
     )
     return buffer
+
+
+def gather_rows_data_parallel(rows: torch.Tensor, num_items: int) -> torch.Tensor:
+    """All `num_items` rows `[num_items, ...]` in their original order, from each data-parallel rank's strided share
+    `rows` (`[len(data_parallel_share(num_items)), ...]`, same trailing shape and device on every rank).
+
+    A tensor collective (no pickling, stays on the GPU): each share is padded to ⌈num_items / DP⌉ rows, gathered,
+    and item i is read from rank i mod DP, position i div DP.
+    """
+    world = parallel_state.get_data_parallel_world_size()
+    if world == 1:
+        return rows
+    per_rank = -(-num_items // world)
+    padded = rows.new_zeros((per_rank, *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=parallel_state.get_data_parallel_group())
+    return torch.stack(parts, dim=1).flatten(0, 1)[:num_items]

@@ -1,6 +1,6 @@
 """Run Megatron-Core on CPU processes (gloo): the one place that bends Megatron towards a machine without CUDA.
 
-`enable_cpu_compat()` is a no-op when CUDA is available. Without CUDA it
+`enable_cpu_compat()` is a no-op when CUDA is available (unless asked to hide the GPUs). Without CUDA it
   1. makes `torch.cuda.current_device()` answer 0 and `torch.cuda.synchronize()` do nothing (Megatron allocates
      buffers "on the current device" at ~175 sites and synchronises around p2p calls);
   2. enters a `TorchFunctionMode` that moves every tensor-factory `device=` that names CUDA to the CPU, turns
@@ -125,9 +125,14 @@ def _communicate_shapes_unbatched(self, tensor_send_next, tensor_send_prev, recv
     )
 
 
-def enable_cpu_compat() -> bool:
-    """Make Megatron-Core usable on CPU; returns True if it did anything (False on a CUDA machine)."""
+def enable_cpu_compat(hide_gpus: bool = False) -> bool:
+    """Make Megatron-Core usable on CPU; returns True if it did anything (False on a CUDA machine).
+
+    `hide_gpus`: a CPU run on a machine with GPUs (`cluster.device=cpu`): `torch.cuda.is_available()` answers
+    False in this process from now on, so Megatron and this project take their CPU paths."""
     global _ACTIVE_MODE
+    if hide_gpus and torch.cuda.is_available():
+        torch.cuda.is_available = lambda: False
     if torch.cuda.is_available():
         return False
     if _ACTIVE_MODE is None:

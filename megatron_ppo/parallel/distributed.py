@@ -14,7 +14,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from megatron_ppo.config.schema import MegatronConfig
-from megatron_ppo.parallel.cpu_compat import enable_cpu_compat, seed_model_parallel_rng
+from megatron_ppo.parallel.cpu_compat import seed_model_parallel_rng
+from megatron_ppo.parallel.device import select_device
 
 DEFAULT_PORT = 29500
 
@@ -67,22 +68,25 @@ def first_host(nodelist: str) -> str:
     return f"{prefix}{first}"
 
 
-def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0) -> DistEnv:
-    """Start torch.distributed (NCCL on CUDA, gloo on CPU), then Megatron's TP/PP/VPP/CP/DP groups, then seed.
+def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0, device: str | None = None) -> DistEnv:
+    """Decide the device (`cluster.device`; None: CUDA when available), start torch.distributed (NCCL bound to this
+    process's GPU on CUDA, gloo on CPU), then Megatron's TP/PP/VPP/CP/DP groups, then seed.
 
     Seeding follows Megatron: the data-parallel RNG state gets `seed`, the tensor-parallel one `seed + 2718 + tp_rank`.
     """
     env = dist_env_from_environment()
-    on_cpu = enable_cpu_compat()
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    chosen = select_device(device, env.local_rank)
     if not dist.is_initialized():
-        if not on_cpu:
-            torch.cuda.set_device(env.local_rank)
         dist.init_process_group(
-            backend="gloo" if on_cpu else "nccl",
+            backend="nccl" if chosen.type == "cuda" else "gloo",
             init_method=f"tcp://{env.master_addr}:{env.master_port}",
             rank=env.rank,
             world_size=env.world_size,
             timeout=timedelta(seconds=timeout_s),
+            # NCCL binds its communicator to this GPU at once instead of guessing it at the first collective
+            device_id=chosen if chosen.type == "cuda" else None,
         )
     initialize_model_parallel(layout)
     seed_everything(seed)

@@ -14,9 +14,8 @@ from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
 from megatron_ppo.parallel.collectives import (
     broadcast_tensor_from_last_stage,
-    gather_data_parallel,
+    gather_rows_data_parallel,
     is_last_stage,
-    undo_share,
 )
 from megatron_ppo.train.batch import Batch, replica_micro_batches
 
@@ -48,7 +47,8 @@ def forward_per_token(
     max_tokens: int | None,
 ) -> torch.Tensor:
     """`output_fn(micro_batch, model_output)` → `[rows, width]` for every row of `batch`: computed on this
-    replica's share, gathered over data-parallel ranks, and broadcast from the last pipeline stage."""
+    replica's share, gathered over data-parallel ranks and broadcast from the last pipeline stage (tensor
+    collectives; the result lives on the batch's device)."""
     share, groups, micro = replica_micro_batches(batch, micro_batch_size, max_tokens)
     outputs = run_micro_batches(
         model, micro, lambda b, out: (torch.zeros(()), {"value": output_fn(b, out)}), forward_only=True
@@ -60,13 +60,15 @@ def forward_per_token(
         for group, output in zip(groups, outputs, strict=True):
             for position, row in enumerate(group):
                 per_row[row] = torch.nn.functional.pad(output["value"][position], (0, width - output["value"].shape[1]))
-        gathered = torch.stack(undo_share(gather_data_parallel(per_row)))
+        gathered = gather_rows_data_parallel(torch.stack(per_row), len(batch["input_ids"]))
     return broadcast_tensor_from_last_stage(gathered, like=batch["loss_mask"])
 
 
 def log_prob_fn(model: RoleModel) -> Callable[[Batch, torch.Tensor], torch.Tensor]:
     def fn(batch: Batch, logits: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_log_probs(logits, batch["labels"], vocab_size=model.vocab_size)[0].detach()
+        return vocab_parallel_log_probs(
+            logits, batch["labels"], vocab_size=model.vocab_size, chunk_tokens=model.logprob_chunk_tokens
+        )[0].detach()
 
     return fn
 

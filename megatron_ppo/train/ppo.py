@@ -3,16 +3,20 @@ metrics, checkpoints (`docs/design.md`, "One PPO iteration"; `PPOTrainer.iterati
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_ppo import algo, checkpoint
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import RoleModel, build_role_model, copy_weights
+from megatron_ppo.models.gpt import sync_parameters
+from megatron_ppo.models.kernels import describe_kernels
+from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.train.batch import build_sampler, collate
 from megatron_ppo.train.experience import Experience, compute_advantages, experience_metrics, forward_passes
 from megatron_ppo.train.guards import GuardAction, Guards, scale_learning_rate
@@ -28,6 +32,7 @@ from megatron_ppo.train.preemption import (
     watching,
 )
 from megatron_ppo.train.run_start import start_run
+from megatron_ppo.train.throughput import phase_timer, throughput_metrics, timing_metrics
 from megatron_ppo.train.update import RoleUpdate, actor_loss, critic_loss, update_role
 
 Evaluate = Callable[[RoleModel], dict[str, float]]
@@ -65,6 +70,7 @@ class PPOTrainer:
         elif self.ref is not None:  # model.allow_random_init: the reference is the actor's starting point
             copy_weights(self.actor, self.ref)
         self.models = {"actor": self.actor} | ({"critic": self.critic} if self.critic else {})
+        self.logger.event(0, "kernels", describe_kernels(config))
         self.optimizers, self.schedulers = {}, {}
         minibatches = {
             "actor": config.data.train_batch_size // config.actor.ppo_mini_batch_size * config.actor.ppo_epochs,
@@ -109,6 +115,8 @@ class PPOTrainer:
         self.guards.load_state_dict(state["guards"])
 
     def save(self) -> Path:
+        for model in self.models.values():
+            sync_parameters(model)  # a distributed-optimizer step may still be gathering weights (CUDA overlap)
         path = checkpoint.save_checkpoint(
             self.config.trainer.default_local_dir, self.step, self.models, self.optimizers, self.trainer_state(),
             run=self.run.identity, keep=self.config.trainer.max_ckpt_to_keep,
@@ -128,48 +136,60 @@ class PPOTrainer:
     # --- one iteration -------------------------------------------------------------------------------------------
     def iteration(self) -> dict[str, float]:
         """One PPO iteration, in the order of the algorithm; returns its metrics."""
-        config, started = self.config, time.perf_counter()
-        # 1. batch: the next train_batch_size rows, tokenized and right-padded
-        batch = collate([self.rows[i] for i in self.sampler.next_batch(config.data.train_batch_size)], self.pad_id)
-        # 2. experience: log-probs of actor and reference, values of the critic (no grad; on every rank)
-        passes = forward_passes(config, batch, self.actor, self.ref, self.critic)
-        # 3. advantages: token rewards (clipped score, minus β·KL when the KL is in the reward), then GAE or GRPO
-        experience, metrics = compute_advantages(config, batch, passes, self.kl.coef("reward"), self.normalizer)
-        metrics |= experience_metrics(config, experience)
-        # 4. critic update: clipped value loss on the returns
-        updates = [self._update("critic", experience)] if self.critic is not None else []
-        # 5. actor update: clipped surrogate + β·KL − entropy bonus, once the critic has warmed up
-        if self.step >= config.trainer.critic_warmup:
-            updates.append(self._update("actor", experience))
-        for update in updates:
-            metrics |= update.metrics
-            self.skipped_steps += update.skipped
-        self.step += 1
-        # 6. KL control: β for the next iteration from this one's KL (stage-aware)
-        metrics |= self.kl.step(metrics.get("kl/mean"), config.data.train_batch_size)
-        # 7. guards: back off, roll back or stop on spikes, KL explosions and non-finite steps
-        skipped = any(update.skipped for update in updates)
-        self._act(self.guards.observe(metrics, skipped, self.kl.guard_overrides))
-        # 8. metrics: counters and throughput
-        elapsed = time.perf_counter() - started
-        return metrics | {"train/skipped_steps": float(self.skipped_steps), "perf/step_time_s": elapsed,
-                          "perf/tokens_per_s": float(batch["lengths"].sum()) / elapsed}  # fmt: skip
+        config, timings = self.config, {}
+        with phase_timer(timings, "iteration"):
+            # 1. batch: the next train_batch_size rows, tokenized, right-padded and on the run's device
+            rows = [self.rows[i] for i in self.sampler.next_batch(config.data.train_batch_size)]
+            batch = to_device(collate(rows, self.pad_id), current_device(), "the PPO batch")
+            with phase_timer(timings, "experience"):
+                # 2. experience: log-probs of actor and reference, values of the critic (no grad; on every rank)
+                passes = forward_passes(config, batch, self.actor, self.ref, self.critic)
+                # 3. advantages: token rewards (clipped score, minus β·KL when the KL is in the reward), GAE or GRPO
+                experience, metrics = compute_advantages(config, batch, passes, self.kl.coef("reward"), self.normalizer)
+            metrics |= experience_metrics(config, experience)
+            # 4. critic update: clipped value loss on the returns
+            updates = [self._update("critic", experience, timings)] if self.critic is not None else []
+            # 5. actor update: clipped surrogate + β·KL − entropy bonus, once the critic has warmed up
+            if self.step >= config.trainer.critic_warmup:
+                updates.append(self._update("actor", experience, timings))
+            for update in updates:
+                metrics |= update.metrics
+                self.skipped_steps += update.skipped
+            self.step += 1
+            # 6. KL control: β for the next iteration from this one's KL (stage-aware)
+            metrics |= self.kl.step(metrics.get("kl/mean"), config.data.train_batch_size)
+            # 7. guards: back off, roll back or stop on spikes, KL explosions and non-finite steps
+            skipped = any(update.skipped for update in updates)
+            self._act(self.guards.observe(metrics, skipped, self.kl.guard_overrides))
+        # 8. metrics: counters, timings and throughput (MFU from the planner's FLOP count)
+        return metrics | self._throughput(batch["lengths"], timings)
 
-    def _update(self, role: str, experience: Experience) -> RoleUpdate:
-        """`ppo_epochs` passes of `role` over the mini-batches of `experience`."""
+    def _throughput(self, lengths: torch.Tensor, timings: dict[str, float]) -> dict[str, float]:
+        tokens, seconds = float(lengths.sum()), timings["iteration"]
+        roles = [role for role in ("actor", "ref", "critic") if getattr(self, role) is not None]
+        return {
+            "train/skipped_steps": float(self.skipped_steps), "perf/step_time_s": seconds,
+            "perf/tokens_per_s": tokens / seconds,
+            **throughput_metrics(self.config, roles, lengths.cpu(), timings), **timing_metrics(timings),
+        }  # fmt: skip
+
+    def _update(self, role: str, experience: Experience, timings: dict[str, float]) -> RoleUpdate:
+        """`ppo_epochs` passes of `role` over the mini-batches of `experience`, timed as `update_<role>`."""
         role_config = getattr(self.config, role)
         if role == "actor":
-            kl_coef = self.kl.coef("loss") or 0.0
-            make_loss = partial(actor_loss, role_config, kl_loss_coef=kl_coef, vocab_size=self.actor.vocab_size)
+            actor = self.actor
+            make_loss = partial(actor_loss, role_config, kl_loss_coef=self.kl.coef("loss") or 0.0,
+                                vocab_size=actor.vocab_size, chunk_tokens=actor.logprob_chunk_tokens)  # fmt: skip
         else:
             make_loss = partial(critic_loss, role_config)
-        return update_role(
-            role, self.models[role], self.optimizers[role], self.schedulers[role], experience,
-            epochs=role_config.ppo_epochs, mini_batch_size=role_config.ppo_mini_batch_size,
-            micro_batch_size=role_config.ppo_micro_batch_size_per_gpu,
-            max_tokens=role_config.ppo_max_token_len_per_gpu if role_config.use_dynamic_bsz else None,
-            clip_grad=role_config.optim.clip_grad, make_loss=make_loss,
-        )  # fmt: skip
+        with phase_timer(timings, f"update_{role}"):
+            return update_role(
+                role, self.models[role], self.optimizers[role], self.schedulers[role], experience,
+                epochs=role_config.ppo_epochs, mini_batch_size=role_config.ppo_mini_batch_size,
+                micro_batch_size=role_config.ppo_micro_batch_size_per_gpu,
+                max_tokens=role_config.ppo_max_token_len_per_gpu if role_config.use_dynamic_bsz else None,
+                clip_grad=role_config.optim.clip_grad, make_loss=make_loss,
+            )  # fmt: skip
 
     def _act(self, actions: list[GuardAction]) -> None:
         """Carry out what the guards asked for, each with its message in the logs."""

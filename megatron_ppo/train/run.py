@@ -32,7 +32,7 @@ def distributed_run(config: PPOConfig) -> Iterator[None]:
              f"with `torchrun --nproc_per_node {expected} -m megatron_ppo train ...` or set cluster.gpus_per_node"]
         )  # fmt: skip
     os.makedirs(config.trainer.default_local_dir, exist_ok=True)
-    init_distributed(config.actor.megatron, seed=config.trainer.seed)
+    init_distributed(config.actor.megatron, seed=config.trainer.seed, device=config.cluster.device)
     try:
         print(
             f"rank {env.rank}/{env.world_size} (local {env.local_rank}) on "

@@ -65,14 +65,19 @@ def mini_batch_counts(batch: Experience) -> dict[str, float]:
     }
 
 
-def actor_loss(config: ActorConfig, counts: dict[str, float], kl_loss_coef: float, vocab_size: int) -> LossFn:
-    """loss = clipped surrogate + β_loss·KL(π‖π_ref) − entropy_coeff·H, each aggregated by `loss_agg_mode`."""
+def actor_loss(
+    config: ActorConfig, counts: dict[str, float], kl_loss_coef: float, vocab_size: int, chunk_tokens: int | None = None
+) -> LossFn:
+    """loss = clipped surrogate + β_loss·KL(π‖π_ref) − entropy_coeff·H, each aggregated by `loss_agg_mode`; log-probs
+    and entropy over the vocabulary in chunks of `chunk_tokens` tokens (`model.logprob_chunk_tokens`)."""
     agg = {"loss_agg_mode": config.loss_agg_mode, "loss_scale_factor": config.loss_scale_factor, **counts}
     dp = int(counts["dp_size"])
 
     def loss_fn(batch: Experience, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetricPart]]:
         mask = batch["loss_mask"]
-        log_prob, entropy = vocab_parallel_log_probs(logits, batch["labels"], vocab_size=vocab_size, with_entropy=True)
+        log_prob, entropy = vocab_parallel_log_probs(
+            logits, batch["labels"], vocab_size=vocab_size, with_entropy=True, chunk_tokens=chunk_tokens
+        )
         is_weights = None
         if config.behavior_is_cap is not None and "behavior_log_prob" in batch:
             is_weights = algo.truncated_is_weights(

@@ -17,21 +17,25 @@ BATCH, SEQ, PADDED_VOCAB, VOCAB = 3, 5, 48, 45
 
 
 class LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an operation produces."""
+    """Records the largest number of elements of any tensor (of `dtype`, if given) an operation produces."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.largest = 0
+        self.largest, self.dtype = 0, dtype
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and (self.dtype is None or tensor.dtype == self.dtype):
                 self.largest = max(self.largest, tensor.numel())
         return out
 
 
-def compare_with_full_softmax(rank: int, world_size: int, temperature: float) -> dict[str, Any]:
+def compare_with_full_softmax(
+    rank: int, world_size: int, temperature: float, chunks: list[int | None]
+) -> dict[int | None, dict[str, Any]]:
+    """For each chunk size: the largest differences from a full-vocabulary log-softmax (float32 logits), and the
+    largest float32 tensor built from bfloat16 logits (the memory above the logits)."""
     init_distributed(MegatronConfig(tensor_model_parallel_size=world_size), seed=0)
     gen = torch.Generator().manual_seed(3)
     full_logits = torch.randn(BATCH, SEQ, PADDED_VOCAB, generator=gen) * 4
@@ -40,23 +44,35 @@ def compare_with_full_softmax(rank: int, world_size: int, temperature: float) ->
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     width = PADDED_VOCAB // world_size
 
-    local = full_logits[..., tp_rank * width : (tp_rank + 1) * width].clone().requires_grad_(True)
-    with LargestTensor() as probe:
-        log_prob, entropy = vocab_parallel_log_probs(
-            local, labels, vocab_size=VOCAB, temperature=temperature, with_entropy=True
-        )
-        ((log_prob + 0.3 * entropy) * weights).sum().backward()
-
     reference_logits = full_logits.clone().requires_grad_(True)
     log_softmax = F.log_softmax(reference_logits[..., :VOCAB] / temperature, dim=-1)
     ref_log_prob = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     ref_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     ((ref_log_prob + 0.3 * ref_entropy) * weights).sum().backward()
     ref_grad = reference_logits.grad[..., tp_rank * width : (tp_rank + 1) * width]
-    return {
-        "log_prob": float((log_prob - ref_log_prob).abs().max()),
-        "entropy": float((entropy - ref_entropy).abs().max()),
-        "grad": float((local.grad - ref_grad).abs().max()),
-        "largest_tensor": probe.largest,
-        "full_vocab_tensor": BATCH * SEQ * PADDED_VOCAB,
-    }
+
+    reports: dict[int | None, dict[str, Any]] = {}
+    for chunk in chunks:
+        local = full_logits[..., tp_rank * width : (tp_rank + 1) * width].clone().requires_grad_(True)
+        with LargestTensor() as probe:
+            log_prob, entropy = vocab_parallel_log_probs(
+                local, labels, vocab_size=VOCAB, temperature=temperature, with_entropy=True, chunk_tokens=chunk
+            )
+            ((log_prob + 0.3 * entropy) * weights).sum().backward()
+        local_bf16 = local.detach().bfloat16().requires_grad_(True)
+        with LargestTensor(torch.float32) as fp32_probe:
+            log_prob_bf16, entropy_bf16 = vocab_parallel_log_probs(
+                local_bf16, labels, vocab_size=VOCAB, temperature=temperature, with_entropy=True, chunk_tokens=chunk
+            )
+            ((log_prob_bf16 + 0.3 * entropy_bf16) * weights).sum().backward()
+        reports[chunk] = {
+            "log_prob": float((log_prob - ref_log_prob).abs().max()),
+            "entropy": float((entropy - ref_entropy).abs().max()),
+            "grad": float((local.grad - ref_grad).abs().max()),
+            "largest_tensor": probe.largest,
+            "largest_fp32_from_bf16": fp32_probe.largest,
+            "bf16_grad_dtype": str(local_bf16.grad.dtype),
+        }
+    reports["full_vocab_tensor"] = BATCH * SEQ * PADDED_VOCAB  # type: ignore[index]
+    reports["width"] = width  # type: ignore[index]
+    return reports

@@ -7,13 +7,28 @@ import pytest
 from tests.distributed import logprob_workers
 from tests.distributed.harness import run_distributed
 
+TOKENS = logprob_workers.BATCH * logprob_workers.SEQ
+CHUNKS = [None, 4, 1]  # all tokens at once; 15 tokens in chunks of 4 (a short last chunk); one token at a time
+
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_vocab_parallel_log_probs_match_full_log_softmax_without_materialising_it(temperature: float) -> None:
-    for rank, report in enumerate(run_distributed(logprob_workers.compare_with_full_softmax, 2, temperature)):
-        for key in ("log_prob", "entropy", "grad"):
-            assert report[key] < 1e-5, f"rank {rank}: {key} differs from the full softmax by {report[key]:.2e}"
-        assert report["largest_tensor"] < report["full_vocab_tensor"], (
-            f"rank {rank} built a tensor of {report['largest_tensor']} elements, as large as the full-vocabulary "
-            f"logits ({report['full_vocab_tensor']})"
-        )
+def test_vocab_parallel_log_probs_match_full_log_softmax_in_any_chunking(temperature: float) -> None:
+    for rank, reports in enumerate(run_distributed(logprob_workers.compare_with_full_softmax, 2, temperature, CHUNKS)):
+        full, width = reports.pop("full_vocab_tensor"), reports.pop("width")
+        for chunk, report in reports.items():
+            for key in ("log_prob", "entropy", "grad"):
+                assert report[key] < 1e-5, (
+                    f"rank {rank}, chunk_tokens={chunk}: {key} differs from the full softmax by {report[key]:.2e}"
+                )
+            assert report["largest_tensor"] < full, (
+                f"rank {rank} built a tensor of {report['largest_tensor']} elements, as large as the "
+                f"full-vocabulary logits ({full})"
+            )
+            # from bf16 logits, float32 exists only per chunk [chunk, vocab / TP] and per token (log p(y) and H,
+            # [2, tokens]); the gradient is bf16 like the logits
+            bound = max((chunk or TOKENS) * width, 2 * TOKENS)
+            assert report["largest_fp32_from_bf16"] <= bound, (
+                f"rank {rank}, chunk_tokens={chunk}: a float32 tensor of {report['largest_fp32_from_bf16']} "
+                f"elements, more than one chunk or the per-token results ({bound})"
+            )
+            assert report["bf16_grad_dtype"] == "torch.bfloat16"

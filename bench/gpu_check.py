@@ -1,0 +1,451 @@
+"""The GPU check: one script, one CUDA GPU, no network, about 8 minutes on an H100/H200.
+
+    (a) the tiny recipe end to end on CUDA through the real CLI (TP=1, bf16): exit 0, held-out accuracy rises;
+    (b) a Qwen2.5-1.5B-shaped PPO iteration (28 layers, hidden 1536, 12 heads / 2 query groups, FFN 8960,
+        vocabulary 151,936, bf16; 64 rows × 1024 and × 4096 tokens, micro-batch 4, one epoch of actor and critic)
+        through the trainer's own `PPOTrainer.iteration()`: tokens/s, MFU of the iteration and of its bare
+        forward/backward passes, their ratio, peak memory beside the planner's prediction;
+    (c) log-probs of the same weights, GPU bf16 against CPU fp32 (a subprocess with the GPUs hidden).
+It prints one table, writes JSON (`--out`), names the path that ran (Transformer Engine or local + SDPA) and exits
+1 when a part failed. `--dry-run` runs every part's code on the CPU with a tiny model in a minute or two (CI).
+
+Run: make gpu-check   (or: python -m bench.gpu_check [--dry-run] [--out FILE]); see NOTES-gpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A GPT shape for (b) and (c); `layers_c` layers of it are compared in (c) (a CPU fp32 forward)."""
+
+    num_layers: int
+    hidden: int
+    heads: int
+    groups: int
+    ffn: int
+    vocab: int
+    layers_c: int
+
+
+QWEN_1_5B = Shape(num_layers=28, hidden=1536, heads=12, groups=2, ffn=8960, vocab=151_936, layers_c=4)
+TINY = Shape(num_layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=512, layers_c=2)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run of the check does: the real sizes, or the dry run's."""
+
+    device: str
+    dtype: str
+    shape: Shape
+    rows: int
+    seq_lengths: tuple[int, ...]
+    micro_batch: int
+    recipe_steps: int
+
+
+REAL = Plan("cuda", "bf16", QWEN_1_5B, rows=64, seq_lengths=(1024, 4096), micro_batch=4, recipe_steps=16)
+DRY = Plan("cpu", "bf16", TINY, rows=8, seq_lengths=(32, 64), micro_batch=4, recipe_steps=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", **extra}
+
+
+# --- (a) the tiny recipe through the CLI -----------------------------------------------------------------------
+TINY_ON_CUDA = [
+    "cluster.device=cuda", "cluster.gpus_per_node=1", "cluster.gpu_type=h100-80gb", "model.params_dtype=bf16",
+    *(f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")),
+    # the shortened recipe of the end-to-end tests: half the prompts, half-size batches, a dozen-odd steps
+    "data.addition.num_prompts=1000", "data.addition.num_heldout=200", "data.train_batch_size=256",
+    "actor.ppo_mini_batch_size=64", "actor.ppo_micro_batch_size_per_gpu=64", "critic.ppo_mini_batch_size=64",
+    "critic.ppo_micro_batch_size_per_gpu=64", "trainer.test_freq=4",
+]  # fmt: skip
+
+
+def check_tiny_recipe(plan: Plan, work: Path) -> dict[str, Any]:
+    """The real CLI under torchrun, one process; held-out accuracy from its TensorBoard events (step 0, last)."""
+    dirs = [f"data.addition.work_dir={work / 'tiny'}", f"trainer.default_local_dir={work / 'tiny' / 'ckpt'}",
+            f"trainer.log_dir={work / 'tiny' / 'tb'}"]  # fmt: skip
+    if plan.device == "cpu":  # the dry run checks that the overrides still name real keys, without training
+        overrides = [o for o in TINY_ON_CUDA if not o.startswith("cluster.device")] + ["cluster.device=cpu"]
+        command = [sys.executable, "-m", "megatron_ppo", "validate", "recipes/tiny-cpu.yaml", *overrides, *dirs]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+                   "-m", "megatron_ppo", "train", "recipes/tiny-cpu.yaml", *TINY_ON_CUDA,
+                   f"trainer.total_training_steps={plan.recipe_steps}", *dirs]  # fmt: skip
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, check=False)
+    out: dict[str, Any] = {"exit_code": result.returncode, "seconds": time.perf_counter() - started}
+    if result.returncode != 0:
+        raise RuntimeError(f"exit {result.returncode}:\n{(result.stdout + result.stderr)[-3000:]}")
+    if plan.device == "cpu":
+        out["ok"] = True
+        return out
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(work / "tiny" / "tb"))
+    events.Reload()
+    accuracy = [(e.step, e.value) for e in events.Scalars("eval/accuracy")]
+    out |= {"accuracy_before": accuracy[0][1], "accuracy_after": accuracy[-1][1]}
+    out["ok"] = out["accuracy_after"] > out["accuracy_before"]
+    return out
+
+
+# --- (b) the PPO iteration at a 1.5B shape ---------------------------------------------------------------------
+def gpu_type_and_memory() -> tuple[str, float]:
+    if not torch.cuda.is_available():
+        return "cpu", 8.0
+    name = torch.cuda.get_device_name()
+    memory = torch.cuda.get_device_properties(0).total_memory / GIB
+    kind = next((k for k, tag in (("h200-141gb", "H200"), ("h100-80gb", "H100"), ("a100-80gb", "A100")) if tag in name),
+                "h100-80gb")  # fmt: skip
+    return kind, memory
+
+
+def ppo_config(plan: Plan, seq: int, work: Path):
+    """The PPO config of (b): GAE with a KL loss (actor, reference and critic), one epoch, one mini-batch."""
+    from megatron_ppo.config.schema import ClusterConfig, ModelConfig, PPOConfig
+    from megatron_ppo.config.validate import resolve, validate
+
+    s = plan.shape
+    config = PPOConfig(
+        model=ModelConfig(
+            name="qwen2.5-1.5b-shape", num_layers=s.num_layers, hidden_size=s.hidden, num_attention_heads=s.heads,
+            num_query_groups=s.groups, ffn_hidden_size=s.ffn, vocab_size=s.vocab, max_position_embeddings=32768,
+            rotary_base=1_000_000.0, add_qkv_bias=True, params_dtype=plan.dtype,
+        ),
+    )  # fmt: skip
+    gpu_type, memory = gpu_type_and_memory()
+    config.cluster = ClusterConfig(device=plan.device, gpus_per_node=1, gpu_type=gpu_type, gpu_memory_gib=memory)
+    config.data.max_prompt_length, config.data.max_response_length = seq // 4, seq - seq // 4
+    config.data.train_batch_size = plan.rows
+    for role in (config.actor, config.critic):
+        role.ppo_mini_batch_size, role.ppo_micro_batch_size_per_gpu, role.ppo_epochs = plan.rows, plan.micro_batch, 1
+    config.trainer.total_training_steps = 3
+    config.trainer.logger = []
+    config.trainer.default_local_dir, config.trainer.log_dir = str(work / "ckpt"), str(work / "tb")
+    resolve(config)
+    problems = validate(config)
+    if problems:
+        raise RuntimeError(f"the check's own config is invalid: {problems}")
+    return config
+
+
+def synthetic_rows(plan: Plan, seq: int, seed: int) -> list:
+    """`plan.rows` rows of exactly `seq` tokens (a quarter prompt), random tokens (never the pad id 0), ±1 rewards."""
+    from megatron_ppo.data.rows import Row
+
+    rng = random.Random(seed)
+    vocab, prompt = plan.shape.vocab, seq // 4
+    return [
+        Row(
+            [rng.randrange(1, vocab) for _ in range(prompt)],
+            [rng.randrange(1, vocab) for _ in range(seq - prompt)],
+            float(rng.choice([-1, 1])),
+            None,
+            None,
+            f"g{i}",
+            "gpu-check",
+            f"synthetic row {i}",
+        )
+        for i in range(plan.rows * 2)
+    ]
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    _synchronize()
+    start = time.perf_counter()
+    fn()
+    _synchronize()
+    return time.perf_counter() - start
+
+
+def bare_passes(trainer, plan: Plan, seq: int) -> None:
+    """What the iteration must compute, nothing else: forwards of actor, reference (log-probs) and critic (values),
+    then one forward+backward epoch of actor and critic over the same micro-batches (no optimizer step)."""
+    from megatron_ppo.models import run_micro_batches, vocab_parallel_log_probs
+
+    gen = torch.Generator().manual_seed(0)
+    micro = []
+    for _ in range(plan.rows // plan.micro_batch):
+        ids = torch.randint(1, plan.shape.vocab, (plan.micro_batch, seq), generator=gen)
+        micro.append({"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)})
+
+    def log_probs(model):
+        def fn(batch, logits):
+            lp, _ = vocab_parallel_log_probs(
+                logits, batch["labels"], vocab_size=model.vocab_size, with_entropy=model.is_trained,
+                chunk_tokens=model.logprob_chunk_tokens,
+            )  # fmt: skip
+            return -lp.mean(), {}
+
+        return fn
+
+    def values(batch, output):
+        return output.float().square().mean(), {}
+
+    for model in (trainer.actor, trainer.ref):
+        run_micro_batches(model, micro, log_probs(model), forward_only=True)
+    run_micro_batches(trainer.critic, micro, values, forward_only=True)
+    for model, loss in ((trainer.actor, log_probs(trainer.actor)), (trainer.critic, values)):
+        for chunk in model.chunks:
+            chunk.zero_grad_buffer()
+        run_micro_batches(model, micro, loss, forward_only=False)
+
+
+def check_ppo_iteration(plan: Plan, seq: int, work: Path) -> dict[str, Any]:
+    from megatron_ppo import plan as planner
+    from megatron_ppo.train.ppo import PPOTrainer
+    from megatron_ppo.train.throughput import throughput_metrics
+
+    config = ppo_config(plan, seq, work / f"ppo{seq}")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    trainer = PPOTrainer(config, synthetic_rows(plan, seq, seed=seq), pad_id=0)
+    build_s = time.perf_counter() - started
+    try:
+        warmup_s = _timed(trainer.iteration)  # kernels chosen, allocator warmed, optimizer states created
+        iteration_s = _timed(trainer.iteration)
+        bare_passes(trainer, plan, seq)  # warm
+        bare_s = _timed(lambda: bare_passes(trainer, plan, seq))
+    finally:
+        trainer.close()
+    lengths = [seq] * plan.rows
+    roles = ("actor", "ref", "critic")
+    iteration = throughput_metrics(config, roles, lengths, {"iteration": iteration_s, **_all_phases(iteration_s)})
+    bare = throughput_metrics(config, roles, lengths, {"iteration": bare_s, **_all_phases(bare_s)})
+    peak = planner.PEAK_TFLOPS[config.cluster.gpu_type]
+    out = {
+        "seq": seq, "rows": plan.rows, "build_models_s": build_s, "first_iteration_s": warmup_s,
+        "iteration_s": iteration_s, "bare_passes_s": bare_s, "tokens_per_s": plan.rows * seq / iteration_s,
+        "mfu_iteration": iteration["perf/tflops_per_gpu"] / peak, "mfu_bare": bare["perf/tflops_per_gpu"] / peak,
+        "iteration_over_bare": iteration_s / bare_s, "planned_peak_gib": planner.plan(config).peak_gib,
+        "actor_parameters": sum(p.numel() for c in trainer.actor.chunks for p in c.parameters()),
+    }  # fmt: skip
+    if torch.cuda.is_available():
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    out["ok"] = True
+    return out
+
+
+def _all_phases(seconds: float) -> dict[str, float]:
+    return {"experience": seconds, "update_actor": seconds, "update_critic": seconds}
+
+
+# --- (c) log-probs on the device against CPU fp32 --------------------------------------------------------------
+def logprob_model_config(plan: Plan, dtype: str):
+    from megatron_ppo.config.schema import ModelConfig
+
+    s = plan.shape
+    return ModelConfig(
+        num_layers=s.layers_c, hidden_size=s.hidden, num_attention_heads=s.heads, num_query_groups=s.groups,
+        ffn_hidden_size=s.ffn, vocab_size=s.vocab, max_position_embeddings=4096, rotary_base=1_000_000.0,
+        add_qkv_bias=True, params_dtype=dtype, init_method_std=0.05,
+    )  # fmt: skip
+
+
+def logprobs_of(model, input_ids: torch.Tensor) -> torch.Tensor:
+    from megatron_ppo.models import run_micro_batches, vocab_parallel_log_probs
+
+    labels = torch.roll(input_ids, -1, dims=1)
+
+    def fn(batch, logits):
+        return torch.zeros(()), {"lp": vocab_parallel_log_probs(logits, batch["labels"])[0].float().cpu()}
+
+    (out,) = run_micro_batches(model, [{"input_ids": input_ids, "labels": labels}], fn, forward_only=True)
+    return out["lp"][:, :-1]
+
+
+def check_logprobs(plan: Plan, work: Path) -> dict[str, Any]:
+    """The same weights (a dist checkpoint, so TE and local specs read it alike) in `plan.dtype` on this device
+    and in fp32 on the CPU; the difference of per-token log-probs must stay within bf16 rounding."""
+    from megatron_ppo import checkpoint
+    from megatron_ppo.config.schema import MegatronConfig
+    from megatron_ppo.models import build_role_model
+
+    model = build_role_model("actor", logprob_model_config(plan, plan.dtype), MegatronConfig())
+    root = work / "logprob_weights"
+    checkpoint.save_checkpoint(root, 0, {"actor": model}, {}, {"step": 0})
+    input_ids = torch.randint(1, plan.shape.vocab, (2, 512), generator=torch.Generator().manual_seed(1))
+    torch.save(input_ids, work / "logprob_input.pt")
+    device_lp = logprobs_of(model, input_ids)
+    del model
+    command = [
+        sys.executable,
+        "-m",
+        "bench.gpu_check",
+        "--cpu-logprobs",
+        str(work),
+        "--shape",
+        "dry" if plan is DRY else "real",
+    ]
+    result = subprocess.run(command, cwd=REPO, env=_env(CUDA_VISIBLE_DEVICES="", MASTER_PORT=str(_free_port())),
+                            capture_output=True, text=True, check=False)  # fmt: skip
+    if result.returncode != 0:
+        raise RuntimeError(f"CPU fp32 subprocess exit {result.returncode}:\n{(result.stdout + result.stderr)[-3000:]}")
+    cpu_lp = torch.load(work / "logprob_cpu.pt")
+    # relative to the log-prob (≈ −log V for a fresh model), in units of bf16's precision 2⁻⁸: bf16 activations
+    # and logits carry that rounding through every layer. Measured on CPU (bf16 vs fp32, this 4-layer shape):
+    # mean 0.004 ≈ 1 ulp, max 0.02, correlation 0.9995.
+    relative = (device_lp - cpu_lp).abs() / cpu_lp.abs().clamp(min=1.0)
+    correlation = float(torch.corrcoef(torch.stack([device_lp.flatten(), cpu_lp.flatten()]))[0, 1])
+    ulp = 2.0**-8 if plan.dtype != "fp32" else 2.0**-23
+    tolerance = {"mean_relative": 2 * ulp, "max_relative": 16 * ulp, "correlation": 0.999 if ulp > 1e-6 else 0.999999}
+    out = {"mean_relative_diff": float(relative.mean()), "max_relative_diff": float(relative.max()),
+           "mean_abs_diff": float((device_lp - cpu_lp).abs().mean()), "correlation": correlation,
+           "tolerance": tolerance, "logprob_mean": float(cpu_lp.mean()), "logprob_std": float(cpu_lp.std()),
+           "tokens": relative.numel()}  # fmt: skip
+    out["ok"] = (
+        out["mean_relative_diff"] <= tolerance["mean_relative"]
+        and out["max_relative_diff"] <= tolerance["max_relative"]
+        and correlation >= tolerance["correlation"]
+    )
+    return out
+
+
+def cpu_logprobs(work: Path, shape: str) -> None:
+    """The CPU side of (c), in its own process: the saved weights in fp32, log-probs of the saved input."""
+    from megatron_ppo import checkpoint
+    from megatron_ppo.config.schema import MegatronConfig
+    from megatron_ppo.models import build_role_model
+    from megatron_ppo.parallel import destroy_distributed, init_distributed
+
+    plan = REAL if shape == "real" else DRY
+    init_distributed(MegatronConfig(), seed=0, device="cpu")
+    model = build_role_model("actor", logprob_model_config(plan, "fp32"), MegatronConfig())
+    checkpoint.load_weights(model, work / "logprob_weights", "actor")
+    torch.save(logprobs_of(model, torch.load(work / "logprob_input.pt")), work / "logprob_cpu.pt")
+    destroy_distributed()
+
+
+# --- the run ---------------------------------------------------------------------------------------------------
+def _part(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
+    started = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception as error:  # a failed part is reported, the others still run
+        results[name] = {"ok": False, "error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+        print(results[name]["trace"], file=sys.stderr, flush=True)
+    results[name]["wall_s"] = time.perf_counter() - started
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [f"GPU check · {results['device']} · {results['kernels']}", ""]
+    a = results["a_tiny_recipe"]
+    verdict = "ok" if a.get("ok") else f"FAILED {a.get('error', '')[:200]}"
+    detail = f"accuracy {a['accuracy_before']:.3f} → {a['accuracy_after']:.3f}" if "accuracy_after" in a else ""
+    lines.append(f"(a) tiny recipe via the CLI          {verdict}  {detail}  ({a['wall_s']:.0f} s)")
+    lines.append(f"(b) PPO iteration, {results['shape']:<18}tokens  iter s  tokens/s  MFU iter  MFU bare  iter/bare  "
+                 "peak GiB  planned GiB")  # fmt: skip
+    for b in results["b_ppo_iteration"]:
+        if not b.get("ok"):
+            lines.append(f"    FAILED {b.get('error', '')[:300]}")
+            continue
+        lines.append(
+            f"    {b['rows']} rows × {b['seq']:<5}                {b['rows'] * b['seq']:>7} {b['iteration_s']:7.2f} "
+            f"{b['tokens_per_s']:9,.0f} {b['mfu_iteration']:8.1%} {b['mfu_bare']:9.1%} "
+            f"{b['iteration_over_bare']:10.2f} "
+            f"{b.get('peak_allocated_gib', float('nan')):9.1f} {b['planned_peak_gib']:12.1f}"
+        )  # fmt: skip
+    c = results["c_logprobs"]
+    if "mean_relative_diff" in c:
+        tol = c["tolerance"]
+        lines.append(f"(c) log-probs {results['dtype']} vs CPU fp32        {'ok' if c['ok'] else 'FAILED'}  relative "
+                     f"|Δ| mean {c['mean_relative_diff']:.1e} (≤ {tol['mean_relative']:.1e}), max "
+                     f"{c['max_relative_diff']:.1e} (≤ {tol['max_relative']:.1e}); correlation "
+                     f"{c['correlation']:.5f} (≥ {tol['correlation']}); "
+                     f"mean |Δ| {c['mean_abs_diff']:.3f} nats")  # fmt: skip
+    else:
+        lines.append(f"(c) log-probs                       FAILED {c.get('error', '')[:300]}")
+    return "\n".join(lines)
+
+
+def run(plan: Plan, out_path: Path, work: Path) -> int:
+    from megatron_ppo.models.kernels import describe_kernels
+    from megatron_ppo.parallel import destroy_distributed, init_distributed
+
+    shape = "tiny (dry run)" if plan is DRY else "1.5B shape"
+    results: dict[str, Any] = {"dry_run": plan is DRY, "dtype": plan.dtype, "shape": shape}
+    _part(results, "a_tiny_recipe", lambda: check_tiny_recipe(plan, work))
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    config = ppo_config(plan, plan.seq_lengths[0], work)
+    init_distributed(config.actor.megatron, seed=0, device=plan.device)
+    results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    results["torch"] = torch.__version__
+    results["kernels"] = describe_kernels(config)
+    results["b_ppo_iteration"] = []
+    for seq in plan.seq_lengths:
+        part: dict[str, Any] = {}
+        _part(part, "b", lambda seq=seq: check_ppo_iteration(plan, seq, work))
+        results["b_ppo_iteration"].append(part["b"])
+        gc.collect()  # the trainer of this length, before the next one is built
+    _part(results, "c_logprobs", lambda: check_logprobs(plan, work))
+    destroy_distributed()
+    print(table(results), flush=True)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(results, indent=2, default=str))
+    print(f"results: {out_path}")
+    parts = [results["a_tiny_recipe"], *results["b_ppo_iteration"], results["c_logprobs"]]
+    return 0 if all(p.get("ok") for p in parts) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model: every part's code, in minutes")
+    parser.add_argument("--out", type=Path, default=None, help="JSON results (default outputs/gpu_check[_dry].json)")
+    parser.add_argument("--cpu-logprobs", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--shape", choices=("real", "dry"), default="real", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.cpu_logprobs:
+        cpu_logprobs(args.cpu_logprobs, args.shape)
+        return 0
+    plan = DRY if args.dry_run else REAL
+    if plan is REAL and not torch.cuda.is_available():
+        print("the GPU check needs a CUDA GPU (torch.cuda.is_available() is False); use --dry-run on CPU",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    out = args.out or REPO / "outputs" / ("gpu_check_dry.json" if args.dry_run else "gpu_check.json")
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
+        return run(plan, out, Path(work))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The one device decision of a run, made at start from `cluster.device`, and the moves it implies.
+
+After `select_device`, `on_cuda()` is the answer every other module uses: models are built on this process's GPU,
+micro-batches move there (pinned, `non_blocking`), and only metrics come back to the host. On CPU the
+compatibility layer (`cpu_compat`) is active, also on a machine that has GPUs but was told `cluster.device=cpu`:
+there it hides them, so nothing lands on a GPU half-way through a CPU run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.parallel.cpu_compat import enable_cpu_compat
+
+logger = logging.getLogger(__name__)
+DEVICES = ("cuda", "cpu")
+
+
+def select_device(requested: str, local_rank: int) -> torch.device:
+    """This process's device for `cluster.device=requested`.
+
+    cuda: refused where no GPU is visible (with the fix); otherwise GPU `local_rank`, made current.
+    cpu: the CPU compatibility layer; where GPUs are visible, a warning names the key that would use them.
+    """
+    if requested not in DEVICES:
+        raise ConfigError([f"cluster.device={requested!r} is not one of {', '.join(map(repr, DEVICES))}"])
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cuda":
+        if visible == 0:
+            raise ConfigError(
+                ["cluster.device='cuda', but this machine shows no CUDA GPU (torch.cuda.is_available() is False, "
+                 f"torch {torch.__version__}, CUDA build {torch.version.cuda}); run on a GPU node, install a CUDA "
+                 "build of PyTorch, or set cluster.device=cpu (e.g. compose configs/clusters/cpu)"]
+            )  # fmt: skip
+        if local_rank >= visible:
+            raise ConfigError(
+                [f"local rank {local_rank} has no GPU: only {visible} visible; set cluster.gpus_per_node <= {visible} "
+                 "or check CUDA_VISIBLE_DEVICES"]
+            )  # fmt: skip
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if visible:
+        logger.warning(
+            "cluster.device='cpu' on a machine with %d visible GPU(s): running on the CPU with gloo and the GPUs "
+            "hidden; set cluster.device=cuda to use them",
+            visible,
+        )
+    enable_cpu_compat(hide_gpus=True)
+    return torch.device("cpu")
+
+
+def on_cuda() -> bool:
+    """True when this process computes on a GPU (after `select_device`; before it, whether CUDA is available)."""
+    return torch.cuda.is_available()
+
+
+def current_device() -> torch.device:
+    """The device models and micro-batches live on."""
+    return torch.device("cuda", torch.cuda.current_device()) if on_cuda() else torch.device("cpu")
+
+
+def to_device(batch: Mapping[str, Any], device: torch.device, where: str) -> dict[str, Any]:
+    """`batch` with every host tensor on `device`: pinned first and copied with `non_blocking=True` when `device` is
+    a GPU, so the copy overlaps with the kernels already queued. A tensor on another accelerator (another GPU, the
+    meta device) is refused rather than moved: it means a part of the run decided the device on its own."""
+    strays = {
+        k: str(v.device)
+        for k, v in batch.items()
+        if isinstance(v, torch.Tensor) and v.device.type != "cpu" and v.device != device
+    }
+    if strays:
+        raise RuntimeError(
+            f"{where}: micro-batch tensors {strays} are on another device than the model ({device}); build batches "
+            "on the host (run_micro_batches moves them) or on the device from megatron_ppo.parallel.device."
+            "current_device()"
+        )
+    moved: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.device != device:
+            if device.type == "cuda":
+                value = value.pin_memory()
+            value = value.to(device, non_blocking=True)
+        moved[key] = value
+    return moved
+
+
+def module_device(module: torch.nn.Module, where: str) -> torch.device:
+    """The device of `module`'s parameters, checked against this run's device (`current_device()`)."""
+    devices = {p.device for p in module.parameters()}
+    expected = current_device()
+    if devices != {expected}:
+        raise RuntimeError(
+            f"{where}: parameters on {sorted(map(str, devices))}, but this run computes on {expected}; build models "
+            "with megatron_ppo.models.build_role_model after init_distributed (it places them on the run's device)"
+        )
+    return expected

@@ -1,0 +1,74 @@
+"""Measured throughput of a PPO iteration: model FLOPs utilisation per phase, from the planner's FLOP count.
+
+    perf/mfu/actor      = FLOPs(actor update) / (timing/update_actor_s · GPUs · peak)
+    perf/mfu/critic     = FLOPs(critic update) / (timing/update_critic_s · GPUs · peak)
+    perf/tflops_per_gpu = FLOPs(iteration) / (iteration seconds · GPUs) / 10¹²
+
+FLOPs come from `megatron_ppo.plan.iteration_flops` (the same function the planner's step-time estimate uses),
+over the batch's real tokens: Σ row lengths, with attention by Σ (row length)². The peak is the dense bf16
+tensor-core peak of `cluster.gpu_type` (`plan.PEAK_TFLOPS`); for a GPU type without a known peak only
+`perf/tflops_per_gpu` is reported.
+
+The trainer calls, once per iteration, after timing its phases on the host:
+
+    metrics |= throughput_metrics(config, roles, batch["lengths"], timings) | timing_metrics(timings)
+
+with `roles` the built roles (("actor", "ref", "critic") or fewer) and `timings = {"experience": s,
+"update_actor": s, "update_critic": s, "iteration": s}` in seconds (phases that did not run are left out), each
+phase timed with `phase_timer`, which waits for the GPU's queued kernels so none is counted in the next phase.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.config.validate import world_size
+from megatron_ppo.parallel.device import on_cuda
+from megatron_ppo.plan import PEAK_TFLOPS, flop_parameter_count, iteration_flops
+
+PHASES = ("experience", "update_actor", "update_critic")
+
+
+def throughput_metrics(
+    config: PPOConfig, roles: Sequence[str], lengths: Sequence[int] | torch.Tensor, timings: dict[str, float]
+) -> dict[str, float]:
+    """`perf/mfu/actor`, `perf/mfu/critic` (for the updates that ran) and `perf/tflops_per_gpu` of one iteration
+    of the built `roles` over rows of `lengths` tokens (the whole batch, all data-parallel ranks); `timings` holds
+    the seconds of each phase that ran and of the whole iteration."""
+    params = {role: flop_parameter_count(config.model, role) for role in roles}
+    lengths = torch.as_tensor(lengths, dtype=torch.float64)
+    flops = iteration_flops(config, params, float(lengths.sum()), float((lengths**2).sum()))
+    gpus = world_size(config)
+    ran = {phase: flops[phase] for phase in PHASES if phase in flops and phase in timings}
+    out = {"perf/tflops_per_gpu": sum(ran.values()) / (timings["iteration"] * gpus) / 1e12}
+    peak = PEAK_TFLOPS.get(config.cluster.gpu_type)
+    if peak is not None:
+        for role in ("actor", "critic"):
+            phase = f"update_{role}"
+            if phase in ran and timings[phase] > 0:
+                out[f"perf/mfu/{role}"] = ran[phase] / (timings[phase] * gpus * peak * 1e12)
+    return out
+
+
+def timing_metrics(timings: dict[str, float]) -> dict[str, float]:
+    """`timing/experience_s`, `timing/update_actor_s`, `timing/update_critic_s` for the phases that ran."""
+    return {f"timing/{phase}_s": timings[phase] for phase in PHASES if phase in timings}
+
+
+@contextmanager
+def phase_timer(timings: dict[str, float], phase: str) -> Iterator[None]:
+    """Time the enclosed phase into `timings[phase]`, waiting for this GPU's queued kernels at both ends."""
+    if on_cuda():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if on_cuda():
+            torch.cuda.synchronize()
+        timings[phase] = time.perf_counter() - start

@@ -1,0 +1,28 @@
+"""`make gpu-check --dry-run`: the GPU check's every part, on the CPU with a tiny model, so the script cannot rot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_dry_run_runs_every_part_and_writes_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    report = json.loads(out.read_text())
+    parts = [report["a_tiny_recipe"], *report["b_ppo_iteration"], report["c_logprobs"]]
+    assert all(part["ok"] for part in parts), parts
+    assert [b["seq"] for b in report["b_ppo_iteration"]] == [32, 64]
+    assert all(b["mfu_iteration"] > 0 and b["iteration_over_bare"] > 0 for b in report["b_ppo_iteration"])
+    assert "scaled_dot_product_attention" in report["kernels"], "the table must say which attention path ran"
+    assert "(b) PPO iteration" in result.stdout and "(c) log-probs bf16 vs CPU fp32" in result.stdout

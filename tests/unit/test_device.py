@@ -1,0 +1,85 @@
+"""The device decision: refused where it cannot hold, GPU-side initialisation and only importable fusions on a
+machine that reports CUDA, micro-batches and models on another device caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
+from megatron_ppo.models import build_transformer_config
+from megatron_ppo.models.gpt import build_role_model, data_parallel_config
+from megatron_ppo.models.kernels import FUSIONS, describe_kernels, importable_fusions
+from megatron_ppo.parallel.device import module_device, select_device, to_device
+
+
+@pytest.fixture
+def reports_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_cuda_config_initialises_on_the_gpu_with_only_importable_fusions(reports_cuda: None) -> None:
+    model = ModelConfig(activation="swiglu", position_embedding_type="rope", normalization="LayerNorm")
+    config = build_transformer_config(model, MegatronConfig(tensor_model_parallel_size=2))
+    assert not config.use_cpu_initialization, "on CUDA the weights must be drawn on the GPU"
+    assert config.batch_p2p_comm
+    available = importable_fusions()
+    flags = {name: getattr(config, name) for name in FUSIONS}
+    assert flags == available, f"fusion flags {flags} differ from what imports here {available}"
+    # this machine has neither Transformer Engine nor apex: only Megatron's torch-scripted fusions can be on
+    assert not (config.apply_rope_fusion or config.gradient_accumulation_fusion or config.persist_layer_norm)
+    assert config.bias_activation_fusion and config.bias_dropout_fusion
+
+
+def test_cuda_config_keeps_host_init_when_layout_independent_weights_are_asked_for(reports_cuda: None) -> None:
+    model = ModelConfig(activation="gelu", add_bias_linear=False, use_cpu_initialization=True)
+    config = build_transformer_config(model, MegatronConfig())
+    assert config.use_cpu_initialization
+    assert not config.bias_activation_fusion, "Megatron fuses GeLU only with a bias"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_is_refused_without_a_gpu_and_the_message_names_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"cluster\.device=cpu"):
+        select_device("cuda", local_rank=0)
+
+
+def test_a_micro_batch_on_another_device_is_caught() -> None:
+    batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long, device="meta"), "labels": torch.zeros(2, 3)}
+    with pytest.raises(RuntimeError, match=r"the actor model's forward: micro-batch tensors \{'input_ids': 'meta'\}"):
+        to_device(batch, torch.device("cpu"), "the actor model's forward")
+
+
+def test_host_tensors_reach_the_model_device_unchanged() -> None:
+    batch = {"input_ids": torch.arange(6).view(2, 3), "note": "kept"}
+    moved = to_device(batch, torch.device("cpu"), "test")
+    assert moved["input_ids"] is batch["input_ids"] and moved["note"] == "kept"
+
+
+def test_a_model_on_another_device_than_the_run_is_caught() -> None:
+    with pytest.raises(RuntimeError, match=r"parameters on \['meta'\], but this run computes on cpu"):
+        module_device(torch.nn.Linear(2, 2, device="meta"), "the critic model")
+
+
+def test_the_start_line_names_spec_attention_fusions_optimizer_and_dtype() -> None:
+    config = PPOConfig(model=ModelConfig(params_dtype="fp32"))
+    line = describe_kernels(config)
+    for part in ("device cpu", "spec Megatron local", "scaled_dot_product_attention", "fusions none",
+                 "optimizer torch AdamW", "dtype fp32"):  # fmt: skip
+        assert part in line, f"{part!r} missing from {line!r}"
+
+
+def test_data_parallel_communication_overlaps_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = MegatronConfig(use_distributed_optimizer=True)
+    on_cpu = data_parallel_config(layout)
+    assert not (on_cpu.overlap_grad_reduce or on_cpu.overlap_param_gather)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu = data_parallel_config(layout)
+    assert on_gpu.overlap_grad_reduce and on_gpu.overlap_param_gather and on_gpu.use_distributed_optimizer
+    assert not data_parallel_config(MegatronConfig()).overlap_param_gather, "param gather overlap needs the dist opt"
+
+
+def test_sequence_parallel_without_transformer_engine_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"critic\.megatron\.sequence_parallel=false"):
+        build_role_model("critic", ModelConfig(), MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True))

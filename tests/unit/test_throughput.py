@@ -1,0 +1,43 @@
+"""Measured MFU from the planner's FLOP count, against the closed form 3·(2·N·T + 4·L·h·Σs²) per training epoch."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ppo.config.schema import ClusterConfig, ModelConfig, PPOConfig
+from megatron_ppo.train.throughput import throughput_metrics, timing_metrics
+
+L, H, FFN, V = 2, 64, 256, 1000
+
+
+def _config() -> PPOConfig:
+    config = PPOConfig(
+        model=ModelConfig(num_layers=L, hidden_size=H, num_attention_heads=4, ffn_hidden_size=FFN, vocab_size=V),
+        cluster=ClusterConfig(nodes=1, gpus_per_node=2, gpu_type="h100-80gb"),
+    )
+    config.actor.ppo_epochs, config.critic.ppo_epochs = 2, 1
+    return config
+
+
+def test_update_mfu_is_training_flops_over_time_gpus_and_peak() -> None:
+    lengths = [10, 20, 30]
+    tokens, squares = sum(lengths), sum(s * s for s in lengths)
+    layer = 4 * H * H + 3 * H * FFN + 2 * H  # q, k, v, o; SwiGLU; two norms
+    actor_n = L * layer + H + V * H  # + final norm and the output layer (the input embedding is a lookup)
+    critic_n = L * layer + H + H + 1  # the value head instead of the output layer
+    train = lambda n: 3 * (2 * n * tokens + 4 * L * H * squares)  # noqa: E731
+    timings = {"experience": 1.0, "update_actor": 2.0, "update_critic": 0.5, "iteration": 4.0}
+    metrics = throughput_metrics(_config(), ("actor", "ref", "critic"), lengths, timings)
+    peak = 2 * 989e12  # two H100s
+    assert metrics["perf/mfu/actor"] == pytest.approx(2 * train(actor_n) / (2.0 * peak))
+    assert metrics["perf/mfu/critic"] == pytest.approx(train(critic_n) / (0.5 * peak))
+    forward = sum(2 * n * tokens + 4 * L * H * squares for n in (actor_n, actor_n, critic_n))
+    total = 2 * train(actor_n) + train(critic_n) + forward
+    assert metrics["perf/tflops_per_gpu"] == pytest.approx(total / (4.0 * 2) / 1e12)
+
+
+def test_phases_that_did_not_run_report_nothing() -> None:
+    timings = {"experience": 1.0, "update_critic": 0.5, "iteration": 2.0}  # critic warm-up: no actor update
+    metrics = throughput_metrics(_config(), ("actor", "critic"), [8, 8], timings)
+    assert "perf/mfu/actor" not in metrics and "perf/mfu/critic" in metrics
+    assert timing_metrics(timings) == {"timing/experience_s": 1.0, "timing/update_critic_s": 0.5}
