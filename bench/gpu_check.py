@@ -113,7 +113,9 @@ def check_tiny_recipe(plan: Plan, work: Path) -> dict[str, Any]:
         return out
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(work / "tiny" / "tb"))
+    from megatron_ppo.report import find_runs
+
+    events = EventAccumulator(str(find_runs(work / "tiny" / "tb")[-1]))  # the run's own folder
     events.Reload()
     accuracy = [(e.step, e.value) for e in events.Scalars("eval/accuracy")]
     out |= {"accuracy_before": accuracy[0][1], "accuracy_after": accuracy[-1][1]}
