@@ -26,10 +26,12 @@ class ModelConfig:
     max_position_embeddings: int = 512
     position_embedding_type: str = "rope"  # rope | learned_absolute
     rotary_base: float = 10000.0
+    rope_scaling_factor: float | None = None  # Llama 3.1 RoPE scaling (rope_type llama3; Llama 3.1: 8); None: off
     normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
     layernorm_epsilon: float = 1.0e-6
     activation: str = "swiglu"  # swiglu | gelu
     add_qkv_bias: bool = False  # Qwen2
+    qk_layernorm: bool = False  # normalization of each query and key head before RoPE (Qwen3)
     add_bias_linear: bool = False  # biases on the other linear layers (GPT-2 style); Llama/Qwen have none
     untie_embeddings_and_output_weights: bool = True
     params_dtype: str = "bf16"  # bf16 | fp16 | fp32

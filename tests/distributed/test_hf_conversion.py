@@ -14,7 +14,12 @@ from megatron_ppo.config.schema import MegatronConfig
 from tests.distributed import conversion_workers
 from tests.distributed.harness import run_distributed
 
-MODELS = {"llama-untied": ("llama", False), "qwen2-tied": ("qwen2", True)}
+MODELS = {
+    "llama-untied": ("llama", False, None),
+    "qwen2-tied": ("qwen2", True, None),
+    "qwen3-untied": ("qwen3", False, None),
+    "llama3.1-rope-scaled": ("llama", False, conversion_workers.LLAMA31_ROPE),
+}
 LAYOUTS = {
     "tp1": (1, MegatronConfig()),
     "tp2": (2, MegatronConfig(tensor_model_parallel_size=2)),
@@ -24,9 +29,9 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def converted(request, tmp_path_factory) -> dict:
-    kind, tied = MODELS[request.param]
+    kind, tied, rope = MODELS[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    hf_dir = conversion_workers.save_hf_model(kind, root / "hf", tied)
+    hf_dir = conversion_workers.save_hf_model(kind, root / "hf", tied, rope)
     megatron_dir = run_distributed(conversion_workers.convert, 1, str(hf_dir), str(root / "megatron"))[0]
     return {"name": request.param, "hf": str(hf_dir), "megatron": megatron_dir, "root": root}
 
