@@ -242,8 +242,9 @@ def _checkpoint_problems(c: PPOConfig) -> list[str]:
         return []
     factor, problems = hf_rope_scaling(json.loads(config_json.read_text()))
     if not problems and factor != c.model.rope_scaling_factor:
+        wanted = "null (no scaling)" if factor is None else repr(factor)
         problems.append(f"model.rope_scaling_factor={c.model.rope_scaling_factor!r}, but the checkpoint's RoPE "
-                        f"scaling factor is {factor!r}; set model.rope_scaling_factor={factor!r}")  # fmt: skip
+                        f"scaling factor is {factor!r}; set model.rope_scaling_factor={wanted}")  # fmt: skip
     return [f"model.hf_checkpoint={c.model.hf_checkpoint}: {problem}" for problem in problems]
 
 
