@@ -138,12 +138,12 @@ def model_config_from_hf(hf_dir: str | Path) -> dict:
 
 @dataclass(frozen=True)
 class Shapes:
-    """The sizes the conversion needs, derived once from the model config (and the TP size, for the padding)."""
+    """The sizes the table's kinds need beyond the tensors' own shapes, derived once from the model config (and the
+    TP size, for the vocabulary padding)."""
 
     heads: int
     groups: int  # query groups = key/value heads
     head_dim: int
-    ffn: int
     vocab: int
     padded_vocab: int
 
@@ -153,7 +153,6 @@ class Shapes:
             heads=model.num_attention_heads,
             groups=model.num_query_groups or model.num_attention_heads,
             head_dim=model.kv_channels or model.hidden_size // model.num_attention_heads,
-            ffn=model.ffn_hidden_size or 4 * model.hidden_size,
             vocab=model.vocab_size,
             padded_vocab=padded_vocab_size(model, tensor_parallel_size),
         )
@@ -186,6 +185,7 @@ class SafetensorsReader:
         return name in self.files
 
     def shape(self, name: str) -> list[int]:
+        """The tensor's shape, from the file header (nothing is read)."""
         with safe_open(str(self.files[name]), framework="pt") as f:
             return f.get_slice(name).get_shape()
 
@@ -233,7 +233,7 @@ def _read_qkv(reader: SafetensorsReader, names: tuple[str, ...], s: Shapes, part
 
 def _read_gate_up(reader: SafetensorsReader, names: tuple[str, ...], s: Shapes, part: Part) -> torch.Tensor:
     """[this rank's rows of gate; this rank's rows of up]."""
-    return torch.cat([reader.get(name, part.of(s.ffn)) for name in names])
+    return torch.cat([reader.get(name, part.of(reader.shape(name)[0])) for name in names])
 
 
 def _read_vocab(reader: SafetensorsReader, names: tuple[str, ...], s: Shapes, part: Part) -> torch.Tensor:
