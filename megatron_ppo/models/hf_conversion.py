@@ -69,6 +69,10 @@ MAPPINGS: tuple[Mapping, ...] = (
     Mapping(_MG + "mlp.linear_fc2.weight", (_HF + "mlp.down_proj.weight",), Kind.ROW),
     Mapping("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.REPLICATED),
     Mapping("output_layer.weight", ("lm_head.weight",), Kind.VOCAB),  # untied embeddings only
+    # Transformer Engine's layer spec (GPU) fuses the two layer norms into the linear layer that follows each, and
+    # its parameters carry these names (the CPU tests build the local spec only).
+    Mapping(_MG + "self_attention.linear_qkv.layer_norm_weight", (_HF + "input_layernorm.weight",), Kind.REPLICATED),
+    Mapping(_MG + "mlp.linear_fc1.layer_norm_weight", (_HF + "post_attention_layernorm.weight",), Kind.REPLICATED),
 )
 _PATTERNS = {re.compile(re.escape(m.megatron).replace(r"\*", r"(\d+)")): m for m in MAPPINGS}
 
