@@ -25,13 +25,13 @@ from megatron_ppo.config.validate import validate
 from megatron_ppo.models import RoleModel, build_role_model, run_micro_batches, unwrap
 from megatron_ppo.models.hf_conversion import (
     SafetensorsReader,
+    Shapes,
     TensorParallelPart,
     hf_to_megatron,
     megatron_to_hf,
     model_config_from_hf,
     save_hf,
 )
-from megatron_ppo.models.transformer_config import padded_vocab_size
 
 SINGLE = MegatronConfig()
 
@@ -92,22 +92,17 @@ def fill_from_hf(shard: RoleModel, hf_dir: str | Path, model: ModelConfig, layou
     """Copy this rank's part of every weight from the safetensors into `shard`; the bytes read (this pipeline
     stage's tensors, and of tensor-parallel weights this TP rank's part only)."""
     targets = _local_targets(shard, model)
-    layers = sorted({int(name.split(".")[2]) for name in targets if name.startswith("decoder.layers.")})
     reader = SafetensorsReader(hf_dir)
-    vocab = padded_vocab_size(model, layout.tensor_model_parallel_size)
+    shapes = Shapes.of(model, layout.tensor_model_parallel_size)
     part = TensorParallelPart(
         parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     )
-    tensors = hf_to_megatron(reader, model, vocab, layers, embedding="embedding.word_embeddings.weight" in targets,
-                             head="decoder.final_layernorm.weight" in targets, part=part)  # fmt: skip
-    for name, tensor in tensors:
-        for local_name, param in targets.pop(name, []):
+    for name, tensor in hf_to_megatron(reader, targets, shapes, part):
+        for local_name, param in targets[name]:
             if tensor.shape != param.shape:
                 raise RuntimeError(f"{local_name}: converted {tuple(tensor.shape)} ≠ the model's {tuple(param.shape)}")
             with torch.no_grad():
                 param.copy_(tensor)
-    if targets:
-        raise RuntimeError(f"conversion left unset: {sorted(targets)}")
     return reader.bytes_read
 
 

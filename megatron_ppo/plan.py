@@ -39,7 +39,8 @@ MFU_ANCHORS = {
 
 
 def parameter_count(model: ModelConfig) -> int:
-    """Parameters of a Llama/Qwen2-style GPT (untied or tied embeddings, optional QKV bias)."""
+    """Parameters of a Llama/Qwen2/Qwen3-style GPT (untied or tied embeddings, optional QKV bias, optional QK
+    layernorm: one weight of `head_dim` each for queries and keys per layer)."""
     h, heads = model.hidden_size, model.num_attention_heads
     kv_heads = model.num_query_groups or heads
     head_dim = model.kv_channels or h // heads
@@ -47,6 +48,8 @@ def parameter_count(model: ModelConfig) -> int:
     attention = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
     if model.add_qkv_bias:
         attention += (heads + 2 * kv_heads) * head_dim
+    if model.qk_layernorm:
+        attention += 2 * head_dim
     mlp = (3 if model.activation == "swiglu" else 2) * h * ffn
     layer = attention + mlp + 2 * h
     embeddings = model.vocab_size * h * (2 if model.untie_embeddings_and_output_weights else 1)

@@ -32,6 +32,7 @@ CLIP_GRAD = Range(lambda v: v >= 0, "≥ 0 (0 turns clipping off)")
 CLIP_LOW = Range(lambda v: 0 < v < 1, "in (0, 1) (the ratio is clipped at 1 − low)")
 DUAL_CLIP = Range(lambda v: v > 1, "> 1 (dual clip caps −A·ρ at −A·c; try 3.0)")
 SPIKE_FACTOR = Range(lambda v: v > 1, "> 1 (a multiple of the running grad norm)")
+ROPE_FACTOR = Range(lambda v: v >= 1, "≥ 1 (Llama 3.1: 8), or null: off")
 OFF_OR_POSITIVE = Range(lambda v: v > 0, "> 0 (or null: off)")
 ROLES = ("actor", "ref", "critic")
 
@@ -51,10 +52,13 @@ class ModelConfig:
     max_position_embeddings: int = ranged(512, AT_LEAST_ONE)
     position_embedding_type: str = choice("rope", ("rope", "learned_absolute"))
     rotary_base: float = 10000.0
+    # Llama 3.1 RoPE scaling (rope_type llama3; Llama 3.1: 8); None: off
+    rope_scaling_factor: float | None = ranged(None, ROPE_FACTOR)
     normalization: str = choice("RMSNorm", ("RMSNorm", "LayerNorm"))
     layernorm_epsilon: float = 1.0e-6
     activation: str = choice("swiglu", ("swiglu", "gelu"))
     add_qkv_bias: bool = False  # Qwen2
+    qk_layernorm: bool = False  # normalization of each query and key head before RoPE (Qwen3)
     add_bias_linear: bool = False  # biases on the other linear layers (GPT-2 style); Llama/Qwen have none
     untie_embeddings_and_output_weights: bool = True
     params_dtype: str = choice("bf16", ("bf16", "fp16", "fp32"))

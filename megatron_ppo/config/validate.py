@@ -7,6 +7,8 @@ own choices and range are on its schema field (`config.fields`); the rules betwe
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 from megatron_ppo.algo.kl_schedule import WARMUP
@@ -88,8 +90,60 @@ def _cross_key_problems(c: PPOConfig) -> list[str]:
     return p
 
 
+# Megatron's Llama-3 RoPE scaling (`GPTModel(rope_scaling=True, rope_scaling_factor=f)` → megatron-core 0.16.1's
+# `RotaryEmbedding._apply_scaling`) takes only the factor; the other three parameters are fixed at these values.
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def hf_rope_scaling(hf_config: dict) -> tuple[float | None, list[str]]:
+    """(`model.rope_scaling_factor`, problems) for a Hugging Face config.json's RoPE parameters (`rope_parameters`,
+    or `rope_scaling` as published before transformers 5): None without scaling, `factor` for `rope_type: llama3`
+    with Megatron's fixed parameters; any other type or parameter is a problem naming the key and the value."""
+    key = "rope_parameters" if hf_config.get("rope_parameters") else "rope_scaling"
+    rope = hf_config.get(key) or {}
+    if any(isinstance(value, dict) for value in rope.values()):
+        return None, [f"{key}={rope!r}: RoPE parameters per layer type are not supported; one set for all layers"]
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None, []
+    if rope_type != "llama3":
+        return None, [
+            f"{key}.rope_type={rope_type!r} is not supported: Megatron's GPT applies Llama 3.1's RoPE scaling "
+            "('llama3') only; use a checkpoint with rope_type 'default' or 'llama3'"
+        ]
+    problems = [
+        f"{key}.{name}={rope.get(name)!r}: Megatron's Llama-3 RoPE scaling fixes it at {fixed}"
+        for name, fixed in MEGATRON_LLAMA3_ROPE.items()
+        if rope.get(name) != fixed
+    ]
+    factor = rope.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or factor < 1:
+        problems.append(f"{key}.factor={factor!r}: must be a number ≥ 1 (Llama 3.1: 8)")
+    return (None if problems else float(factor)), problems
+
+
+def _checkpoint_problems(c: PPOConfig) -> list[str]:
+    """The RoPE scaling of `model.hf_checkpoint`'s config.json, when it is there: refused where Megatron cannot
+    express it, and compared with `model.rope_scaling_factor` (the checkpoint's other keys are compared with the
+    recipe when the trainer converts it)."""
+    config_json = Path(c.model.hf_checkpoint or "") / "config.json"
+    if not c.model.hf_checkpoint or not config_json.is_file():
+        return []
+    factor, problems = hf_rope_scaling(json.loads(config_json.read_text()))
+    if not problems and factor != c.model.rope_scaling_factor:
+        wanted = "null (no scaling)" if factor is None else repr(factor)
+        problems.append(f"model.rope_scaling_factor={c.model.rope_scaling_factor!r}, but the checkpoint's RoPE "
+                        f"scaling factor is {factor!r}; set model.rope_scaling_factor={wanted}")  # fmt: skip
+    return [f"model.hf_checkpoint={c.model.hf_checkpoint}: {problem}" for problem in problems]
+
+
 def _model_problems(c: PPOConfig) -> list[str]:
-    m, p = c.model, []
+    m, p = c.model, _checkpoint_problems(c)
+    if m.rope_scaling_factor is not None and m.position_embedding_type != "rope":
+        p.append(
+            f"model.rope_scaling_factor={m.rope_scaling_factor!r} scales RoPE, but model.position_embedding_type="
+            f"{m.position_embedding_type!r}; set it to null or use rope"
+        )
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         p.append(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="

@@ -57,9 +57,11 @@ def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
         model.transformer_impl == "auto" and transformer_engine_usable()
     )
     spec = (
-        get_gpt_layer_with_transformer_engine_spec()
+        get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
         if use_te
-        else with_sdpa_attention(get_gpt_layer_local_spec(normalization=model.normalization))
+        else with_sdpa_attention(
+            get_gpt_layer_local_spec(normalization=model.normalization, qk_layernorm=model.qk_layernorm)
+        )
     )
     logger.info("layer spec: %s", "Transformer Engine" if use_te else "Megatron local, attention through SDPA")
     return spec, use_te
@@ -100,6 +102,8 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
             share_embeddings_and_output_weights=role != "critic" and not model.untie_embeddings_and_output_weights,
             position_embedding_type=model.position_embedding_type,
             rotary_base=int(model.rotary_base),
+            rope_scaling=model.rope_scaling_factor is not None,
+            rope_scaling_factor=model.rope_scaling_factor or 1.0,  # read only with rope_scaling
             vp_stage=stage,
         )
         if role == "critic" and post_process:

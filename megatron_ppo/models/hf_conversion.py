@@ -1,17 +1,25 @@
-"""Hugging Face (safetensors + config.json; Llama and Qwen2 families) ↔ Megatron GPT weights.
+"""Hugging Face (safetensors + config.json) ↔ Megatron GPT weights, driven by one mapping table.
 
-Megatron's fused layouts:
-  linear_qkv  rows grouped per query group g: [q heads of g (a/g · d rows), k_g (d rows), v_g (d rows)], g = 0..G−1
-  linear_fc1  [gate; up] (SwiGLU applies the activation to the first half)
-  vocabulary  padded to `padded_vocab_size` rows (zeros); logits past the true vocabulary are masked downstream
-Tensors are read one at a time from the safetensors files (`safe_open`), never through pickle; a tensor-parallel
-rank reads only its rows or columns of each split weight.
+Each row of `MAPPINGS` names a Megatron parameter, the Hugging Face tensor(s) it is made of and its `Kind`; the kind
+says how the tensors combine and how tensor parallelism splits them, in both directions:
+  replicated  norms: every TP rank holds the whole tensor
+  row         row-parallel linears (o_proj, down_proj): TP rank r holds columns [r·n/TP, (r+1)·n/TP)
+  qkv         linear_qkv, rows grouped per query group g: [q heads of g (a/G · d rows); k_g (d rows); v_g (d rows)],
+              g = 0..G−1; TP rank r holds whole groups [r·G/TP, (r+1)·G/TP) (weights and biases alike)
+  gate_up     linear_fc1 = [gate; up] (SwiGLU activates the first half); TP rank r holds its rows of each half
+  vocab       embedding and output layer, padded with zero rows to `padded_vocab`; TP rank r holds its rows
+              (logits past the true vocabulary are masked downstream)
+A conversion is driven by the Megatron parameters a shard holds: each is looked up in the table, so an architecture
+adds rows, not functions. Tensors are read one at a time from the safetensors files (`safe_open`), never through
+pickle, and of a split weight a TP rank reads only its own rows or columns (`get_slice`).
 """
 
 from __future__ import annotations
 
+import enum
 import json
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,17 +27,95 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import ModelConfig
+from megatron_ppo.config.validate import hf_rope_scaling
+from megatron_ppo.models.transformer_config import padded_vocab_size
 
-SUPPORTED = ("llama", "qwen2")
+
+class Kind(enum.Enum):
+    REPLICATED = "replicated"
+    ROW = "row"
+    QKV = "qkv"
+    GATE_UP = "gate_up"
+    VOCAB = "vocab"
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One Megatron parameter and the Hugging Face tensors it is made of; `*` stands for the layer number."""
+
+    megatron: str
+    hf: tuple[str, ...]  # one name, or the parts fused in order: (q, k, v) or (gate, up)
+    kind: Kind
+
+    def hf_names(self, layer: str | None) -> tuple[str, ...]:
+        return self.hf if layer is None else tuple(name.replace("*", layer) for name in self.hf)
+
+
+_HF, _MG = "model.layers.*.", "decoder.layers.*."
+MAPPINGS: tuple[Mapping, ...] = (
+    Mapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Kind.VOCAB),
+    Mapping(_MG + "input_layernorm.weight", (_HF + "input_layernorm.weight",), Kind.REPLICATED),
+    *(
+        Mapping(_MG + f"self_attention.linear_qkv.{p}", tuple(_HF + f"self_attn.{x}_proj.{p}" for x in "qkv"), Kind.QKV)
+        for p in ("weight", "bias")  # the bias: Qwen2
+    ),
+    Mapping(_MG + "self_attention.q_layernorm.weight", (_HF + "self_attn.q_norm.weight",), Kind.REPLICATED),  # Qwen3
+    Mapping(_MG + "self_attention.k_layernorm.weight", (_HF + "self_attn.k_norm.weight",), Kind.REPLICATED),  # Qwen3
+    Mapping(_MG + "self_attention.linear_proj.weight", (_HF + "self_attn.o_proj.weight",), Kind.ROW),
+    Mapping(_MG + "pre_mlp_layernorm.weight", (_HF + "post_attention_layernorm.weight",), Kind.REPLICATED),
+    Mapping(_MG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_proj.weight", _HF + "mlp.up_proj.weight"), Kind.GATE_UP),
+    Mapping(_MG + "mlp.linear_fc2.weight", (_HF + "mlp.down_proj.weight",), Kind.ROW),
+    Mapping("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.REPLICATED),
+    Mapping("output_layer.weight", ("lm_head.weight",), Kind.VOCAB),  # untied embeddings only
+    # Transformer Engine's layer spec (GPU) fuses the two layer norms into the linear layer that follows each, and
+    # its parameters carry these names (the CPU tests build the local spec only).
+    Mapping(_MG + "self_attention.linear_qkv.layer_norm_weight", (_HF + "input_layernorm.weight",), Kind.REPLICATED),
+    Mapping(_MG + "mlp.linear_fc1.layer_norm_weight", (_HF + "post_attention_layernorm.weight",), Kind.REPLICATED),
+)
+_PATTERNS = {re.compile(re.escape(m.megatron).replace(r"\*", r"(\d+)")): m for m in MAPPINGS}
+
+
+def mapping_of(megatron_name: str) -> tuple[Mapping, str | None]:
+    """The table row of a full-model Megatron parameter name, and its layer number (None outside the layers)."""
+    for pattern, mapping in _PATTERNS.items():
+        if match := pattern.fullmatch(megatron_name):
+            return mapping, match.group(1) if pattern.groups else None
+    raise KeyError(f"{megatron_name}: no row in the conversion table (megatron_ppo.models.hf_conversion.MAPPINGS)")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a Hugging Face `model_type` sets on top of the Llama layout (RMSNorm, SwiGLU, RoPE, GQA)."""
+
+    add_qkv_bias: bool
+    qk_layernorm: bool = False
+
+
+FAMILIES = {
+    "llama": Family(add_qkv_bias=False),
+    "qwen2": Family(add_qkv_bias=True),
+    "qwen3": Family(add_qkv_bias=False, qk_layernorm=True),
+}
+# config.json keys that add tensors or change the layout beyond what Megatron's GPT and the table express.
+_REFUSED = {"attention_bias": True, "mlp_bias": True, "use_sliding_window": True}
 
 
 def model_config_from_hf(hf_dir: str | Path) -> dict:
-    """Our `model.*` keys from a Hugging Face `config.json` (Llama or Qwen2)."""
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    """Our `model.*` keys from a Hugging Face `config.json` (Llama, Qwen2, Qwen3); a `ConfigError` naming the key
+    where the checkpoint needs what the conversion cannot express."""
+    source = str(Path(hf_dir) / "config.json")
+    config = json.loads(Path(source).read_text())
     kind = config.get("model_type")
-    if kind not in SUPPORTED:
-        raise ValueError(f"{hf_dir}: model_type {kind!r} is not supported; expected one of {SUPPORTED}")
+    if kind not in FAMILIES:
+        raise ConfigError([f"model_type {kind!r} is not supported; expected one of {tuple(FAMILIES)}"], source)
+    family = FAMILIES[kind]
+    rope_scaling_factor, problems = hf_rope_scaling(config)
+    problems += [f"{key}={config[key]!r} is not supported by the conversion (megatron-ppo converts {kind} with "
+                 f"{key}={not value})" for key, value in _REFUSED.items() if config.get(key) == value]  # fmt: skip
+    if problems:
+        raise ConfigError(problems, source)
     rope = config.get("rope_parameters") or {}
     return {
         "name": Path(hf_dir).name,
@@ -43,13 +129,45 @@ def model_config_from_hf(hf_dir: str | Path) -> dict:
         "max_position_embeddings": config["max_position_embeddings"],
         "position_embedding_type": "rope",
         "rotary_base": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        "rope_scaling_factor": rope_scaling_factor,
         "normalization": "RMSNorm",
         "layernorm_epsilon": config["rms_norm_eps"],
         "activation": "swiglu",
-        "add_qkv_bias": kind == "qwen2" or bool(config.get("attention_bias", False)),
+        "add_qkv_bias": family.add_qkv_bias,
+        "qk_layernorm": family.qk_layernorm,
         "add_bias_linear": False,
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
     }
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The sizes the table's kinds need beyond the tensors' own shapes, derived once from the model config (and the
+    TP size, for the vocabulary padding)."""
+
+    heads: int
+    groups: int  # query groups = key/value heads
+    head_dim: int
+    vocab: int
+    padded_vocab: int
+
+    @classmethod
+    def of(cls, model: ModelConfig, tensor_parallel_size: int = 1) -> Shapes:
+        return cls(
+            heads=model.num_attention_heads,
+            groups=model.num_query_groups or model.num_attention_heads,
+            head_dim=model.kv_channels or model.hidden_size // model.num_attention_heads,
+            vocab=model.vocab_size,
+            padded_vocab=padded_vocab_size(model, tensor_parallel_size),
+        )
+
+    @property
+    def q_rows(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_rows(self) -> int:
+        return self.groups * self.head_dim
 
 
 class SafetensorsReader:
@@ -69,6 +187,11 @@ class SafetensorsReader:
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
+
+    def shape(self, name: str) -> list[int]:
+        """The tensor's shape, from the file header (nothing is read)."""
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_slice(name).get_shape()
 
     def get(self, name: str, rows: slice = slice(None), columns: slice | None = None) -> torch.Tensor:
         """The tensor, or only its `rows` (and `columns`): a slice is read without loading the rest."""
@@ -92,95 +215,80 @@ class TensorParallelPart:
         return slice(self.rank * share, (self.rank + 1) * share)
 
 
-def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.nn.functional.pad(tensor, (0, 0, 0, rows - tensor.shape[0]))
+Part = TensorParallelPart
 
 
-def _vocab_rows(
-    reader: SafetensorsReader, name: str, vocab: int, padded_vocab: int, part: TensorParallelPart
-) -> torch.Tensor:
-    """This rank's rows of the vocabulary-padded matrix: the real rows read, the padding rows zero."""
-    rows = part.of(padded_vocab)
-    real = reader.get(name, slice(min(rows.start, vocab), min(rows.stop, vocab)))
-    return _pad_rows(real, rows.stop - rows.start)
+def _read_replicated(reader: SafetensorsReader, names: tuple[str, ...], s: Shapes, part: Part) -> torch.Tensor:
+    return reader.get(names[0])
 
 
-def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
-    """[q; k; v] (HF) → per-group [q_g; k_g; v_g] rows (Megatron); works for weights and biases."""
-    q, k, v = (t.reshape(groups, -1, *t.shape[1:]) for t in (q, k, v))
-    return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:])
+def _read_row(reader: SafetensorsReader, names: tuple[str, ...], s: Shapes, part: Part) -> torch.Tensor:
+    """This rank's columns of a row-parallel [out, in] weight."""
+    return reader.get(names[0], slice(None), part.of(reader.shape(names[0])[1]))
 
 
-def _split_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups = model.num_query_groups or model.num_attention_heads
-    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
-    per_group = qkv.reshape(groups, -1, *qkv.shape[1:])
-    q_rows = model.num_attention_heads // groups * head_dim
-    q, k, v = per_group.split([q_rows, head_dim, head_dim], dim=1)
-    return q.reshape(-1, *qkv.shape[1:]), k.reshape(-1, *qkv.shape[1:]), v.reshape(-1, *qkv.shape[1:])
+def _read_qkv(reader: SafetensorsReader, names: tuple[str, ...], s: Shapes, part: Part) -> torch.Tensor:
+    """The q, k, v rows of this rank's query groups (HF: [q; k; v]) → per-group [q_g; k_g; v_g] rows (Megatron)."""
+    rows = (s.q_rows, s.kv_rows, s.kv_rows)
+    q, k, v = (reader.get(name, part.of(n)) for name, n in zip(names, rows, strict=True))
+    q, k, v = (t.reshape(s.groups // part.size, -1, *t.shape[1:]) for t in (q, k, v))
+    return torch.cat([q, k, v], dim=1).flatten(0, 1)
+
+
+def _read_gate_up(reader: SafetensorsReader, names: tuple[str, ...], s: Shapes, part: Part) -> torch.Tensor:
+    """[this rank's rows of gate; this rank's rows of up]."""
+    return torch.cat([reader.get(name, part.of(reader.shape(name)[0])) for name in names])
+
+
+def _read_vocab(reader: SafetensorsReader, names: tuple[str, ...], s: Shapes, part: Part) -> torch.Tensor:
+    """This rank's rows of the padded [padded_vocab, h] matrix: the real rows read, the padding rows zero."""
+    rows = part.of(s.padded_vocab)
+    real = reader.get(names[0], slice(min(rows.start, s.vocab), min(rows.stop, s.vocab)))
+    return torch.nn.functional.pad(real, (0, 0, 0, rows.stop - rows.start - real.shape[0]))
+
+
+def _split_qkv(qkv: torch.Tensor, s: Shapes) -> tuple[torch.Tensor, ...]:
+    """Per-group [q_g; k_g; v_g] rows → (q, k, v) with HF's row order."""
+    per_group = qkv.reshape(s.groups, -1, *qkv.shape[1:])
+    parts = per_group.split([s.q_rows // s.groups, s.head_dim, s.head_dim], dim=1)
+    return tuple(t.flatten(0, 1) for t in parts)
+
+
+READ: dict[Kind, Callable[[SafetensorsReader, tuple[str, ...], Shapes, Part], torch.Tensor]] = {
+    Kind.REPLICATED: _read_replicated,
+    Kind.ROW: _read_row,
+    Kind.QKV: _read_qkv,
+    Kind.GATE_UP: _read_gate_up,
+    Kind.VOCAB: _read_vocab,
+}
+# The inverse of READ for a whole (TP = 1) Megatron tensor: its Hugging Face parts, in the order of `Mapping.hf`.
+WRITE: dict[Kind, Callable[[torch.Tensor, Shapes], tuple[torch.Tensor, ...]]] = {
+    Kind.REPLICATED: lambda tensor, s: (tensor,),
+    Kind.ROW: lambda tensor, s: (tensor,),
+    Kind.QKV: _split_qkv,
+    Kind.GATE_UP: lambda tensor, s: tuple(tensor.chunk(2)),
+    Kind.VOCAB: lambda tensor, s: (tensor[: s.vocab],),
+}
 
 
 def hf_to_megatron(
-    reader: SafetensorsReader,
-    model: ModelConfig,
-    padded_vocab: int,
-    layers: Iterable[int] | None = None,
-    embedding: bool = True,
-    head: bool = True,
-    part: TensorParallelPart = TensorParallelPart(),
+    reader: SafetensorsReader, names: Iterable[str], shapes: Shapes, part: TensorParallelPart = TensorParallelPart()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Megatron local-spec name, this TP rank's part of the tensor), one tensor at a time: the embedding, `layers`
-    (default all), then the head (final norm, untied output layer). Only what is asked for is read, and of a
-    tensor-parallel weight only `part`'s rows or columns: vocabulary rows (embedding, output layer), whole query
-    groups of QKV, rows of gate and of up (fc1), columns of the row-parallel o_proj and down_proj."""
-    groups = model.num_query_groups or model.num_attention_heads
-    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
-    q_rows, kv_rows = model.num_attention_heads * head_dim, groups * head_dim
-    ffn = model.ffn_hidden_size or 4 * model.hidden_size
-    vocab = model.vocab_size
-    if embedding:
-        yield "embedding.word_embeddings.weight", _vocab_rows(reader, "model.embed_tokens.weight", vocab,
-                                                              padded_vocab, part)  # fmt: skip
-    for i in range(model.num_layers) if layers is None else layers:
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attention = hf + "self_attn."
-        yield mg + "input_layernorm.weight", reader.get(hf + "input_layernorm.weight")
-        for suffix in ("weight", "bias") if model.add_qkv_bias else ("weight",):
-            q, k, v = (reader.get(attention + f"{p}_proj.{suffix}", part.of(rows))
-                       for p, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)))  # fmt: skip
-            yield mg + f"self_attention.linear_qkv.{suffix}", _fuse_qkv(q, k, v, groups // part.size)
-        yield mg + "self_attention.linear_proj.weight", reader.get(attention + "o_proj.weight", slice(None),
-                                                                   part.of(q_rows))  # fmt: skip
-        yield mg + "pre_mlp_layernorm.weight", reader.get(hf + "post_attention_layernorm.weight")
-        gate, up = (reader.get(hf + f"mlp.{p}_proj.weight", part.of(ffn)) for p in ("gate", "up"))
-        yield mg + "mlp.linear_fc1.weight", torch.cat([gate, up])
-        yield mg + "mlp.linear_fc2.weight", reader.get(hf + "mlp.down_proj.weight", slice(None), part.of(ffn))
-    if head:
-        yield "decoder.final_layernorm.weight", reader.get("model.norm.weight")
-        if model.untie_embeddings_and_output_weights:
-            yield "output_layer.weight", _vocab_rows(reader, "lm_head.weight", vocab, padded_vocab, part)
+    """(name, `part`'s share of the tensor) for each full-model Megatron parameter name, one tensor at a time: only
+    what is asked for is read, and of a tensor-parallel weight only `part`'s rows or columns."""
+    for name in names:
+        mapping, layer = mapping_of(name)
+        yield name, READ[mapping.kind](reader, mapping.hf_names(layer), shapes, part)
 
 
 def megatron_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of `hf_to_megatron` for a full (TP=1, PP=1) Megatron state dict; vocabulary padding dropped."""
-    vocab = model.vocab_size
-    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:vocab]}
-    for i in range(model.num_layers):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[hf + "input_layernorm.weight"] = state[mg + "input_layernorm.weight"]
-        for suffix in ("weight", "bias") if model.add_qkv_bias else ("weight",):
-            q, k, v = _split_qkv(state[mg + f"self_attention.linear_qkv.{suffix}"], model)
-            for name, tensor in zip("qkv", (q, k, v), strict=True):
-                out[hf + f"self_attn.{name}_proj.{suffix}"] = tensor
-        out[hf + "self_attn.o_proj.weight"] = state[mg + "self_attention.linear_proj.weight"]
-        out[hf + "post_attention_layernorm.weight"] = state[mg + "pre_mlp_layernorm.weight"]
-        gate, up = state[mg + "mlp.linear_fc1.weight"].chunk(2)
-        out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
-        out[hf + "mlp.down_proj.weight"] = state[mg + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
-    if model.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = state["output_layer.weight"][:vocab]
-    return {k: v.contiguous() for k, v in out.items()}
+    """The inverse of `hf_to_megatron` for a full (TP = 1, PP = 1) Megatron state dict; vocabulary padding dropped."""
+    shapes, out = Shapes.of(model), {}
+    for name, tensor in state.items():
+        mapping, layer = mapping_of(name)
+        parts = WRITE[mapping.kind](tensor, shapes)
+        out.update(zip(mapping.hf_names(layer), (t.contiguous() for t in parts), strict=True))
+    return out
 
 
 def save_hf(state: dict[str, torch.Tensor], out_dir: str | Path, hf_config_from: str | Path) -> None:

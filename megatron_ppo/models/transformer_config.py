@@ -47,6 +47,7 @@ def build_transformer_config(model: ModelConfig, layout: MegatronConfig) -> Tran
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model.init_method_std,

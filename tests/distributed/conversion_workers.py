@@ -19,17 +19,31 @@ from megatron_ppo.models.hf_conversion import model_config_from_hf
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.train.run import train
 
+# Llama 3.1's published RoPE scaling, on a base of 500 000: half of the 16-dimensional heads' frequencies are
+# scaled, so the test model's logits depend on it.
+LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
 
-def save_hf_model(kind: str, directory: Path, tied: bool) -> Path:
+
+def save_hf_model(kind: str, directory: Path, tied: bool, rope: dict | None = None) -> Path:
+    """A small random `transformers` model of `kind` (llama, qwen2, qwen3; Qwen3 with head_dim 32 ≠ hidden/heads,
+    as in Qwen3-32B), its norm weights drawn around 1 so that a misplaced norm changes the logits."""
     import transformers
 
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "qwen3": transformers.Qwen3Config}[kind]  # fmt: skip
     config = config_class(
         vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, initializer_range=0.2,
+        num_key_value_heads=2, max_position_embeddings=16384 if rope else 64, tie_word_embeddings=tied,
+        initializer_range=0.2, **({"head_dim": 32} if kind == "qwen3" else {}),
+        **({"rope_parameters": rope} if rope else {}),
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(directory)
     return directory
 

@@ -1,20 +1,31 @@
-"""Hugging Face → Megatron → Hugging Face on random `transformers` Llama (GQA, untied) and Qwen2 (QKV bias, tied)
-models: our Megatron model's logits equal the `transformers` logits at TP 1, TP 2 and PP 2, whether converted in one
-process or sharded under TP 2 / PP 2 (each rank reading only its share); the weights come back unchanged; and the
-trainer converts a recipe's `model.hf_checkpoint` on first use and caches it."""
+"""Hugging Face → Megatron → Hugging Face on random `transformers` Llama (GQA, untied), Qwen2 (QKV bias, tied), Qwen3
+(QK layernorm, head_dim ≠ hidden/heads) and Llama-3.1-style (RoPE scaling) models: our Megatron model's logits equal
+the `transformers` logits at TP 1, TP 2 and PP 2, whether converted in one process or sharded under TP 2 / PP 2 (each
+rank reading only its share); the weights come back unchanged; the trainer converts a recipe's
+`model.hf_checkpoint` on first use and caches it; RoPE scaling Megatron cannot express is refused."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
+from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import MegatronConfig
+from megatron_ppo.convert import hf_logits
+from megatron_ppo.models.hf_conversion import model_config_from_hf
 from tests.distributed import conversion_workers
 from tests.distributed.harness import run_distributed
 
-MODELS = {"llama-untied": ("llama", False), "qwen2-tied": ("qwen2", True)}
+MODELS = {
+    "llama-untied": ("llama", False, None),
+    "qwen2-tied": ("qwen2", True, None),
+    "qwen3-untied": ("qwen3", False, None),
+    "llama3.1-rope-scaled": ("llama", False, conversion_workers.LLAMA31_ROPE),
+}
 LAYOUTS = {
     "tp1": (1, MegatronConfig()),
     "tp2": (2, MegatronConfig(tensor_model_parallel_size=2)),
@@ -24,9 +35,9 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def converted(request, tmp_path_factory) -> dict:
-    kind, tied = MODELS[request.param]
+    kind, tied, rope = MODELS[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    hf_dir = conversion_workers.save_hf_model(kind, root / "hf", tied)
+    hf_dir = conversion_workers.save_hf_model(kind, root / "hf", tied, rope)
     megatron_dir = run_distributed(conversion_workers.convert, 1, str(hf_dir), str(root / "megatron"))[0]
     return {"name": request.param, "hf": str(hf_dir), "megatron": megatron_dir, "root": root}
 
@@ -93,3 +104,33 @@ def test_a_recipe_that_disagrees_with_the_checkpoint_is_refused(converted) -> No
     recipe = str(conversion_workers.offline_recipe(root, Path(converted["hf"]), tp=1))
     with pytest.raises(AssertionError, match=r"model\.hidden_size=128, but .*config\.json says 64"):
         run_distributed(conversion_workers.train_recipe, 1, recipe, ["model.hidden_size=128"])
+
+
+def test_the_rope_scaled_test_model_depends_on_its_scaling(tmp_path: Path) -> None:
+    """The llama3.1 parity above is a test of the scaling: without it the same weights give other logits."""
+    scaled = conversion_workers.save_hf_model("llama", tmp_path / "scaled", False, conversion_workers.LLAMA31_ROPE)
+    plain = conversion_workers.save_hf_model("llama", tmp_path / "plain", False, {"rope_type": "default",
+                                             "rope_theta": conversion_workers.LLAMA31_ROPE["rope_theta"]})  # fmt: skip
+    input_ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    difference = float((hf_logits(scaled, input_ids) - hf_logits(plain, input_ids)).abs().max())
+    assert difference > 1e-2, f"dropping the RoPE scaling changes the logits by only {difference:.2e}"
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "linear", "longrope"])
+def test_conversion_refuses_a_rope_type_megatron_cannot_express(tmp_path: Path, rope_type: str) -> None:
+    hf_dir = conversion_workers.save_hf_model("llama", tmp_path, False, conversion_workers.LLAMA31_ROPE)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["rope_parameters"]["rope_type"] = rope_type
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"rope_parameters\.rope_type='{rope_type}' is not supported"):
+        model_config_from_hf(hf_dir)
+
+
+def test_conversion_reads_llama31_and_qwen3_configs_as_megatron_expresses_them(tmp_path: Path) -> None:
+    llama = model_config_from_hf(
+        conversion_workers.save_hf_model("llama", tmp_path / "llama", False, conversion_workers.LLAMA31_ROPE)
+    )
+    qwen3 = model_config_from_hf(conversion_workers.save_hf_model("qwen3", tmp_path / "qwen3", False))
+    assert (llama["rope_scaling_factor"], llama["rotary_base"], llama["qk_layernorm"]) == (8.0, 500000.0, False)
+    assert (qwen3["qk_layernorm"], qwen3["add_qkv_bias"], qwen3["kv_channels"]) == (True, False, 32)
+    assert qwen3["rope_scaling_factor"] is None

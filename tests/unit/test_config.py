@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -249,3 +250,47 @@ def test_each_key_carries_its_own_rule_on_the_schema() -> None:
     ]
     assert choices_of(DataConfig, "format") == ("auto", "jsonl", "parquet")
     assert choices_of(MegatronConfig, "recompute_granularity") == (None, "full", "selective")
+
+
+LLAMA31_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}  # fmt: skip
+LLAMA_70B = REPO / "recipes" / "llama3.1-70b.yaml"
+
+
+def _checkpoint(tmp_path: Path, rope_scaling: dict | None) -> str:
+    """A directory holding only a Llama-3.1-style config.json (as published: `rope_scaling` and `rope_theta`)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": 500000.0,
+                                                      "rope_scaling": rope_scaling}))  # fmt: skip
+    return f"model.hf_checkpoint={tmp_path}"
+
+
+def test_a_llama31_checkpoint_validates_with_the_recipes_rope_scaling(tmp_path: Path) -> None:
+    assert load_config(LLAMA_70B, [_checkpoint(tmp_path, LLAMA31_ROPE_SCALING)]).model.rope_scaling_factor == 8.0
+
+
+@pytest.mark.parametrize(
+    ("rope_scaling", "expected"),
+    [
+        ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type='yarn' is not supported"),
+        ({"type": "dynamic", "factor": 2.0}, "rope_scaling.rope_type='dynamic' is not supported"),
+        ({**LLAMA31_ROPE_SCALING, "low_freq_factor": 2.0}, "rope_scaling.low_freq_factor=2.0: Megatron's"),
+        ({**LLAMA31_ROPE_SCALING, "original_max_position_embeddings": 4096}, "original_max_position_embeddings=4096"),
+        (
+            {**LLAMA31_ROPE_SCALING, "factor": 32.0},
+            "model.rope_scaling_factor=8.0, but the checkpoint's RoPE scaling "
+            "factor is 32.0; set model.rope_scaling_factor=32.0",
+        ),
+        (None, "set model.rope_scaling_factor=null (no scaling)"),
+    ],
+    ids=["yarn", "dynamic", "low-freq-factor", "original-context", "other-factor", "unscaled-checkpoint"],
+)
+def test_a_recipe_naming_a_checkpoint_with_rope_scaling_megatron_cannot_express_is_refused(
+    tmp_path: Path, rope_scaling: dict | None, expected: str
+) -> None:
+    message = _problems(_checkpoint(tmp_path, rope_scaling), recipe=LLAMA_70B)
+    assert expected in message and f"model.hf_checkpoint={tmp_path}" in message, message
+
+
+def test_rope_scaling_factor_needs_rope_and_a_factor_of_at_least_one() -> None:
+    assert "model.rope_scaling_factor=0.5: must be ≥ 1" in _problems("model.rope_scaling_factor=0.5")
+    assert "use rope" in _problems("model.rope_scaling_factor=8", "model.position_embedding_type=learned_absolute")

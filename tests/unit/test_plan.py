@@ -15,7 +15,8 @@ from megatron_ppo.plan import parameter_count, plan, suggest
 
 REPO = Path(__file__).resolve().parents[2]
 # Sizes on the models' Hugging Face cards (billions of parameters).
-PUBLISHED = {"qwen2.5-7b": 7.61, "qwen2.5-32b": 32.5, "qwen2.5-72b": 72.7, "llama3.1-70b": 70.6}
+PUBLISHED = {"qwen2.5-7b": 7.61, "qwen2.5-32b": 32.5, "qwen2.5-72b": 72.7, "llama3.1-70b": 70.6, "qwen3-8b": 8.2,
+             "qwen3-32b": 32.8}  # fmt: skip
 BIG_RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if p.stem != "tiny-cpu")
 
 
@@ -78,3 +79,32 @@ def test_overrides_may_follow_options(capsys) -> None:
     assert step_times[1] / step_times[0] == pytest.approx(989 / 312)  # same calibrated MFU, the peaks' ratio
     with pytest.raises(SystemExit):
         main(["plan", recipe, "--bogus"])
+
+
+# Qwen/Qwen3-32B's config.json as published (transformers 4.51.0).
+QWEN3_32B_CONFIG_JSON = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02,
+    "intermediate_size": 25600, "max_position_embeddings": 40960, "max_window_layers": 64, "model_type": "qwen3",
+    "num_attention_heads": 64, "num_hidden_layers": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}  # fmt: skip
+
+
+def test_qwen3_32b_parameter_count_equals_the_sum_over_its_config_json_shapes(tmp_path: Path) -> None:
+    import torch
+    import transformers
+
+    from megatron_ppo.models.hf_conversion import model_config_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_32B_CONFIG_JSON))
+    with torch.device("meta"):  # shapes only
+        hf = transformers.Qwen3ForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path))
+    shapes_sum = sum(p.numel() for p in hf.parameters())
+    model = load_config(REPO / "configs" / "models" / "qwen3-32b.yaml").model
+    assert parameter_count(model) == shapes_sum, f"planner {parameter_count(model)} vs config.json {shapes_sum}"
+    converted = model_config_from_hf(tmp_path)
+    differing = {k: (getattr(model, k), v) for k, v in converted.items() if k != "name" and getattr(model, k) != v}
+    assert not differing, f"configs/models/qwen3-32b.yaml differs from the published config.json: {differing}"
