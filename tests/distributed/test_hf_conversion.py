@@ -83,6 +83,11 @@ def test_each_rank_reads_and_holds_only_its_share(converted) -> None:
         assert read < 0.6 * total and params < 0.6 * whole[1], (read, params, total, whole)
 
 
+# The trainer's convert-on-first-use does not depend on the architecture (the table does): the two original models.
+TRAINER_MODELS = pytest.mark.parametrize("converted", ["llama-untied", "qwen2-tied"], indirect=True)
+
+
+@TRAINER_MODELS
 def test_the_trainer_converts_on_first_use_under_its_layout_and_caches(converted) -> None:
     root = converted["root"] / "first-use"
     root.mkdir()
@@ -98,6 +103,7 @@ def test_the_trainer_converts_on_first_use_under_its_layout_and_caches(converted
     assert cache.stat().st_mtime_ns == written, "the cached conversion was redone"
 
 
+@TRAINER_MODELS
 def test_a_recipe_that_disagrees_with_the_checkpoint_is_refused(converted) -> None:
     root = converted["root"] / "mismatch"
     root.mkdir()
