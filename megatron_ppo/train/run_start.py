@@ -81,7 +81,10 @@ def _start(config: PPOConfig) -> RunStart:
         if other:
             messages.append(
                 f"the config differs from the one run {saved.run_id} saved in {source.name} (config "
-                f"{saved.config_hash} → {identity.config_hash}) in {len(other)} key(s): " + "; ".join(other)
+                f"{saved.config_hash} → {identity.config_hash}) in {len(other)} key(s): "
+                + "; ".join(other)
+                + "; the run continues with the new values (the saved LR schedules keep theirs); for a new run "
+                "with them: trainer.resume_mode=disable trainer.overwrite=true, or another trainer.default_local_dir"
             )
         if expected:
             messages.append("changed since the checkpoint (keys meant to change): " + "; ".join(expected))
