@@ -142,7 +142,8 @@ def megatron_logits(megatron_dir: str | Path, model: ModelConfig, layout: Megatr
     checkpoint.load_weights(actor, megatron_dir, "actor")
 
     def gather(batch, logits):
-        return torch.zeros(()), {"logits": gather_from_tensor_model_parallel_region(logits)[..., : model.vocab_size]}
+        full = gather_from_tensor_model_parallel_region(logits)[..., : model.vocab_size]
+        return logits.new_zeros(()), {"logits": full}
 
     outputs = run_micro_batches(actor, [{"input_ids": input_ids}], gather, forward_only=True)
     return outputs[0]["logits"].float() if outputs else None

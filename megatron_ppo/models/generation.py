@@ -60,7 +60,7 @@ def _decode(model, rows, max_new_tokens, eos_id, pad_id, temperature, greedy, ge
         def last_logits(batch, logits, lengths=lengths):
             last = logits[torch.arange(logits.shape[0]), lengths - 1]
             full = gather_from_tensor_model_parallel_region(last)[:, : model.vocab_size]
-            return torch.zeros(()), {"logits": full.float().cpu()}  # sampled on the host (its generator)
+            return logits.new_zeros(()), {"logits": full.float().cpu()}  # sampled on the host (its generator)
 
         outputs = run_micro_batches(model, [{"input_ids": input_ids}], last_logits, forward_only=True)
         next_tokens = None

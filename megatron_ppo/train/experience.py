@@ -51,7 +51,7 @@ def forward_per_token(
     collectives; the result lives on the batch's device)."""
     share, groups, micro = replica_micro_batches(batch, micro_batch_size, max_tokens)
     outputs = run_micro_batches(
-        model, micro, lambda b, out: (torch.zeros(()), {"value": output_fn(b, out)}), forward_only=True
+        model, micro, lambda b, out: (out.new_zeros(()), {"value": output_fn(b, out)}), forward_only=True
     )
     gathered = None
     if is_last_stage():
