@@ -274,18 +274,48 @@ class RewardConfig:
     normalize: bool = False  # running mean/std over all rewards seen
 
 
+WATCH_ACTIONS = ("warn", "lr_backoff", "kl_bump")
+
+
+@dataclass
+class WatchConfig:
+    """A watched metric: when `metric` first rises above `max` (and again after it has come back under), the run
+    logs a guard event and does `action` (warn only, back off every learning rate, or bump every KL β)."""
+
+    metric: str = "kl/mean"
+    max: float = 0.05
+    action: str = "warn"  # one of WATCH_ACTIONS (checked in validate: list items are not walked by field rules)
+
+
+def _default_watch() -> list[WatchConfig]:
+    return [WatchConfig("kl/mean", 0.05), WatchConfig("kl/std", 0.02), WatchConfig("critic/vf_loss", 0.5)]
+
+
 @dataclass
 class GuardsConfig:
-    """Stability guards; each one that fires is logged and written to TensorBoard."""
+    """Stability guards (`train/guards.py`); each one that fires is logged and written to TensorBoard."""
 
     max_consecutive_skips: int = ranged(5, NON_NEGATIVE)
-    # spike: grad norm > factor × running median of the window
+    # absolute: a role's grad norm (before clipping) above this → its lr × lr_backoff_factor; null: off
+    grad_norm_threshold: float | None = ranged(None, POSITIVE)
+    # relative spike: grad norm > factor × running median of the window → lr × lr_backoff_factor
     grad_norm_spike_factor: float = ranged(10.0, SPIKE_FACTOR)
     grad_norm_window: int = ranged(20, AT_LEAST_ONE)
     lr_backoff_factor: float = ranged(0.5, FACTOR)
+    min_lr_fraction: float = ranged(0.05, FACTOR)  # back-offs never take a role's lr below this × its configured lr
     kl_explosion_threshold: float = ranged(1.0, POSITIVE)  # per-token KL(actor‖ref) in nats that triggers a rollback
+    # |actor loss| > factor × its running median (same window), or a non-finite loss → rollback; null: off
+    loss_explosion_factor: float | None = ranged(None, SPIKE_FACTOR)
     rollback_lr_factor: float = ranged(0.5, FACTOR)
     max_rollbacks: int = ranged(3, NON_NEGATIVE)
+    kl_bump_threshold: float | None = ranged(None, POSITIVE)  # KL per token above it → every active β × kl_bump_factor
+    kl_bump_factor: float = ranged(1.2, SPIKE_FACTOR)
+    # eval/reward_mean below best − fraction·|best| → roll back to the best evaluation's checkpoint; null: off
+    eval_drop_fraction: float | None = ranged(None, FACTOR)
+    plateau_evaluations: int = ranged(0, NON_NEGATIVE)  # no new best reward in this many evaluations → lr back-off
+    plateau_lr_factor: float = ranged(0.9, FACTOR)
+    max_oom_retries: int = ranged(3, NON_NEGATIVE)  # out-of-memory retries with a smaller micro-batch, per run
+    watch: list[WatchConfig] = field(default_factory=_default_watch)
 
 
 @dataclass
@@ -299,6 +329,7 @@ class TrainerConfig:
     critic_warmup: int = ranged(0, NON_NEGATIVE)
     save_freq: int = ranged(0, NON_NEGATIVE)  # 0: only at the end
     test_freq: int = ranged(0, NON_NEGATIVE)
+    val_before_train: bool = True  # evaluate at step 0 (verl's default), when there is something to evaluate on
     default_local_dir: str = "outputs/checkpoints"
     log_dir: str = "outputs/tensorboard"
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])

@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_ppo.algo.kl_schedule import WARMUP
 from megatron_ppo.config.fields import choices_of, field_problems
-from megatron_ppo.config.schema import ROLES, GuardsConfig, KLStageConfig, MegatronConfig, PPOConfig
+from megatron_ppo.config.schema import ROLES, WATCH_ACTIONS, GuardsConfig, KLStageConfig, MegatronConfig, PPOConfig
 
 
 def resolve(config: PPOConfig) -> None:
@@ -60,6 +60,21 @@ def validate(config: PPOConfig) -> list[str]:
     return problems
 
 
+def _guard_problems(c: PPOConfig) -> list[str]:
+    """The watch rules (list items are not walked by the field rules) and what the evaluation guards need."""
+    p = []
+    for index, rule in enumerate(c.guards.watch):
+        if rule.action not in WATCH_ACTIONS:
+            p.append(f"guards.watch[{index}].action={rule.action!r} is not one of {', '.join(WATCH_ACTIONS)}")
+        if rule.action == "kl_bump" and not (c.actor.use_kl_loss or c.algorithm.use_kl_in_reward):
+            p.append(f"guards.watch[{index}] ({rule.metric}): action kl_bump needs a KL term (actor.use_kl_loss or "
+                     "algorithm.use_kl_in_reward); use warn or lr_backoff")  # fmt: skip
+    if c.data.val_files and c.data.task is not None:
+        p.append(f"data.val_files is for dataset runs; data.task={c.data.task!r} evaluates on its own held-out "
+                 "problems: drop data.val_files")  # fmt: skip
+    return p
+
+
 def _cross_key_problems(c: PPOConfig) -> list[str]:
     """Rules between keys (each key's own choices and range are on its schema field)."""
     p: list[str] = []
@@ -74,11 +89,7 @@ def _cross_key_problems(c: PPOConfig) -> list[str]:
         p.append(f"algorithm.kl_ctrl.min_coef={kl_ctrl.min_coef!r}: must not exceed max_coef={kl_ctrl.max_coef!r}")
     if c.trainer.resume_mode == "resume_path" and not c.trainer.resume_from_path:
         p.append("trainer.resume_mode='resume_path' needs trainer.resume_from_path=<checkpoint dir>")
-    if c.data.val_files:
-        p.append(
-            f"data.val_files={c.data.val_files!r}: nothing reads validation files yet (evaluation during training "
-            "comes with the stability-guard work); leave it empty"
-        )
+    p += _guard_problems(c)
     if c.trainer.overwrite and c.trainer.resume_mode == "auto":
         p.append(
             "trainer.overwrite=true moves other runs' checkpoints aside, but with trainer.resume_mode='auto' the run "
@@ -314,7 +325,7 @@ def _kl_problems(c: PPOConfig) -> list[str]:
         return p
     if not kl.stages:
         return [*p, f"{prefix}.type='staged' needs {prefix}.stages (see configs/kl/staged.yaml)"]
-    guard_names = {f.name for f in dataclasses.fields(GuardsConfig)}
+    guard_names = {f.name for f in dataclasses.fields(GuardsConfig) if f.name != "watch"}  # thresholds only
     names = [s.name for s in kl.stages]
     for name in {n for n in names if names.count(n) > 1}:
         p.append(f"{prefix}.stages: the name {name!r} is used twice; stage names must be unique")

@@ -17,6 +17,7 @@ from megatron_ppo.data.rows import read_rows
 from megatron_ppo.data.scoring import build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
 from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
+from megatron_ppo.train.evaluation import ValidationSet
 from megatron_ppo.train.ppo import PPOTrainer
 
 
@@ -70,8 +71,18 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
             config.data.train_files, tokenizer, config.data,
             rejects_path=os.path.join(config.trainer.default_local_dir, "rejects.jsonl"), scorer=scorer,
         )  # fmt: skip
-        trainer = PPOTrainer(config, rows, tokenizer.pad_id)
+        validation = None
+        if config.data.val_files:
+            val_rows, val_report = read_rows(
+                config.data.val_files, tokenizer, config.data,
+                rejects_path=os.path.join(config.trainer.default_local_dir, "val_rejects.jsonl"), scorer=scorer,
+            )  # fmt: skip
+            validation = ValidationSet(val_rows, tokenizer, scorer, config.data.max_response_length,
+                                       config.actor.log_prob_micro_batch_size_per_gpu)  # fmt: skip
+        trainer = PPOTrainer(config, rows, tokenizer.pad_id, evaluate=validation)
         trainer.logger.event(0, "data", report.summary())
+        if validation is not None:
+            trainer.logger.event(0, "data", f"validation: {val_report.summary()}")
         trainer.resume()
         try:
             return trainer.fit()

@@ -25,7 +25,7 @@ def guards_act(rank: int, world_size: int) -> dict[str, Any]:
         actions = guards.observe(metrics, skipped, overrides)
         for action in actions:
             if action.kind == "lr_backoff":
-                scale_learning_rate(scheduler, action.lr_factor)
+                scale_learning_rate(scheduler, action.factor)
         report["events"] += [action.message for action in actions]
         return actions
 

@@ -51,6 +51,22 @@ def score(model: RoleModel, tokenizer: SentencePieceTokenizer, problems: list[Ad
     return {"reward_mean": sum(rewards) / len(rewards), "accuracy": sum(r == 1.0 for r in rewards) / len(rewards)}
 
 
+@dataclass
+class HeldOutProblems:
+    """The tiny task's evaluation (`train.evaluation.Evaluator`): greedy answers to the held-out problems, scored by the
+    task's rule reward."""
+
+    tokenizer: SentencePieceTokenizer
+    problems: list[AdditionProblem]
+    gives_reward: bool = True
+
+    def __call__(self, actor: RoleModel, ref: RoleModel | None = None) -> dict[str, float]:
+        return score(actor, self.tokenizer, self.problems)
+
+    def describe(self) -> str:
+        return f"{len(self.problems)} held-out addition problems, answered greedily → eval/reward_mean, eval/accuracy"
+
+
 def _sft_checkpoint(config: PPOConfig, tokenizer, train: list[AdditionProblem], work: Path) -> Path:
     root = work / "sft"
     found = checkpoint.find_resumable(root)
@@ -142,14 +158,15 @@ def prepare_addition_task(config: PPOConfig) -> AdditionTask:
 def train_on_task(config: PPOConfig, task: AdditionTask) -> tuple[PPOTrainer, list[dict[str, float]], dict, dict]:
     """One PPO run from the SFT policy: (trainer, history, held-out scores before, after)."""
     config.model.init_checkpoint = task.sft_checkpoint
-    trainer = PPOTrainer(config, task.rows, task.tokenizer.pad_id,
-                         evaluate=lambda actor: score(actor, task.tokenizer, task.heldout))  # fmt: skip
-    before = score(trainer.actor, task.tokenizer, task.heldout)
-    trainer.logger.log(0, {f"eval/{k}": v for k, v in before.items()})
+    heldout = HeldOutProblems(task.tokenizer, task.heldout)
+    trainer = PPOTrainer(config, task.rows, task.tokenizer.pad_id, evaluate=heldout)
+    evaluated_at_start = config.trainer.val_before_train and trainer.run.resume_from is None  # by fit, at step 0
+    before = None if evaluated_at_start else heldout(trainer.actor)
     trainer.resume()
     try:
         history = trainer.fit()
-        after = score(trainer.actor, task.tokenizer, task.heldout)
+        before = before or {k.removeprefix("eval/"): v for k, v in trainer.evaluations[0].items()}
+        after = heldout(trainer.actor)
     finally:
         trainer.close()
     return trainer, history, before, after
