@@ -81,8 +81,8 @@ class Guards:
                                 "lower the learning rate or inspect the data")]  # fmt: skip
         actions = []
         if skipped:
-            actions.append(GuardAction("warn", "nonfinite", f"non-finite gradient: the optimizer step was skipped "
-                                       f"({self.consecutive_skips} in a row)", value=self.consecutive_skips))  # fmt: skip
+            message = f"non-finite gradient: the optimizer step was skipped ({self.consecutive_skips} in a row)"
+            actions.append(GuardAction("warn", "nonfinite", message, value=self.consecutive_skips))
         actions += [action for role in self.grad_norms if (action := self._grad_norm(config, role, metrics))]
         rollback = self._loss_explosion(config, metrics, skipped) or self._kl_explosion(config, metrics)
         if rollback is not None:

@@ -146,7 +146,7 @@ def test_out_of_memory_backoff_lowers_the_micro_batch_and_persists() -> None:
     def always() -> None:
         raise torch.OutOfMemoryError("injected")
 
-    with pytest.raises(RuntimeError, match="after 2 retries .*guards.max_oom_retries"):
+    with pytest.raises(RuntimeError, match=r"after 2 retries \(guards.max_oom_retries\)"):
         backoff.run("update_actor", keys, always, lambda: None, logged.append)
     config.actor.ppo_micro_batch_size_per_gpu = 1
     with pytest.raises(RuntimeError, match="not even one row fits"):
