@@ -214,18 +214,19 @@ class PPOTrainer:
             for role, model in self.models.items():
                 zero_grads(model, self.optimizers[role])
 
-        def log(message: str) -> None:
-            self.logger.event(self.step, "guard/out_of_memory", message)
-            self.logger.log(self.step, {"guard/out_of_memory": float(self.memory.retries)})
+        def log(message: str) -> None:  # at the number of the iteration under way
+            self.logger.event(self.step + 1, "guard/out_of_memory", message)
+            self.logger.log(self.step + 1, {"guard/out_of_memory": float(self.memory.retries)})
 
         return self.memory.run(phase, micro_batch_keys(self.config, phase), attempt, free, log)
 
     def _act(self, actions: list[GuardAction]) -> None:
         """Carry out what the guards asked for, each logged as a `guard/<guard>` event and scalar (the value that
-        fired it) at the step it fired."""
+        fired it) at the step it fired, also when an earlier action rolled the run back."""
+        fired_at = self.step
         for action in actions:
-            self.logger.event(self.step, f"guard/{action.guard}", action.message)
-            self.logger.log(self.step, {f"guard/{action.guard}": action.value if math.isfinite(action.value) else 1.0})
+            self.logger.event(fired_at, f"guard/{action.guard}", action.message)
+            self.logger.log(fired_at, {f"guard/{action.guard}": action.value if math.isfinite(action.value) else 1.0})
             if action.kind == "stop":
                 raise RuntimeError(action.message)
             if action.kind == "lr_backoff":
@@ -234,7 +235,7 @@ class PPOTrainer:
             elif action.kind == "kl_bump":
                 self.kl.scale(action.factor)
             elif action.kind == "rollback":
-                self._roll_back(action)
+                self._roll_back(action, fired_at)
 
     def _scale_learning_rate(self, role: str, factor: float) -> None:
         """`role`'s learning rate × `factor`, never below `guards.min_lr_fraction` × its configured rate."""
@@ -244,7 +245,7 @@ class PPOTrainer:
             self.logger.event(self.step, "guard/lr_floor", f"{role} learning rate held at guards.min_lr_fraction="
                               f"{self.config.guards.min_lr_fraction} of its configured rate")  # fmt: skip
 
-    def _roll_back(self, action: GuardAction) -> None:
+    def _roll_back(self, action: GuardAction, fired_at: int) -> None:
         """Restore a checkpoint — the last good one, or the best evaluation's — with lower learning rates. The guards
         keep their own counters and the out-of-memory back-off its smaller micro-batches."""
         guards, root = self.guards, self.config.trainer.default_local_dir
@@ -257,7 +258,7 @@ class PPOTrainer:
                 "no checkpoint to return to yet" if path is None else f"guards.max_rollbacks={action.max_rollbacks} "
                 "reached"
             )  # fmt: skip
-            self.logger.event(self.step, "guard/rollback", f"rollback not possible: {reason}; continuing")
+            self.logger.event(fired_at, "guard/rollback", f"rollback not possible: {reason}; continuing")
             return
         counters, memory, best = guards.state_dict(), self.memory.state_dict(), self.best_checkpoint
         self.load_trainer_state(checkpoint.load_checkpoint(path, self.models, self.optimizers))
@@ -268,8 +269,9 @@ class PPOTrainer:
         guards.rollbacks += 1
         for role in self.schedulers:
             self._scale_learning_rate(role, action.factor)
-        self.logger.event(self.step, "guard/rollback", f"rolled back to {path}, learning rates × {action.factor}")
-        self.logger.log(self.step, {"guard/rollback": float(guards.rollbacks)})
+        self.logger.event(fired_at, "guard/rollback", f"rolled back to {path} (step {self.step}), learning rates × "
+                          f"{action.factor}")  # fmt: skip
+        self.logger.log(fired_at, {"guard/rollback": float(guards.rollbacks)})
 
     # --- evaluation ----------------------------------------------------------------------------------------------
     def _describe_evaluation(self) -> None:
@@ -296,7 +298,7 @@ class PPOTrainer:
             return results
         actions = self.guards.observe_evaluation(reward)
         new_best = self.guards.evals_since_best == 0 and self.guards.best_eval == reward
-        if new_best and self.config.guards.eval_drop_fraction is not None:
+        if new_best and self.config.guards.eval_drop_fraction is not None and self.config.trainer.test_freq:
             self.best_checkpoint = str(self.save())
         self._act(actions)
         return results
@@ -318,9 +320,10 @@ class PPOTrainer:
         if self.evaluate is not None and trainer.val_before_train and self.step == 0:
             self.evaluation()
         while self.step < self.total_steps:
+            number = self.step + 1  # logged under its own number, even when its guards rolled the run back
             metrics = self.iteration()
-            self.logger.log(self.step, metrics)
-            self.history.append({"step": float(self.step), **metrics})
+            self.logger.log(number, metrics)
+            self.history.append({"step": float(number), **metrics})
             if self.evaluate is not None and trainer.test_freq and self.step % trainer.test_freq == 0:
                 self.history[-1] |= self.evaluation()
             if watch.agreed():
