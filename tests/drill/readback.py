@@ -88,5 +88,6 @@ def drill_table(rows: list[DrillRow], summary: dict[str, float]) -> None:
         table.add_row(row.fault, str(row.injected), row.guard, ", ".join(map(str, row.fired_at)) or "—",
                       row.action, "—" if row.recovered_by is None else str(row.recovered_by))  # fmt: skip
     table.caption = (f"held-out accuracy: SFT start {summary['accuracy_before']:.3f} → after PPO "
-                     f"{summary['accuracy_after']:.3f}")  # fmt: skip
+                     f"{summary['accuracy_after']:.3f}. Recovered by: the first later iteration no guard corrected "
+                     "(after a rollback, step numbers restart at the checkpoint's).")  # fmt: skip
     Console(width=200).print(table)
