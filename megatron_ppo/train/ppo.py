@@ -269,8 +269,8 @@ class PPOTrainer:
         guards.rollbacks += 1
         for role in self.schedulers:
             self._scale_learning_rate(role, action.factor)
-        self.logger.event(fired_at, "guard/rollback", f"rolled back to {path} (step {self.step}), learning rates × "
-                          f"{action.factor}")  # fmt: skip
+        self.logger.event(fired_at, "guard/rollback", f"rolled back to {path}, learning rates × {action.factor}; the "
+                          f"run continues from step {self.step}")  # fmt: skip
         self.logger.log(fired_at, {"guard/rollback": float(guards.rollbacks)})
 
     # --- evaluation ----------------------------------------------------------------------------------------------
