@@ -123,7 +123,7 @@ class AdditionTaskConfig:
     sft_steps: int = 1000
     sft_batch_size: int = 128
     sft_lr: float = 2.0e-3
-    work_dir: str = "outputs/tiny"
+    work_dir: str = "outputs/tiny"  # the task cache: one task-<hash> folder per task setting (recipe.task_directory)
 
 
 @dataclass

@@ -1,13 +1,16 @@
 """The embedded default (data.task=addition): tokenizer → SFT policy → sampled offline dataset → PPO → table.
 
 Every stage caches its product under `data.addition.work_dir` (tokenizer, SFT checkpoint, dataset), so a second
-run goes straight to PPO. The PPO run itself writes checkpoints and TensorBoard logs where `trainer.*` says (under
+run with the same task goes straight to PPO. The cache lives in a folder per task fingerprint (`task_directory`): a run
+with other task settings, seeds or model shape builds its own and never trains on another task's data. The PPO run
+itself writes checkpoints and TensorBoard logs where `trainer.*` says (under
 the rules of `train/run_start.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -30,6 +33,32 @@ from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.ppo import PPOTrainer
 
 MAX_NEW_TOKENS = 4  # three digits and the end marker
+
+
+# Model keys that shape the SFT policy (the others — checkpoints, dtypes, kernels — do not change what is cached).
+SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+              "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization", "activation",
+              "add_bias_linear", "untie_embeddings_and_output_weights")  # fmt: skip
+
+
+def task_fingerprint(config: PPOConfig) -> dict[str, object]:
+    """What the cached tokenizer, SFT policy and dataset depend on, as flat `key: value` pairs."""
+    task = {f"data.addition.{k}": v for k, v in dataclasses.asdict(config.data.addition).items() if k != "work_dir"}
+    model = {f"model.{k}": getattr(config.model, k) for k in SHAPE_KEYS}
+    return {**task, **model, "data.seed": config.data.seed, "trainer.seed": config.trainer.seed}
+
+
+def task_directory(config: PPOConfig) -> Path:
+    """`<data.addition.work_dir>/task-<hash of the fingerprint>`, its `task.json` written by the first run to use it:
+    runs with other task settings, seeds or model shape build their own cache beside it and never read this one."""
+    fingerprint = task_fingerprint(config)
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:10]
+    work = Path(config.data.addition.work_dir) / f"task-{digest}"
+    if is_logging_rank() and not (work / "task.json").is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "task.json").write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
+    barrier()
+    return work
 
 
 def _tokenizer(work: Path, problems: list[AdditionProblem]) -> SentencePieceTokenizer:
@@ -142,7 +171,7 @@ class AdditionTask:
 def prepare_addition_task(config: PPOConfig) -> AdditionTask:
     """Tokenizer, SFT policy and offline dataset (each built once and cached in data.addition.work_dir)."""
     task = config.data.addition
-    work = Path(task.work_dir)
+    work = task_directory(config)
     train, heldout = split_problems(task.num_prompts, task.num_heldout, seed=config.data.seed)
     tokenizer = _tokenizer(work, train + heldout)
     if tokenizer.vocab_size > config.model.vocab_size:
