@@ -174,7 +174,8 @@ class PPOTrainer:
             self.step += 1
             # 6. KL control: β for the next iteration from this one's KL (stage-aware)
             metrics |= self.kl.step(metrics.get("kl/mean"), config.data.train_batch_size)
-            # 7. guards: back off, roll back or stop on spikes, KL explosions and non-finite steps
+            # 7. guards: back off, roll back, bump β or stop on grad-norm spikes, KL or loss explosions, high KL,
+            #    watched metrics and non-finite steps (out-of-memory errors are retried inside the phases)
             skipped = any(update.skipped for update in updates)
             self._act(self.guards.observe(metrics, skipped, self.kl.guard_overrides))
         # 8. metrics: counters, timings and throughput (MFU from the planner's FLOP count)
