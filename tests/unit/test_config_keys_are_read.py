@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 READ_ELSEWHERE = {
     "actor.clip_ratio": "the default of clip_ratio_low/high, filled in by config.validate.resolve",
     "data.val_files": "refused by config.validate when set: nothing evaluates on validation files yet",
+    "trainer.val_before_train": "read by evaluation (#16)",
 }
 
 
