@@ -248,6 +248,11 @@ def _layout_problems(c: PPOConfig) -> list[str]:
             p.append(f"{key}.sequence_parallel=True needs Transformer Engine norms (GPU); set it to false on CPU")
         if c.cluster.device == "cpu" and cp > 1:
             p.append(f"{key}.context_parallel_size={cp} needs Transformer Engine attention (GPU); use 1 on CPU")
+        if c.cluster.device == "cpu" and mg.recompute_granularity is not None:
+            p.append(
+                f"{key}.recompute_granularity={mg.recompute_granularity!r} needs CUDA (Megatron's activation recompute "
+                "saves and restores the CUDA RNG state); leave it unset on CPU"
+            )
         if mg.recompute_method is not None and mg.recompute_granularity != "full":
             p.append(f"{key}.recompute_method={mg.recompute_method!r} only applies with recompute_granularity='full'")
         if mg.recompute_granularity == "full" and (mg.recompute_method is None or mg.recompute_num_layers is None):

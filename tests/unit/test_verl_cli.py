@@ -130,24 +130,29 @@ def test_deleting_an_unknown_key_is_an_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "section", "recompute"),
+    ("written", "section", "value", "recompute"),
     [
-        (["critic.model.enable_gradient_checkpointing=True"], "critic", ("full", "uniform", 1)),
-        (["actor_rollout_ref.model.enable_gradient_checkpointing=True"], "actor", ("full", "uniform", 1)),
-        (["actor.megatron.recompute_granularity=selective", "actor_rollout_ref.model.enable_gradient_checkpointing=0"],
-         "actor", "refused"),
+        ("critic.model.enable_gradient_checkpointing", "critic", True, ("full", "uniform", 1)),
+        ("actor_rollout_ref.model.enable_gradient_checkpointing", "actor", True, ("full", "uniform", 1)),
+        ("critic.model.enable_gradient_checkpointing", "critic", False, (None, None, None)),
     ],
-)  # fmt: skip
-def test_gradient_checkpointing_sets_that_roles_recompute(overrides: list[str], section: str, recompute) -> None:
-    if recompute == "refused":
-        with pytest.raises(ConfigError, match="enable_gradient_checkpointing=0: give true or false"):
-            load_config(TINY, overrides)
-        return
-    config = load_config(TINY, overrides)
+)
+def test_gradient_checkpointing_sets_that_roles_recompute(written: str, section: str, value: bool, recompute) -> None:
+    config = load_config(RECIPE_7B, [f"{written}={value}"])  # the recipe: selective recompute for actor and critic
     layout = get(config, f"{section}.megatron")
     assert (layout.recompute_granularity, layout.recompute_method, layout.recompute_num_layers) == recompute
     untouched = config.critic if section == "actor" else config.actor
-    assert untouched.megatron.recompute_granularity is None
+    assert untouched.megatron.recompute_granularity == "selective"
+
+
+def test_gradient_checkpointing_takes_a_boolean_and_needs_cuda() -> None:
+    with pytest.raises(ConfigError, match="enable_gradient_checkpointing=0: give true or false"):
+        load_config(RECIPE_7B, ["actor_rollout_ref.model.enable_gradient_checkpointing=0"])
+    with pytest.raises(ConfigError) as refused:
+        load_config(TINY, ["critic.model.enable_gradient_checkpointing=True"])
+    (problem,) = refused.value.problems
+    assert problem.startswith("critic.megatron.recompute_granularity='full' needs CUDA"), problem
+    assert "critic.model.enable_gradient_checkpointing sets critic.megatron.recompute_granularity" in problem, problem
 
 
 @pytest.mark.parametrize(
@@ -213,3 +218,14 @@ def test_per_role_layouts_are_refused_naming_the_verl_keys_and_the_nearest_share
         "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size sets ref.megatron.pipeline_model_parallel_size"
         in (layout)
     )
+
+
+def test_the_wandb_logger_without_the_extra_fails_with_the_install_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from megatron_ppo.config.schema import PPOConfig
+    from megatron_ppo.train.metrics import MetricsLogger
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(RuntimeError, match=r"wandb is not installed; install the extra \(pip install 'megatron-ppo"):
+        MetricsLogger(tmp_path, ["wandb"], 1, config=PPOConfig(), run_id="run")
