@@ -248,7 +248,7 @@ def _layout_problems(c: PPOConfig) -> list[str]:
             p.append(f"{key}.sequence_parallel=True needs Transformer Engine norms (GPU); set it to false on CPU")
         if c.cluster.device == "cpu" and cp > 1:
             p.append(f"{key}.context_parallel_size={cp} needs Transformer Engine attention (GPU); use 1 on CPU")
-        if c.cluster.device == "cpu" and mg.recompute_granularity is not None:
+        if c.cluster.device == "cpu" and mg.recompute_granularity is not None and role != "ref":  # ref: eval mode
             p.append(
                 f"{key}.recompute_granularity={mg.recompute_granularity!r} needs CUDA (Megatron's activation recompute "
                 "saves and restores the CUDA RNG state); leave it unset on CPU"
