@@ -317,7 +317,8 @@ class TrainerConfig:
     # preempted job or one whose budget (exit_interval, exit_duration_in_mins) is spent makes for the next job.
     save_freq: int = ranged(0, SAVE_FREQ)
     test_freq: int = ranged(0, NON_NEGATIVE)
-    val_before_train: bool = True  # evaluate once before the first step (verl's default)
+    # evaluate once before the first step (verl's default); read by the evaluation on data.val_files (#16)
+    val_before_train: bool = True
     default_local_dir: str = "outputs/checkpoints"
     log_dir: str = "outputs/tensorboard"
     # console, tensorboard, wandb (the `wandb` extra; W&B project = project_name, run name = experiment_name)
