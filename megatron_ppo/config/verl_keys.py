@@ -77,6 +77,10 @@ def expand_verl_values(overrides: list[Override]) -> list[Override]:
     `data.prompt_truncation`."""
     overlong = {o.key: o for o in overrides if o.key in (FILTER_OVERLONG, TRUNCATION)}  # the last of each wins
     last = max((i for i, o in enumerate(overrides) if o.key in overlong), default=-1)
+    deleted = [o for o in overrides if o.delete and (o.key in GRADIENT_CHECKPOINTING or o.key in overlong)]
+    if deleted:
+        raise ConfigError([f"~{o.written}: this verl key sets several of ours, so it cannot be deleted; set it, or "
+                           "delete the keys it sets (README, verl keys)" for o in deleted])  # fmt: skip
     expanded: list[Override] = []
     for index, override in enumerate(overrides):
         if override.key in GRADIENT_CHECKPOINTING:
@@ -90,7 +94,7 @@ def expand_verl_values(overrides: list[Override]) -> list[Override]:
 
 
 def _gradient_checkpointing(override: Override) -> list[Override]:
-    if override.delete or not isinstance(override.value, bool):
+    if not isinstance(override.value, bool):
         raise ConfigError(
             [f"{override.written}={override.value!r}: give true or false (true: full recompute of every layer)"]
         )
@@ -101,9 +105,9 @@ def _gradient_checkpointing(override: Override) -> list[Override]:
 
 def _overlong(filtered: Override | None, truncation: Override | None) -> list[Override]:
     problems = []
-    if filtered is not None and (filtered.delete or not isinstance(filtered.value, bool)):
+    if filtered is not None and not isinstance(filtered.value, bool):
         problems.append(f"{FILTER_OVERLONG}={filtered.value!r}: give true or false")
-    if truncation is not None and (truncation.delete or truncation.value not in VERL_TRUNCATION):
+    if truncation is not None and truncation.value not in VERL_TRUNCATION:
         problems.append(f"{TRUNCATION}={truncation.value!r}: give one of {', '.join(VERL_TRUNCATION)}")
     if problems:
         raise ConfigError(problems)

@@ -179,6 +179,12 @@ def test_a_truncation_verl_does_not_have_is_refused_with_its_choices() -> None:
         load_config(TINY, ["data.truncation=top"])
 
 
+@pytest.mark.parametrize("key", ["data.truncation", "critic.model.enable_gradient_checkpointing"])
+def test_a_verl_key_that_sets_several_of_ours_cannot_be_deleted(key: str) -> None:
+    with pytest.raises(ConfigError, match=f"~{key}: this verl key sets several of ours, so it cannot be deleted"):
+        load_config(TINY, [f"~{key}"])
+
+
 def test_save_freq_minus_one_means_never_and_below_is_refused() -> None:
     assert load_config(TINY, ["trainer.save_freq=-1"]).trainer.save_freq == -1
     with pytest.raises(ConfigError, match=r"trainer.save_freq=-2: must be ≥ -1 \(-1: never, 0: only at the end\)"):
