@@ -33,6 +33,7 @@ CLIP_LOW = Range(lambda v: 0 < v < 1, "in (0, 1) (the ratio is clipped at 1 − 
 DUAL_CLIP = Range(lambda v: v > 1, "> 1 (dual clip caps −A·ρ at −A·c; try 3.0)")
 SPIKE_FACTOR = Range(lambda v: v > 1, "> 1 (a multiple of the running grad norm)")
 ROPE_FACTOR = Range(lambda v: v >= 1, "≥ 1 (Llama 3.1: 8), or null: off")
+SAVE_FREQ = Range(lambda v: v >= -1, "≥ -1 (-1: never, 0: only at the end)")
 OFF_OR_POSITIVE = Range(lambda v: v > 0, "> 0 (or null: off)")
 ROLES = ("actor", "ref", "critic")
 
@@ -138,7 +139,12 @@ class DataConfig:
     reward_key: str = "reward"
     max_prompt_length: int = ranged(64, AT_LEAST_ONE)
     max_response_length: int = ranged(64, AT_LEAST_ONE)
-    overlong_policy: str = choice("filter", ("filter", "truncate"))
+    # A row whose prompt or response (eos included) is over its limit: dropped and counted (filter), cut (truncate:
+    # the prompt as prompt_truncation says, the response at its end) or an error naming the row (error).
+    overlong_policy: str = choice("filter", ("filter", "truncate", "error"))
+    # Which prompt tokens truncation keeps (verl's data.truncation): the last (left is cut), the first (right is
+    # cut), or the first and last halves (middle is cut).
+    prompt_truncation: str = choice("left", ("left", "right", "middle"))
     # skip: rejected rows go to a rejects file, with their reason
     on_bad_row: str = choice("error", ("error", "skip"))
     # Text rows: tokenizing prompt and response apart vs together (verl's tokenization_sanity_check_mode):
@@ -191,9 +197,19 @@ class RefConfig:
 
 
 @dataclass
+class CriticModelConfig:
+    """The critic's own initial weights (verl: `critic.model.path`); unset: the actor's trunk and a zero head.
+    A reward model is a common start: the value head takes a sequence-classification model's one-label `score`."""
+
+    hf_checkpoint: str | None = None  # Hugging Face directory to convert on first use (verl's critic.model.path)
+    init_checkpoint: str | None = None  # megatron-ppo checkpoint: its "critic" if it saved one, else its "actor" trunk
+
+
+@dataclass
 class CriticConfig:
     """The value model (a GPT trunk with a scalar head)."""
 
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1.0e-5))
     ppo_mini_batch_size: int = ranged(128, AT_LEAST_ONE)
@@ -327,11 +343,14 @@ class TrainerConfig:
     total_epochs: int = ranged(1, AT_LEAST_ONE)
     total_training_steps: int | None = ranged(None, AT_LEAST_ONE)  # None: derived from the data and total_epochs
     critic_warmup: int = ranged(0, NON_NEGATIVE)
-    save_freq: int = ranged(0, NON_NEGATIVE)  # 0: only at the end
+    # Checkpoint every save_freq steps and at the end; 0: only at the end; -1 (verl): never — except the save a
+    # preempted job or one whose budget (exit_interval, exit_duration_in_mins) is spent makes for the next job.
+    save_freq: int = ranged(0, SAVE_FREQ)
     test_freq: int = ranged(0, NON_NEGATIVE)
     val_before_train: bool = True  # evaluate at step 0 (verl's default), when there is something to evaluate on
     default_local_dir: str = "outputs/checkpoints"
     log_dir: str = "outputs/tensorboard"
+    # console, tensorboard, wandb (the `wandb` extra; W&B project = project_name, run name = experiment_name)
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
     resume_mode: str = choice("auto", ("auto", "disable", "resume_path"))
     resume_from_path: str | None = None

@@ -7,6 +7,7 @@ own choices and range are on its schema field (`config.fields`); the rules betwe
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from megatron_ppo.algo.kl_schedule import WARMUP
 from megatron_ppo.config.fields import choices_of, field_problems
 from megatron_ppo.config.schema import ROLES, WATCH_ACTIONS, GuardsConfig, KLStageConfig, MegatronConfig, PPOConfig
+
+LOGGERS = ("console", "tensorboard", "wandb")
 
 
 def resolve(config: PPOConfig) -> None:
@@ -95,9 +98,25 @@ def _cross_key_problems(c: PPOConfig) -> list[str]:
             "trainer.overwrite=true moves other runs' checkpoints aside, but with trainer.resume_mode='auto' the run "
             "would continue the one `latest` names; set trainer.resume_mode=disable for a new run"
         )
-    unknown_loggers = sorted(set(c.trainer.logger) - {"console", "tensorboard"})
+    unknown_loggers = sorted(set(c.trainer.logger) - set(LOGGERS))
     if unknown_loggers:
-        p.append(f"trainer.logger={c.trainer.logger!r}: unknown {unknown_loggers}; use console and/or tensorboard")
+        p.append(f"trainer.logger={c.trainer.logger!r}: unknown {unknown_loggers}; use any of {', '.join(LOGGERS)}")
+    if "wandb" in c.trainer.logger and importlib.util.find_spec("wandb") is None:
+        p.append(
+            f"trainer.logger={c.trainer.logger!r}: wandb is not installed; install the extra (pip install "
+            "'megatron-ppo[wandb]') or drop wandb from the list"
+        )
+    critic_model = c.critic.model
+    if critic_model.hf_checkpoint and critic_model.init_checkpoint:
+        p.append(
+            f"critic.model.hf_checkpoint={critic_model.hf_checkpoint!r} and critic.model.init_checkpoint="
+            f"{critic_model.init_checkpoint!r} both name the critic's initial weights; set one of them"
+        )
+    if (critic_model.hf_checkpoint or critic_model.init_checkpoint) and c.algorithm.adv_estimator != "gae":
+        p.append(
+            f"critic.model initialises a critic, but algorithm.adv_estimator={c.algorithm.adv_estimator!r} trains "
+            "none; unset critic.model.hf_checkpoint / init_checkpoint or use adv_estimator=gae"
+        )
     return p
 
 
@@ -193,15 +212,11 @@ def data_parallel_size(c: PPOConfig, megatron: MegatronConfig) -> int:
 # Megatron's parallel_state holds one layout per process; roles with different layouts need per-model process
 # groups, which the trainer does not build yet.
 SHARED_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+_SHORT = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP", "context_parallel_size": "CP"}
 
 
 def _layout_problems(c: PPOConfig) -> list[str]:
-    p: list[str] = []
-    for key in SHARED_LAYOUT_KEYS:
-        values = {role: getattr(get(c, f"{role}.megatron"), key) for role in ROLES}
-        if len(set(values.values())) > 1:
-            listed = ", ".join(f"{role}.megatron.{key}={value}" for role, value in values.items())
-            p.append(f"{listed}: actor, ref and critic must share one parallel layout for now; make them equal")
+    p = _shared_layout_problems(c)
     world = world_size(c)
     m = c.model
     query_groups = m.num_query_groups or m.num_attention_heads
@@ -244,6 +259,11 @@ def _layout_problems(c: PPOConfig) -> list[str]:
             p.append(f"{key}.sequence_parallel=True needs Transformer Engine norms (GPU); set it to false on CPU")
         if c.cluster.device == "cpu" and cp > 1:
             p.append(f"{key}.context_parallel_size={cp} needs Transformer Engine attention (GPU); use 1 on CPU")
+        if c.cluster.device == "cpu" and mg.recompute_granularity is not None and role != "ref":  # ref: eval mode
+            p.append(
+                f"{key}.recompute_granularity={mg.recompute_granularity!r} needs CUDA (Megatron's activation recompute "
+                "saves and restores the CUDA RNG state); leave it unset on CPU"
+            )
         if mg.recompute_method is not None and mg.recompute_granularity != "full":
             p.append(f"{key}.recompute_method={mg.recompute_method!r} only applies with recompute_granularity='full'")
         if mg.recompute_granularity == "full" and (mg.recompute_method is None or mg.recompute_num_layers is None):
@@ -251,6 +271,30 @@ def _layout_problems(c: PPOConfig) -> list[str]:
                 f"{key}.recompute_granularity='full' needs recompute_method (uniform|block) and recompute_num_layers"
             )
     return p
+
+
+def _shared_layout_problems(c: PPOConfig) -> list[str]:
+    """One problem when the roles' TP/PP/CP differ, proposing the nearest shared layout: the role's layout that the
+    fewest keys must change to reach (on a tie the actor's, then the critic's — the trained models)."""
+    layouts = {role: tuple(getattr(get(c, f"{role}.megatron"), key) for key in SHARED_LAYOUT_KEYS) for role in ROLES}
+    if len(set(layouts.values())) == 1:
+        return []
+    differing = [i for i, _ in enumerate(SHARED_LAYOUT_KEYS) if len({layout[i] for layout in layouts.values()}) > 1]
+    listed = ", ".join(
+        f"{role}.megatron.{SHARED_LAYOUT_KEYS[i]}={layouts[role][i]}" for i in differing for role in ROLES
+    )
+    changes = {
+        role: [(other, i) for other in ROLES for i in differing if layouts[other][i] != layouts[role][i]]
+        for role in ("actor", "critic", "ref")
+    }
+    nearest = min(changes, key=lambda role: len(changes[role]))
+    shape = " ".join(f"{_SHORT[key]} {value}" for key, value in zip(SHARED_LAYOUT_KEYS, layouts[nearest], strict=True))
+    fixes = " ".join(f"{other}.megatron.{SHARED_LAYOUT_KEYS[i]}={layouts[nearest][i]}" for other, i in changes[nearest])
+    return [
+        f"{listed}: actor, ref and critic must share one parallel layout for now (Megatron's parallel_state holds one "
+        f"TP/PP/CP layout per process; per-role process groups are not built); the nearest shared layout is the "
+        f"{nearest}'s ({shape}): set {fixes}"
+    ]
 
 
 def _divisors(n: int) -> list[int]:
@@ -315,7 +359,8 @@ def _kl_problems(c: PPOConfig) -> list[str]:
     if kl.type != "fixed" and not driven:
         p.append(
             f"{prefix}.type={kl.type!r} drives no KL term: enable actor.use_kl_loss or "
-            f"algorithm.use_kl_in_reward and list it in {prefix}.apply_to"
+            f"algorithm.use_kl_in_reward and list it in {prefix}.apply_to, or set {prefix}.type=fixed"
+            + (f" ~{prefix}.stages" if kl.stages else "")
         )
     if kl.band is not None:
         p += _band_problems(f"{prefix}.band", kl.band)

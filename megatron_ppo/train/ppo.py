@@ -13,6 +13,7 @@ import torch
 
 from megatron_ppo import algo, checkpoint
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.critic_init import load_critic
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, copy_weights
 from megatron_ppo.models.gpt import sync_parameters
@@ -53,7 +54,9 @@ class PPOTrainer:
             )
         self.total_steps = trainer.total_training_steps or steps_per_epoch * trainer.total_epochs
         self.run = start_run(config)  # before the models are built: a run that may not start refuses at once
-        self.logger = MetricsLogger(self.run.log_dir, trainer.logger, self.total_steps)
+        self.logger = MetricsLogger(
+            self.run.log_dir, trainer.logger, self.total_steps, config=config, run_id=self.run.identity.run_id
+        )
         uses_kl = config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.actor = build_role_model("actor", config.model, layout)
         self.ref = build_role_model("ref", config.model, config.ref.megatron) if uses_kl else None
@@ -66,10 +69,9 @@ class PPOTrainer:
             for model in (self.actor, self.ref):
                 if model is not None:
                     checkpoint.load_weights(model, config.model.init_checkpoint, "actor")
-            if self.critic is not None:
-                checkpoint.load_weights(self.critic, config.model.init_checkpoint, "actor", drop=("output_layer",))
         elif self.ref is not None:  # model.allow_random_init: the reference is the actor's starting point
             copy_weights(self.actor, self.ref)
+        critic_source = load_critic(self.critic, config) if self.critic is not None else None
         self.models = {"actor": self.actor} | ({"critic": self.critic} if self.critic else {})
         self.logger.event(0, "kernels", describe_kernels(config))
         self.optimizers, self.schedulers = {}, {}
@@ -93,6 +95,8 @@ class PPOTrainer:
         self.step = 0
         self.skipped_steps = 0
         self.logger.event(0, "run", f"{trainer.project_name}/{trainer.experiment_name}")
+        if critic_source is not None:
+            self.logger.event(0, "critic", critic_source)
         if grouping:
             self.logger.event(0, "data", grouping)
         self._describe_evaluation()
@@ -336,9 +340,10 @@ class PPOTrainer:
                 path = self.save()
                 self.logger.event(self.step, "job budget", f"{reason}; checkpoint {path}, the next job resumes")
                 raise JobBudgetReached(str(path))
-            if trainer.save_freq and self.step % trainer.save_freq == 0 and self.step < self.total_steps:
+            if trainer.save_freq > 0 and self.step % trainer.save_freq == 0 and self.step < self.total_steps:
                 self.save()
-        self.save()
+        if trainer.save_freq >= 0:  # -1: never (verl), but for the preemption and job-budget saves above
+            self.save()
 
     def close(self) -> None:
         self.logger.close()

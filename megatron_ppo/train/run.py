@@ -13,6 +13,7 @@ from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.config.validate import world_size
 from megatron_ppo.convert import converted_init_checkpoint
+from megatron_ppo.critic_init import converted_critic_checkpoint
 from megatron_ppo.data.rows import read_rows
 from megatron_ppo.data.scoring import build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
@@ -23,8 +24,8 @@ from megatron_ppo.train.ppo import PPOTrainer
 
 @contextmanager
 def distributed_run(config: PPOConfig) -> Iterator[None]:
-    """Check the launch against the config, start the process groups, convert `model.hf_checkpoint` on first use;
-    tear the groups down on the way out."""
+    """Check the launch against the config, start the process groups, convert `model.hf_checkpoint` (and the
+    critic's `critic.model.hf_checkpoint`) on first use; tear the groups down on the way out."""
     env = dist_env_from_environment()
     expected = world_size(config)
     if env.world_size != expected:
@@ -47,6 +48,12 @@ def distributed_run(config: PPOConfig) -> Iterator[None]:
             cache = os.path.join(config.trainer.default_local_dir, "hf_init")
             config.model.init_checkpoint = str(
                 converted_init_checkpoint(config.model.hf_checkpoint, cache, config.model, config.actor.megatron)
+            )
+        critic = config.critic.model
+        if critic.hf_checkpoint and not critic.init_checkpoint:
+            cache = os.path.join(config.trainer.default_local_dir, "hf_init_critic")
+            critic.init_checkpoint = str(
+                converted_critic_checkpoint(critic.hf_checkpoint, cache, config.model, config.critic.megatron)
             )
         yield
     finally:
