@@ -358,7 +358,7 @@ def suggest(config: PPOConfig) -> tuple[MegatronConfig, Plan] | None:
     world = world_size(config)
     candidates = []
     for tp, pp, ep, offload in itertools.product(
-        (1, 2, 4, 8), (1, 2, 4, 8, 16), _expert_parallel_sizes(config.model), (False, True)
+        (1, 2, 4, 8), (1, 2, 4, 8, 16), _expert_parallel_sizes(config.model, world), (False, True)
     ):
         if world % (tp * pp):
             continue
@@ -369,7 +369,8 @@ def suggest(config: PPOConfig) -> tuple[MegatronConfig, Plan] | None:
             expert_model_parallel_size=ep,
         )  # fmt: skip
         candidate = copy_with_layout(config, layout)
-        if validate(candidate):
+        ep, etp, _ = expert_layout(candidate, layout)
+        if world % (etp * ep * pp) or validate(candidate):  # Megatron's expert groups: ETP·EP·PP divides the world
             continue
         result = plan(candidate)
         if result.fits:
@@ -380,10 +381,11 @@ def suggest(config: PPOConfig) -> tuple[MegatronConfig, Plan] | None:
     return layout, result
 
 
-def _expert_parallel_sizes(model: ModelConfig) -> tuple[int, ...]:
-    """EP sizes to try: 1 for a dense model, else the powers of two up to 64 that divide the experts (validation
-    then drops those the data-parallel ranks cannot hold)."""
-    return tuple(ep for ep in (1, 2, 4, 8, 16, 32, 64) if ep == 1 or (model.num_experts and not model.num_experts % ep))
+def _expert_parallel_sizes(model: ModelConfig, world: int) -> tuple[int, ...]:
+    """EP sizes to try: 1 for a dense model, else the powers of two up to 64 that divide the experts and the world
+    (validation then drops those the layout cannot hold)."""
+    sizes = (1, 2, 4, 8, 16, 32, 64) if model.num_experts else (1,)
+    return tuple(ep for ep in sizes if not (model.num_experts % ep or world % ep))
 
 
 def copy_with_layout(config: PPOConfig, layout: MegatronConfig) -> PPOConfig:
