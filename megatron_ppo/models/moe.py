@@ -1,12 +1,13 @@
 """What a mixture-of-experts model needs around Megatron's MoE layers: equal token counts across the
 expert-parallel ranks for the allgather dispatcher, and the router's load-balancing loss read back for logging.
 
-Megatron's allgather dispatcher gathers every token of the TP × EP group into one buffer of equal slices, so the
-ranks of an expert-parallel group — different data-parallel replicas, with different micro-batches — must feed
-it micro-batches of the same `[b, s]`. `expert_parallel_widths` agrees on one width per micro-batch (the
-longest over the group); the schedule pads the tokens to it on the right (causal attention: the real positions
-never see the padding) and cuts the last stage's output back before the loss. The alltoall dispatcher exchanges
-token counts itself and needs none of this.
+Megatron's allgather dispatcher gathers every token of the expert TP × EP group into one buffer of equal slices,
+so the ranks of that group — different data-parallel replicas, with different micro-batches — must feed
+it micro-batches of the same `[b, s]`. `expert_parallel_shapes` agrees on one shape per micro-batch (the largest
+over the group); the schedule pads the tokens to it (below and to the right: under causal attention the real
+positions never see the padding) and cuts the last stage's output back before the loss; decoding loops stop
+together (`finished_everywhere`). Padding — this and the batches' own — stays out of the load-balancing
+statistics (`routing_padding_mask`). The alltoall dispatcher exchanges token counts itself and needs none of this.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_utils import (
@@ -27,17 +27,26 @@ from megatron.core.transformer.moe.moe_utils import (
 MOE_AUX_LOSS = "load_balancing_loss"  # the router's name in Megatron's aux-loss tracker
 
 
-def expert_parallel_widths(config: TransformerConfig, widths: Sequence[int]) -> list[int] | None:
-    """The width each micro-batch is padded to so that every rank of this rank's expert-parallel group feeds the
-    allgather dispatcher the same token count: the longest of the group, micro-batch by micro-batch. None when
-    nothing needs padding (dense model, EP = 1, or the alltoall dispatcher). The ranks must run the same number of
-    micro-batches (fixed micro-batches of equal data-parallel shares; validation refuses dynamic batching here)."""
+def equal_tokens_group(config: TransformerConfig) -> dist.ProcessGroup | None:
+    """The expert TP × EP group, whose ranks must feed the allgather dispatcher the same `[b, s]` per forward, or
+    None when nothing needs it (dense model, a group of one, or the alltoall dispatcher)."""
     if not config.num_moe_experts or config.moe_token_dispatcher_type != "allgather":
         return None
-    group = parallel_state.get_expert_model_parallel_group()
-    if dist.get_world_size(group) == 1:
+    group = parallel_state.get_expert_tensor_and_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def expert_parallel_shapes(
+    config: TransformerConfig, shapes: Sequence[tuple[int, int]]
+) -> list[tuple[int, int]] | None:
+    """The `(rows, width)` each micro-batch is padded to so that every rank of this rank's expert TP × EP group
+    feeds the allgather dispatcher the same token count: the largest of the group, micro-batch by micro-batch.
+    None when nothing needs padding (`equal_tokens_group`). The ranks must run the same number of micro-batches
+    (fixed micro-batches of equal data-parallel shares; validation refuses dynamic batching here)."""
+    group = equal_tokens_group(config)
+    if group is None:
         return None
-    counts = torch.tensor([len(widths), -len(widths)])
+    counts = torch.tensor([len(shapes), -len(shapes)])
     dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
     if counts[0] != -counts[1]:
         raise RuntimeError(
@@ -45,27 +54,54 @@ def expert_parallel_widths(config: TransformerConfig, widths: Sequence[int]) -> 
             "dispatcher needs the same number on each: use fixed micro-batches (use_dynamic_bsz=false) and a "
             "batch size divisible by the data-parallel size, or the alltoall dispatcher on GPU"
         )
-    longest = torch.tensor(list(widths), dtype=torch.long)
-    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
-    return longest.tolist()
+    largest = torch.tensor([list(shape) for shape in shapes], dtype=torch.long).reshape(-1, 2)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    return [(rows, width) for rows, width in largest.tolist()]
 
 
 def pad_tokens(
-    input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, width: int
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    shape: tuple[int, int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`[b, s]` tokens and positions right-padded to `[b, width]` (token 0, positions continuing), and a boolean
-    mask `[b, 1, s, s]` (True: not allowed) extended causally to `[b, 1, width, width]`."""
-    pad = width - input_ids.shape[1]
-    if pad == 0:
+    """`[b, s]` tokens and positions padded to `shape` = `[rows, width]` (token 0; positions 0..width−1 where there
+    were none), and a boolean mask `[b, 1, s, s]` (True: not allowed) extended causally to `[rows, 1, width, width]`.
+    Padding goes below and to the right: under causal attention no real position sees it."""
+    (b, s), (rows, width) = input_ids.shape, shape
+    if (b, s) == (rows, width):
         return input_ids, position_ids, attention_mask
-    steps = torch.arange(1, pad + 1, device=position_ids.device)
-    position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+    padded_ids = input_ids.new_zeros(rows, width)
+    padded_ids[:b, :s] = input_ids
+    padded_positions = torch.arange(width, device=position_ids.device).expand(rows, width).clone()
+    padded_positions[:b, :s] = position_ids
     if attention_mask is not None:
         causal = torch.ones(width, width, dtype=torch.bool, device=attention_mask.device).triu(1)
-        causal = causal.expand(attention_mask.shape[0], 1, width, width).clone()
-        causal[..., : width - pad, : width - pad] = attention_mask
-        attention_mask = causal
-    return F.pad(input_ids, (0, pad)), position_ids, attention_mask
+        padded_mask = causal.expand(rows, 1, width, width).clone()
+        padded_mask[:b, :, :s, :s] = attention_mask
+        attention_mask = padded_mask
+    return padded_ids, padded_positions, attention_mask
+
+
+def routing_padding_mask(lengths: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """`[rows, width]` boolean, True where a position holds no real token (at or beyond its row's length `[b]`, or
+    in a padded row): Megatron's routers leave these out of the load-balancing statistics, as Hugging Face's loss
+    leaves out masked tokens."""
+    rows, width = shape
+    real = lengths.new_zeros(rows)
+    real[: lengths.shape[0]] = lengths
+    return torch.arange(width, device=lengths.device)[None, :] >= real[:, None]
+
+
+def finished_everywhere(config: TransformerConfig, finished: bool) -> bool:
+    """Whether every rank of the expert-parallel group is `finished` (a decoding loop that stops early on one
+    replica would leave the others waiting in the dispatcher); `finished` itself when nothing needs it."""
+    group = equal_tokens_group(config)
+    if group is None:
+        return finished
+    flag = torch.tensor([int(finished)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag)
 
 
 def clear_moe_aux_losses() -> None:

@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ppo.models.gpt import RoleModel, unwrap
-from megatron_ppo.models.moe import expert_parallel_widths, pad_tokens
+from megatron_ppo.models.moe import expert_parallel_shapes, pad_tokens, routing_padding_mask
 from megatron_ppo.parallel.device import module_device, to_device
 
 MicroBatch = dict[str, torch.Tensor]
@@ -46,16 +46,16 @@ def run_micro_batches(
     `attention_mask` `[b, 1, s, s]`, True where attention is not allowed; causal without one); `loss_fn` sees the
     micro-batch on the model's device. Returns, on the last pipeline stage, the metrics dict `loss_fn` gave for each
     micro-batch (an empty list on other stages). Gradients accumulate in the DDP buffers when not `forward_only`.
-    MoE layers with the allgather dispatcher at EP > 1: tokens are padded to the expert-parallel group's width
+    MoE layers with the allgather dispatcher at EP > 1: tokens are padded to the expert-parallel group's shape
     (`models.moe`) and the last stage's output cut back to the micro-batch's before `loss_fn`."""
     num_micro_batches = len(micro_batches)
     seq_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
     micro_batch_size = max(batch["input_ids"].shape[0] for batch in micro_batches)
     device = module_device(model.chunks[0], f"the {model.role} model")
     # MoE with the allgather dispatcher: one token count per micro-batch across the expert-parallel ranks
-    padded_widths = expert_parallel_widths(model.config, [batch["input_ids"].shape[1] for batch in micro_batches])
-    if padded_widths is not None:
-        seq_length = max(padded_widths)
+    padded_shapes = expert_parallel_shapes(model.config, [tuple(batch["input_ids"].shape) for batch in micro_batches])
+    if padded_shapes is not None:
+        micro_batch_size, seq_length = (max(sizes) for sizes in zip(*padded_shapes, strict=True))
 
     def forward_step(data_iterator, chunk):
         index, batch = next(data_iterator)
@@ -66,14 +66,19 @@ def run_micro_batches(
             position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
         # no mask: causal attention by the layers' mask type (the flash path of SDPA / TE, no [s, s] tensor)
         attention_mask = batch.get("attention_mask")
-        width = input_ids.shape[1]
-        if padded_widths is not None:
+        rows, width = input_ids.shape
+        if padded_shapes is not None:
             input_ids, position_ids, attention_mask = pad_tokens(
-                input_ids, position_ids, attention_mask, padded_widths[index]
+                input_ids, position_ids, attention_mask, padded_shapes[index]
             )
-        output = chunk(input_ids, position_ids, attention_mask)
-        if padded_widths is not None and unwrap(chunk).post_process:
-            output = output[:, :width]
+        if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
+            lengths = batch.get("lengths", torch.full((rows,), width, device=device))
+            mask = routing_padding_mask(lengths, tuple(input_ids.shape))
+            output = chunk(input_ids, position_ids, attention_mask, padding_mask=mask)
+        else:
+            output = chunk(input_ids, position_ids, attention_mask)
+        if padded_shapes is not None and unwrap(chunk).post_process:
+            output = output[:rows, :width]
         return output, partial(_scaled_loss, loss_fn, batch, num_micro_batches)
 
     iterators = [iter(enumerate(micro_batches)) for _ in model.chunks]

@@ -17,10 +17,7 @@
      None selects its torch path;
   6. runs the backward of every custom autograd Function under the same mode: the autograd engine does not carry
      a torch-function mode into backward, where Megatron's gathers allocate with `device=torch.cuda.current_device()`
-     (the MoE dispatcher's backward does, at EP > 1);
-  7. lets MoE layers train at TP > 1 without sequence parallelism, which Megatron refuses as a performance guard
-     ("performance may degrade") and which CPU cannot offer (its torch norms refuse it). The results are the same:
-     the allgather dispatcher then gathers each token once per TP rank and the reduce-scatter hands each its sum.
+     (the MoE dispatcher's backward does, at EP > 1).
 Sequence parallelism and context parallelism need Transformer Engine and stay off on CPU (config validation); so
 does the alltoall MoE dispatcher, which creates a CUDA stream (allgather on CPU).
 """
@@ -155,7 +152,6 @@ def enable_cpu_compat(hide_gpus: bool = False) -> bool:
         _ACTIVE_MODE.__enter__()
         _define_missing_te_gemm()
         _backward_under_cpu_mode()
-        _moe_without_sequence_parallel_guard()
     return True
 
 
@@ -169,23 +165,6 @@ def _backward_under_cpu_mode() -> None:
             return apply(self, *args)
 
     BackwardCFunction.apply = apply_on_cpu
-
-
-def _moe_without_sequence_parallel_guard() -> None:
-    """`MoELayer.forward` with the layer's own `training` flag down: in megatron-core 0.16.1 that flag is read only
-    by the guard (router and experts are submodules with their own flags, untouched)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    forward = MoELayer.forward
-
-    def forward_unguarded(self, *args, **kwargs):
-        training, self.training = self.training, False
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            self.training = training
-
-    MoELayer.forward = forward_unguarded
 
 
 def _define_missing_te_gemm() -> None:
