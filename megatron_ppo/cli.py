@@ -64,16 +64,14 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from megatron_ppo import convert
-    from megatron_ppo.config.schema import MegatronConfig
     from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 
     hf_dir = args.hf if args.direction != "mcore-to-hf" else args.hf_config
-    problems = convert.layout_problems(convert.hf_model_config(hf_dir), args.tp, args.pp, args.ep)
+    model = convert.hf_model_config(hf_dir)
+    layout = convert.conversion_layout(model, args.tp, args.pp, args.ep)
+    problems = convert.layout_problems(model, layout)
     if problems:
         raise ConfigError(problems, source=str(hf_dir))
-    layout = MegatronConfig(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep
-    )
     world = dist_env_from_environment().world_size
     if args.direction != "mcore-to-hf" and world % (args.tp * args.pp * args.ep):
         needed = args.tp * args.pp * args.ep  # EP splits the data-parallel ranks: at least EP of them

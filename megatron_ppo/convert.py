@@ -33,16 +33,27 @@ from megatron_ppo.models.hf_conversion import (
     model_config_from_hf,
     save_hf,
 )
+from megatron_ppo.parallel.device import on_cuda
 
 SINGLE = MegatronConfig()
 
 
-def layout_problems(model: ModelConfig, tp: int, pp: int, ep: int = 1) -> list[str]:
-    """Why `model` cannot be split by TP×PP×EP (the config validation's layout rules), if it cannot."""
-    layout = MegatronConfig(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+def conversion_layout(model: ModelConfig, tp: int, pp: int, ep: int = 1) -> MegatronConfig:
+    """The layout `convert` runs at: TP×PP×EP, with sequence parallelism where Megatron requires it (MoE layers at
+    TP > 1, on CUDA; the CPU path bends that requirement for forward passes, `parallel/cpu_compat.py`)."""
+    return MegatronConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=bool(model.num_experts) and tp > 1 and on_cuda(),
     )
-    config = PPOConfig(model=model, cluster=ClusterConfig(gpus_per_node=tp * pp * ep))
+
+
+def layout_problems(model: ModelConfig, layout: MegatronConfig) -> list[str]:
+    """Why `model` cannot be split by `layout` on this machine's device (the config validation's layout and expert
+    rules), if it cannot."""
+    world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size * layout.expert_model_parallel_size
+    config = PPOConfig(model=model, cluster=ClusterConfig(gpus_per_node=world, device="cuda" if on_cuda() else "cpu"))
     for role in ("actor", "ref", "critic"):
         getattr(config, role).megatron = layout
     return [p for p in validate(config) if ".megatron" in p]
