@@ -34,5 +34,5 @@ def test_load_balancing_loss_is_logged_every_step_near_balance(tiny_moe) -> None
     logged = tiny_moe["scalars"]
     aux = logged.get("actor/moe_aux_loss", {})
     assert sorted(aux) == sorted(logged["actor/pg_loss"]), "actor/moe_aux_loss must be logged with every update"
-    assert all(math.isfinite(v) and 1.0 <= v < 1.5 for v in aux.values()), f"load-balancing loss (1 = balanced): {aux}"
+    assert all(math.isfinite(v) and 0.9 <= v < 1.5 for v in aux.values()), f"load-balancing loss (~1: balanced): {aux}"
     assert "critic/moe_aux_loss" not in logged
