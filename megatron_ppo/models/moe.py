@@ -113,9 +113,10 @@ def moe_aux_loss_metrics(role: str, config: TransformerConfig, num_micro_batches
     """`{role}/moe_aux_loss`: the routers' load-balancing loss of the last forward-backward, before its coefficient,
     as Megatron-LM logs it (`track_moe_metrics`): per layer summed over the pipeline stages and the TP × CP ranks
     that share a sequence, averaged over micro-batches and data-parallel replicas, then averaged over the MoE layers.
-    1.0 is perfectly balanced routing. The loss already entered the backward through Megatron's
-    `MoEAuxLossAutoScaler` (scale 1 / micro-batches), so it is logged here and not added again. Collective over the
-    model's groups; empty for a dense model, a zero coefficient or when no router recorded a loss. Clears the record."""
+    About 1 for balanced routing (E·Σ_e f_e·P_e with f_e = P_e = 1/E). The loss already entered the backward
+    through Megatron's `MoEAuxLossAutoScaler` (scale 1 / micro-batches), so it is logged here and not added again.
+    Collective over the model's groups; empty for a dense model, a zero coefficient or when no router recorded a
+    loss. Clears the record."""
     if (
         not config.num_moe_experts
         or not config.moe_aux_loss_coeff

@@ -29,8 +29,11 @@ def moe_settings(model: ModelConfig, layout: MegatronConfig, with_aux_loss: bool
     `norm_topk_prob` their weights are renormalised, p_i / Σ_topk p_j, which equals Megatron's softmax over the
     top-k logits (`moe_router_pre_softmax=False`); without it they stay p_i (softmax before top-k). Dropless:
     no capacity factor, every token reaches its experts. `with_aux_loss`: the router's load-balancing loss
-    (Switch: E · Σ_e f_e · P_e per layer, times `router_aux_loss_coef`) enters this role's backward through
-    Megatron's `MoEAuxLossAutoScaler` — the actor only, as in Hugging Face's causal LM (its critic heads add none).
+    (Switch: E · Σ_e f_e · P_e per layer and micro-batch, f_e the share of the k·T assignments, P_e the mean
+    router probability; padding excluded) times `router_aux_loss_coef`, summed over layers, enters this role's
+    backward through Megatron's `MoEAuxLossAutoScaler` — the actor only, as in Hugging Face's causal LM (its critic
+    heads add none). The coefficient passes through as verl's mbridge passes it; Hugging Face's own loss is k × the
+    mean over layers, so the same coefficient weighs Megatron's num_layers/k times as much.
     Experts: Transformer Engine's grouped GEMM with its layer spec (CUDA); Megatron's SequentialMLP otherwise."""
     if not model.num_experts:
         return {}

@@ -84,6 +84,6 @@ def layer_against_transformers(rank: int, world_size: int) -> dict[str, float]:
                 theirs.experts.gate_up_proj[index].copy_(expert.linear_fc1.weight)  # [gate; up] in both
                 theirs.experts.down_proj[index].copy_(expert.linear_fc2.weight)
             output, _ = ours(hidden)
-            expected = theirs(hidden.transpose(0, 1)).transpose(0, 1)
+            expected = theirs(hidden.transpose(0, 1).contiguous()).transpose(0, 1)
         out[f"norm_topk_prob={norm_topk_prob}"] = float((output - expected).abs().max())
     return out

@@ -78,7 +78,7 @@ def test_grad_norm_and_updated_weights_match_ep1(parity, name: str) -> None:
 def test_load_balancing_loss_is_logged_and_trained_through_expert_parallelism(parity) -> None:
     for rank, runs in enumerate(parity["aux"]):
         dp2, ep2, no_aux = runs["dp2"], runs["ep2"], runs["ep2-no-aux"]
-        assert 1.0 <= ep2["moe_aux_loss"] < 2.0, f"rank {rank}: {ep2['moe_aux_loss']} (1 is balanced routing)"
+        assert 0.9 <= ep2["moe_aux_loss"] < 2.0, f"rank {rank}: {ep2['moe_aux_loss']} (~1: balanced routing)"
         assert no_aux["moe_aux_loss"] is None, "no actor/moe_aux_loss without the loss"
         for key in ("moe_aux_loss", "grad_norm", "pg_loss"):
             assert math.isclose(ep2[key], dp2[key], rel_tol=1e-5), f"rank {rank}: {key} EP 2 {ep2[key]} vs {dp2[key]}"

@@ -1,16 +1,18 @@
-"""Mixture-of-experts keys: what validation refuses (each message names the fix) and how they map onto Megatron's
-TransformerConfig."""
+"""Mixture-of-experts keys: what validation refuses (each message names the fix), how they map onto Megatron's
+TransformerConfig, and the padding that gives the allgather dispatcher equal token counts."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.compose import CONFIG_DIR
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig
 from megatron_ppo.models import build_transformer_config
+from megatron_ppo.models.moe import pad_tokens, routing_padding_mask
 
 TINY_MOE = CONFIG_DIR.parent / "recipes" / "tiny-moe-cpu.yaml"
 ALL_ROLES = ("actor", "ref", "critic")
@@ -106,3 +108,16 @@ def test_only_the_actor_carries_the_load_balancing_loss() -> None:
 def test_a_dense_model_has_no_moe_fields() -> None:
     config = build_transformer_config(ModelConfig(params_dtype="fp32"), MegatronConfig())
     assert config.num_moe_experts is None and config.moe_ffn_hidden_size is None
+
+
+def test_padding_for_the_allgather_dispatcher_goes_below_and_right_and_is_masked_from_routing() -> None:
+    input_ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
+    positions = torch.arange(3).expand(2, 3)
+    mask = torch.ones(3, 3, dtype=torch.bool).triu(1).expand(2, 1, 3, 3)
+    ids, pos, padded_mask = pad_tokens(input_ids, positions, mask, (3, 5))
+    assert torch.equal(ids[:2, :3], input_ids) and int(ids[2:].abs().sum() + ids[:, 3:].abs().sum()) == 0
+    assert torch.equal(pos, torch.arange(5).expand(3, 5)), "positions continue into the padding"
+    assert torch.equal(padded_mask, torch.ones(5, 5, dtype=torch.bool).triu(1).expand(3, 1, 5, 5)), "still causal"
+    routing = routing_padding_mask(torch.tensor([3, 2]), (3, 5))
+    expected = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(routing, expected), f"True where no real token: {routing}"
