@@ -64,24 +64,24 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from megatron_ppo import convert
-    from megatron_ppo.config.schema import MegatronConfig
     from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 
     hf_dir = args.hf if args.direction != "mcore-to-hf" else args.hf_config
-    problems = convert.layout_problems(convert.hf_model_config(hf_dir), args.tp, args.pp)
+    model = convert.hf_model_config(hf_dir)
+    layout = convert.conversion_layout(model, args.tp, args.pp, args.ep)
+    problems = convert.layout_problems(model, layout)
     if problems:
         raise ConfigError(problems, source=str(hf_dir))
-    layout = MegatronConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     world = dist_env_from_environment().world_size
-    if args.direction != "mcore-to-hf" and world % (args.tp * args.pp):
-        needed = args.tp * args.pp
-        raise ConfigError([f"--tp {args.tp} --pp {args.pp} needs a multiple of {needed} processes, not {world}: "
-                           f"torchrun --nproc_per_node {needed} -m megatron_ppo convert ..."])  # fmt: skip
+    if args.direction != "mcore-to-hf" and world % (args.tp * args.pp * args.ep):
+        needed = args.tp * args.pp * args.ep  # EP splits the data-parallel ranks: at least EP of them
+        raise ConfigError([f"--tp {args.tp} --pp {args.pp} --ep {args.ep} needs a multiple of {needed} processes, "
+                           f"not {world}: torchrun --nproc_per_node {needed} -m megatron_ppo convert ..."])  # fmt: skip
     init_distributed(layout if args.direction != "mcore-to-hf" else convert.SINGLE, seed=0)
     try:
         if args.direction == "hf-to-mcore":
             written = convert.hf_to_mcore(args.hf, args.out, args.dtype, layout)
-            print(f"wrote {written} (converted at TP {args.tp} PP {args.pp}; loads at any TP/PP)")
+            print(f"wrote {written} (converted at TP {args.tp} PP {args.pp} EP {args.ep}; loads at any TP/PP/EP)")
         elif args.direction == "mcore-to-hf":
             print(f"wrote {convert.mcore_to_hf(args.megatron, args.hf_config, args.out)}")
         else:
@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     converter.add_argument("--out", help="output directory")
     converter.add_argument("--tp", type=int, default=1, help="hf-to-mcore, verify: run at this TP (under torchrun)")
     converter.add_argument("--pp", type=int, default=1, help="hf-to-mcore, verify: run at this PP (under torchrun)")
+    converter.add_argument("--ep", type=int, default=1, help="hf-to-mcore, verify: expert parallel size (MoE)")
     converter.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     converter.add_argument("--tolerance", type=float, default=1e-3, help="verify: largest allowed logit difference")
     converter.set_defaults(run=_convert)

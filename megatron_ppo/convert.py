@@ -2,9 +2,10 @@
 
 A converted checkpoint is a megatron-ppo checkpoint holding the weights as "actor" (usable as
 `model.init_checkpoint` for actor, reference and critic trunk). It is written with Megatron's distributed
-checkpointing, so any TP/PP layout loads it. The conversion runs under a TP×PP layout (`torchrun` with that many
-processes, or the trainer's own layout on first use): each process builds and fills only its shard, reading only
-its pipeline stage's tensors, so a 70B model converts on the GPUs that will train it.
+checkpointing, so any TP/PP/EP layout loads it. The conversion runs under a TP×PP(×EP) layout (`torchrun` with that
+many processes, or the trainer's own layout on first use): each process builds and fills only its shard, reading
+only its pipeline stage's tensors and, of a mixture of experts, its own experts, so a 70B model (or a 235B MoE)
+converts on the GPUs that will train it.
 """
 
 from __future__ import annotations
@@ -32,14 +33,27 @@ from megatron_ppo.models.hf_conversion import (
     model_config_from_hf,
     save_hf,
 )
+from megatron_ppo.parallel.device import on_cuda
 
 SINGLE = MegatronConfig()
 
 
-def layout_problems(model: ModelConfig, tp: int, pp: int) -> list[str]:
-    """Why `model` cannot be split by TP×PP (the config validation's layout rules), if it cannot."""
-    layout = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    config = PPOConfig(model=model, cluster=ClusterConfig(gpus_per_node=tp * pp))
+def conversion_layout(model: ModelConfig, tp: int, pp: int, ep: int = 1) -> MegatronConfig:
+    """The layout `convert` runs at: TP×PP×EP, with sequence parallelism where Megatron requires it (MoE layers at
+    TP > 1, on CUDA; the CPU path bends that requirement for forward passes, `parallel/cpu_compat.py`)."""
+    return MegatronConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=bool(model.num_experts) and tp > 1 and on_cuda(),
+    )
+
+
+def layout_problems(model: ModelConfig, layout: MegatronConfig) -> list[str]:
+    """Why `model` cannot be split by `layout` on this machine's device (the config validation's layout and expert
+    rules), if it cannot."""
+    world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size * layout.expert_model_parallel_size
+    config = PPOConfig(model=model, cluster=ClusterConfig(gpus_per_node=world, device="cuda" if on_cuda() else "cpu"))
     for role in ("actor", "ref", "critic"):
         getattr(config, role).megatron = layout
     return [p for p in validate(config) if ".megatron" in p]
@@ -92,15 +106,19 @@ def fill_from_hf(
     shard: RoleModel, hf_dir: str | Path, model: ModelConfig, layout: MegatronConfig, skip: tuple[str, ...] = ()
 ) -> int:
     """Copy this rank's part of every weight from the safetensors into `shard`, except those whose full-model name
-    starts with one of `skip` (the critic's value head); the bytes read (this pipeline stage's tensors, and of
-    tensor-parallel weights this TP rank's part only)."""
+    starts with one of `skip` (the critic's value head); the bytes read (this pipeline stage's tensors, of
+    tensor-parallel weights this TP rank's part only, and of the experts this EP rank's own, split by its expert-TP
+    rank)."""
     targets = {name: t for name, t in _local_targets(shard, model).items() if not name.startswith(skip)}
     reader = SafetensorsReader(hf_dir)
     shapes = Shapes.of(model, layout.tensor_model_parallel_size)
     part = TensorParallelPart(
         parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     )
-    for name, tensor in hf_to_megatron(reader, targets, shapes, part):
+    expert_part = TensorParallelPart(
+        parallel_state.get_expert_tensor_parallel_world_size(), parallel_state.get_expert_tensor_parallel_rank()
+    )
+    for name, tensor in hf_to_megatron(reader, targets, shapes, part, expert_part):
         for local_name, param in targets[name]:
             if tensor.shape != param.shape:
                 raise RuntimeError(f"{local_name}: converted {tuple(tensor.shape)} ≠ the model's {tuple(param.shape)}")
@@ -109,10 +127,20 @@ def fill_from_hf(
     return reader.bytes_read
 
 
+# A local expert number: SequentialMLP's `local_experts.{i}.`, TEGroupedMLP's `linear_fc1.weight{i}`.
+_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.(?:local_experts\.|linear_fc[12]\.weight))(\d+)(\.|$)")
+
+
 def _local_targets(shard: RoleModel, model: ModelConfig) -> dict[str, list[tuple[str, torch.Tensor]]]:
-    """Full-model (TP=1, PP=1) weight name → this rank's parameters holding a part of it. Pipeline stages number
-    their layers from 0; `layer_number` is the global one. A last stage with tied embeddings holds its own copy of
-    the embedding as `output_layer.weight`."""
+    """Full-model (TP=1, PP=1, EP=1) weight name → this rank's parameters holding a part of it. Pipeline stages
+    number their layers from 0; `layer_number` is the global one. Expert-parallel rank r numbers its E/EP experts
+    from 0; they are experts r·E/EP + i of the model. A last stage with tied embeddings holds its own copy of the
+    embedding as `output_layer.weight`."""
+    first_expert = (
+        parallel_state.get_expert_model_parallel_rank()
+        * model.num_experts
+        // parallel_state.get_expert_model_parallel_world_size()
+    )
     targets: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for chunk in shard.chunks:
         gpt = unwrap(chunk)
@@ -122,6 +150,7 @@ def _local_targets(shard: RoleModel, model: ModelConfig) -> dict[str, list[tuple
             source = name
             if match := re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name):
                 source = f"decoder.layers.{gpt.decoder.layers[int(match[1])].layer_number - 1}.{match[2]}"
+                source = _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{first_expert + int(m[2])}{m[3]}", source)
             elif name == "output_layer.weight" and not model.untie_embeddings_and_output_weights:
                 source = "embedding.word_embeddings.weight"
             targets.setdefault(source, []).append((name, tensor))

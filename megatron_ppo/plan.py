@@ -11,6 +11,13 @@ Memory model (bytes per parameter on a GPU holding N / (TP·PP) of them; see doc
     reserved     3 GiB per GPU (CUDA context, NCCL buffers, allocator fragmentation)
 Roles share the GPUs. A role with `param_offload` / `optimizer_offload` keeps those on the host outside its own
 phase, so the peak is the largest of the three phases: experience (three forwards), critic update, actor update.
+
+Mixture of experts (`model.num_experts` > 0): the routed experts' weights, gradients and optimizer states are split
+by EP × expert-TP × PP (the optimizer further by the expert-data-parallel size world / (ETP·EP·PP)); everything
+else by TP × PP as above. FLOPs count the active parameters (top-k experts per token). The expert MLP's activations
+are k·(2 + 6·f/h)·s·b·h / TP bytes per layer (each token's k copies of its input, the gate/up output and the SwiGLU
+output, in bf16, with balanced routing) in place of the 19·s·b·h of a dense 4h MLP. The token all-to-all's time is
+added to the step, not overlapped (`all_to_all_estimate`, its bandwidths an assumption).
 """
 
 from __future__ import annotations
@@ -32,6 +39,11 @@ PEAK_TFLOPS = {"h100-80gb": 989.0, "h200-141gb": 989.0, "a100-80gb": 312.0, "cpu
 # reaches 42–47 % on H100 and 44 % on A100; verl's Megatron actor update measures 31–40 %. RL passes (short,
 # variable-length micro-batches; three models per iteration) keep about 0.8 of the pretraining MFU.
 ASSUMED_MFU = {"h100-80gb": 0.35, "a100-80gb": 0.35, "cpu": 0.1}
+# Bandwidth (GB/s per GPU) assumed for the MoE token all-to-all: (within a node over NVLink, across nodes over
+# InfiniBand). Assumptions, about half the links' unidirectional peaks (H100 NVLink 450, A100 300; one 400 or
+# 200 Gb/s NIC per GPU), as all-to-all of small messages reaches; not calibrated against a run.
+ALL_TO_ALL_GBPS = {"h100-80gb": (200.0, 40.0), "h200-141gb": (200.0, 40.0), "a100-80gb": (120.0, 20.0),
+                   "cpu": (1.0, 1.0)}  # fmt: skip
 MFU_ANCHORS = {
     "h100-80gb": "anchors: Megatron-LM pretraining 42-47 % (7-70B, H100), verl actor update 31-40 %",
     "a100-80gb": "anchor: Megatron-LM pretraining 44 % (175B, 1024 A100)",
@@ -51,16 +63,34 @@ def parameter_count(model: ModelConfig) -> int:
     if model.qk_layernorm:
         attention += 2 * head_dim
     mlp = (3 if model.activation == "swiglu" else 2) * h * ffn
+    if model.num_experts:
+        mlp = h * model.num_experts + expert_parameter_count(model) // model.num_layers  # router + experts
     layer = attention + mlp + 2 * h
     embeddings = model.vocab_size * h * (2 if model.untie_embeddings_and_output_weights else 1)
     return model.num_layers * layer + embeddings + h
 
 
+def expert_parameter_count(model: ModelConfig) -> int:
+    """Parameters of the routed experts, L · E · 3·h·f_moe (SwiGLU; 2·h·f_moe otherwise); 0 for a dense model."""
+    per_expert = (3 if model.activation == "swiglu" else 2) * model.hidden_size * model.moe_intermediate_size
+    return model.num_layers * model.num_experts * per_expert
+
+
+def active_parameter_count(model: ModelConfig) -> int:
+    """Parameters one token passes through: all but the experts it is not routed to, N − (1 − k/E)·N_experts
+    (Qwen3-30B-A3B: 3.3 B of 30.5 B). Equal to `parameter_count` for a dense model."""
+    experts = expert_parameter_count(model)
+    if not experts:
+        return parameter_count(model)
+    return parameter_count(model) - experts + experts * model.num_experts_per_tok // model.num_experts
+
+
 def flop_parameter_count(model: ModelConfig, role: str) -> int:
-    """Parameters that enter a matrix product for every token: the transformer layers and the vocabulary output
-    layer (actor, reference); the critic's value head is ~h. The input embedding is a lookup and is left out."""
+    """Parameters that enter a matrix product for every token: the transformer layers (of a mixture of experts,
+    the active ones) and the vocabulary output layer (actor, reference); the critic's value head is ~h. The input
+    embedding is a lookup and is left out."""
     embedding = model.vocab_size * model.hidden_size
-    trunk = parameter_count(model) - embedding * (2 if model.untie_embeddings_and_output_weights else 1)
+    trunk = active_parameter_count(model) - embedding * (2 if model.untie_embeddings_and_output_weights else 1)
     return trunk + (embedding if role != "critic" else model.hidden_size + 1)
 
 
@@ -75,6 +105,8 @@ class RolePlan:
     activations_gib: float
     param_offload: bool
     optimizer_offload: bool
+    active_params: int = 0  # per token (mixture of experts: the top-k experts only)
+    expert_params_per_gpu: int = 0
 
 
 @dataclass
@@ -91,6 +123,8 @@ class Plan:
     step_time_s: float
     tokens_per_s_per_gpu: float
     problems: list[str]
+    all_to_all_gb_per_gpu: float = 0.0  # MoE token dispatch + combine, one iteration, leaving each GPU
+    all_to_all_s: float = 0.0  # its time at the assumed bandwidth, included in step_time_s
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -111,23 +145,54 @@ def _activations_gib(config: PPOConfig, layout: MegatronConfig, micro_batch: int
     else:
         per_layer = s_local * micro_batch * h * (34 + 5 * m.num_attention_heads * s_local / h) / tp
         layers_kept = layers
+    if not train or layout.recompute_granularity != "full":
+        per_layer += _moe_mlp_activation_delta(m) * s_local * micro_batch * h / tp
     in_flight = min(pp, max(1, config.actor.ppo_mini_batch_size // max(1, micro_batch))) if train else 1
     logits = 2 * 4 * s_local * micro_batch * m.vocab_size / tp  # fp32 log p and its gradient
     return (per_layer * layers_kept * in_flight + logits) / GIB
 
 
+def _moe_mlp_activation_delta(model: ModelConfig) -> float:
+    """Bytes per s·b·h that a layer's routed experts keep beyond a dense 4h MLP's 19 (Korthikanti et al.): each of
+    the k copies of a token holds its bf16 input (2h), gate/up output (2·2f) and SwiGLU output (2f), f = f_moe;
+    0 for a dense model."""
+    if not model.num_experts:
+        return 0.0
+    return model.num_experts_per_tok * (2 + 6 * model.moe_intermediate_size / model.hidden_size) - 19
+
+
+def expert_layout(config: PPOConfig, layout: MegatronConfig) -> tuple[int, int, int]:
+    """(EP, expert TP, expert DP) of a role: Megatron splits the world into ETP × EP × expert-DP × PP for the
+    experts, expert-DP = world / (ETP·EP·PP)."""
+    etp = layout.expert_tensor_parallel_size or layout.tensor_model_parallel_size
+    ep = layout.expert_model_parallel_size
+    return ep, etp, max(1, world_size(config) // (etp * ep * layout.pipeline_model_parallel_size))
+
+
+def _expert_shards(config: PPOConfig, layout: MegatronConfig) -> tuple[int, float]:
+    """(expert parameters per GPU, their optimizer-sharded count): split by EP × ETP × PP, the distributed
+    optimizer's share further by expert DP."""
+    ep, etp, expert_dp = expert_layout(config, layout)
+    per_gpu = math.ceil(expert_parameter_count(config.model) / (ep * etp * layout.pipeline_model_parallel_size))
+    return per_gpu, per_gpu / (expert_dp if layout.use_distributed_optimizer else 1)
+
+
 def plan_role(config: PPOConfig, role: str) -> RolePlan:
     layout: MegatronConfig = getattr(config, role).megatron
-    params = parameter_count(config.model)
-    if role == "critic":  # value head instead of the vocabulary output layer
-        params -= config.model.vocab_size * config.model.hidden_size - config.model.hidden_size - 1
+    m = config.model
+    # the critic: a value head instead of the vocabulary output layer
+    head_swap = m.vocab_size * m.hidden_size - m.hidden_size - 1 if role == "critic" else 0
+    params = parameter_count(m) - head_swap
     model_parallel = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
     dp = max(1, world_size(config) // (model_parallel * layout.context_parallel_size))
-    per_gpu = math.ceil(params / model_parallel)
+    experts_per_gpu, experts_optimizer = _expert_shards(config, layout)
+    dense_per_gpu = math.ceil((params - expert_parameter_count(config.model)) / model_parallel)
+    per_gpu = dense_per_gpu + experts_per_gpu
     weight_bytes = 4 if config.model.params_dtype == "fp32" else 2
     trained = role != "ref"
     grads = 4 * per_gpu if trained else 0
-    optimizer = 12 * per_gpu / (dp if layout.use_distributed_optimizer else 1) if trained else 0
+    optimizer = 12 * (dense_per_gpu / (dp if layout.use_distributed_optimizer else 1) + experts_optimizer)
+    optimizer = optimizer if trained else 0
     if role == "ref":
         micro = config.ref.log_prob_micro_batch_size_per_gpu or 1
     else:
@@ -142,6 +207,8 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
         activations_gib=_activations_gib(config, layout, micro, train=trained),
         param_offload=layout.param_offload,
         optimizer_offload=layout.optimizer_offload,
+        active_params=active_parameter_count(m) - head_swap,
+        expert_params_per_gpu=experts_per_gpu,
     )
 
 
@@ -180,13 +247,15 @@ def plan(config: PPOConfig, recipe: str = "") -> Plan:
         1, config.actor.ppo_mini_batch_size // dp // max(1, config.actor.ppo_micro_batch_size_per_gpu or 1)
     )
     bubble = (pp - 1) / (vpp * micro_batches + pp - 1)
-    step_time, tokens_per_gpu = step_time_estimate(config, roles, bubble)
+    all_to_all_gb, all_to_all_s = all_to_all_estimate(config)
+    step_time, tokens_per_gpu = step_time_estimate(config, roles, bubble, all_to_all_s)
     return Plan(
         recipe=recipe,
         world_size=world_size(config),
         layout=f"TP{layout.tensor_model_parallel_size} PP{pp}"
         + (f" VPP{vpp}" if vpp > 1 else "")
-        + f" CP{layout.context_parallel_size} DP{dp}",
+        + f" CP{layout.context_parallel_size} DP{dp}"
+        + _expert_layout_text(config, layout),
         roles=roles,
         phases_gib=phases,
         peak_gib=peak,
@@ -196,7 +265,45 @@ def plan(config: PPOConfig, recipe: str = "") -> Plan:
         step_time_s=step_time,
         tokens_per_s_per_gpu=tokens_per_gpu,
         problems=validate(config),
+        all_to_all_gb_per_gpu=all_to_all_gb,
+        all_to_all_s=all_to_all_s,
     )
+
+
+def _expert_layout_text(config: PPOConfig, layout: MegatronConfig) -> str:
+    if not config.model.num_experts:
+        return ""
+    ep, etp, expert_dp = expert_layout(config, layout)
+    return f" EP{ep} ETP{etp} EDP{expert_dp}"
+
+
+def all_to_all_estimate(config: PPOConfig) -> tuple[float, float]:
+    """(GB each GPU sends in the MoE token all-to-all in one iteration, seconds at `ALL_TO_ALL_GBPS`); (0, 0) for a
+    dense model or EP = 1. Per MoE layer, each token's bf16 hidden state (2h bytes) goes to its k experts and the
+    results come back (dispatch + combine), and under uniform routing (EP − 1)/EP of the copies leave the GPU; the
+    token-layers spread evenly over the world (DP, CP and sequence-parallel TP split the tokens, PP the layers):
+        bytes per GPU per pass = T·L / world · k · 2h · 2 · (EP − 1)/EP,   T = train_batch_size · (prompt + response)
+    A forward pass does this once, a training pass twice (its backward sends the gradients the same way), three
+    times with full recompute; per iteration: one forward of each role, `ppo_epochs` training passes of actor and
+    critic. The EP group (ETP·EP consecutive ranks) uses NVLink when it fits in a node, InfiniBand otherwise. The
+    time is added to the step, not overlapped with compute (an upper bound)."""
+    m = config.model
+    if not m.num_experts:
+        return 0.0, 0.0
+    tokens = config.data.train_batch_size * (config.data.max_prompt_length + config.data.max_response_length)
+    within, across = ALL_TO_ALL_GBPS.get(config.cluster.gpu_type, ALL_TO_ALL_GBPS["h100-80gb"])
+    gb = seconds = 0.0
+    for role in ("actor", "critic", "ref"):
+        role_config = getattr(config, role)
+        ep, etp, _ = expert_layout(config, role_config.megatron)
+        passes = 1.0
+        if role != "ref":
+            passes += role_config.ppo_epochs * (3 if role_config.megatron.recompute_granularity == "full" else 2)
+        per_pass = tokens * m.num_layers / world_size(config) * m.num_experts_per_tok * 2 * m.hidden_size * 2
+        role_gb = passes * per_pass * (ep - 1) / ep / 1e9
+        gb += role_gb
+        seconds += role_gb / (within if etp * ep <= config.cluster.gpus_per_node else across)
+    return gb, seconds
 
 
 def pass_flops(model: ModelConfig, params: int, tokens: float, tokens_times_seq: float, *, train: bool,
@@ -229,8 +336,11 @@ def iteration_flops(
     return flops
 
 
-def step_time_estimate(config: PPOConfig, roles: dict[str, RolePlan], bubble: float) -> tuple[float, float]:
-    """Seconds and tokens/s per GPU of one iteration of full-length rows (`iteration_flops`) at the assumed MFU."""
+def step_time_estimate(
+    config: PPOConfig, roles: dict[str, RolePlan], bubble: float, communication_s: float = 0.0
+) -> tuple[float, float]:
+    """Seconds and tokens/s per GPU of one iteration of full-length rows (`iteration_flops`) at the assumed MFU,
+    plus `communication_s` not overlapped with it (the MoE all-to-all)."""
     seq = config.data.max_prompt_length + config.data.max_response_length
     tokens = config.data.train_batch_size * seq
     params = {role: flop_parameter_count(config.model, role) for role in roles}
@@ -238,32 +348,44 @@ def step_time_estimate(config: PPOConfig, roles: dict[str, RolePlan], bubble: fl
     gpus = world_size(config)
     peak = PEAK_TFLOPS.get(config.cluster.gpu_type, 989.0) * 1e12
     mfu = ASSUMED_MFU.get(config.cluster.gpu_type, 0.35)
-    seconds = flops / (gpus * peak * mfu) / (1 - bubble)
+    seconds = flops / (gpus * peak * mfu) / (1 - bubble) + communication_s
     return seconds, tokens / seconds / gpus
 
 
 def suggest(config: PPOConfig) -> tuple[MegatronConfig, Plan] | None:
-    """The smallest model-parallel layout (then the least pipeline, then offload) that fits the same GPUs."""
+    """The smallest model-parallel layout (then the least pipeline, then the smallest expert parallelism, then
+    offload) that fits the same GPUs."""
     world = world_size(config)
     candidates = []
-    for tp, pp, offload in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (False, True)):
+    for tp, pp, ep, offload in itertools.product(
+        (1, 2, 4, 8), (1, 2, 4, 8, 16), _expert_parallel_sizes(config.model, world), (False, True)
+    ):
         if world % (tp * pp):
             continue
         layout = dataclasses.replace(
             config.actor.megatron, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=None, sequence_parallel=tp > 1 and config.cluster.device == "cuda",
             use_distributed_optimizer=True, param_offload=offload, optimizer_offload=offload,
+            expert_model_parallel_size=ep,
         )  # fmt: skip
         candidate = copy_with_layout(config, layout)
-        if validate(candidate):
+        ep, etp, _ = expert_layout(candidate, layout)
+        if world % (etp * ep * pp) or validate(candidate):  # Megatron's expert groups: ETP·EP·PP divides the world
             continue
         result = plan(candidate)
         if result.fits:
-            candidates.append((tp * pp, offload, pp, layout, result))
+            candidates.append((tp * pp, offload, pp, ep, layout, result))
     if not candidates:
         return None
-    _, _, _, layout, result = min(candidates, key=lambda c: (c[1], c[0], c[2]))
+    *_, layout, result = min(candidates, key=lambda c: (c[1], c[0], c[2], c[3]))
     return layout, result
+
+
+def _expert_parallel_sizes(model: ModelConfig, world: int) -> tuple[int, ...]:
+    """EP sizes to try: 1 for a dense model, else the powers of two up to 64 that divide the experts and the world
+    (validation then drops those the layout cannot hold)."""
+    sizes = (1, 2, 4, 8, 16, 32, 64) if model.num_experts else (1,)
+    return tuple(ep for ep in sizes if not (model.num_experts % ep or world % ep))
 
 
 def copy_with_layout(config: PPOConfig, layout: MegatronConfig) -> PPOConfig:
@@ -278,6 +400,22 @@ def _offload_text(role: RolePlan) -> str:
     return "+".join(parts) or "no"
 
 
+def _moe_lines(result: Plan, config: PPOConfig) -> list[str]:
+    """The mixture-of-experts figures: active parameters, experts per GPU, the all-to-all (none for a dense model)."""
+    m = config.model
+    if not m.num_experts:
+        return []
+    actor = result.roles["actor"]
+    within, across = ALL_TO_ALL_GBPS.get(config.cluster.gpu_type, ALL_TO_ALL_GBPS["h100-80gb"])
+    return [
+        f"  MoE: {m.num_experts} experts, top-{m.num_experts_per_tok}: {actor.active_params / 1e9:.2f}B of "
+        f"{actor.params / 1e9:.2f}B parameters active per token; {actor.expert_params_per_gpu / 1e9:.2f}B expert "
+        "parameters per GPU",
+        f"  all-to-all {result.all_to_all_gb_per_gpu:.1f} GB per GPU per iteration, {result.all_to_all_s:.1f} s at "
+        f"an assumed {within:.0f} GB/s (NVLink) / {across:.0f} GB/s (InfiniBand), not overlapped",
+    ]
+
+
 def format_plan(result: Plan, config: PPOConfig) -> str:
     """A readable report of `result`."""
     lines = [
@@ -290,6 +428,7 @@ def format_plan(result: Plan, config: PPOConfig) -> str:
             f"{r.role:<8}{r.params / 1e9:>9.2f}B{r.params_per_gpu / 1e9:>9.2f}B{r.weights_gib:>8.1f}Gi"
             f"{r.grads_gib:>7.1f}Gi{r.optimizer_gib:>7.1f}Gi{r.activations_gib:>7.1f}Gi  {_offload_text(r)}"
         )
+    lines += _moe_lines(result, config)
     for phase, gib in result.phases_gib.items():
         lines.append(f"  phase {phase:<14} {gib:7.1f} GiB per GPU (incl. {RESERVED_GIB:.0f} GiB reserved)")
     verdict = "fits" if result.fits else "does NOT fit"

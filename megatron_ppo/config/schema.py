@@ -77,6 +77,16 @@ class ModelConfig:
     init_checkpoint: str | None = None  # megatron-ppo checkpoint whose "actor" initialises actor, ref, critic trunk
     allow_random_init: bool = False  # a dataset run without initial weights (smoke tests, benchmarks only)
     tokenizer: str | None = None  # sentencepiece .model or HF tokenizer.json / directory
+    # Mixture of experts (Hugging Face Qwen3-MoE names): every layer's MLP becomes `num_experts` expert MLPs of
+    # `moe_intermediate_size`, each token routed to its top `num_experts_per_tok` by a softmax router, dropless.
+    num_experts: int = ranged(0, NON_NEGATIVE)  # 0: dense
+    num_experts_per_tok: int = ranged(0, NON_NEGATIVE)  # top-k
+    moe_intermediate_size: int = ranged(0, NON_NEGATIVE)  # each expert's FFN width
+    norm_topk_prob: bool = True  # renormalise the top-k routing probabilities to sum to 1 (Qwen3-MoE: true)
+    # the router's load-balancing loss (Switch Transformer's) times this, added to the actor's loss
+    router_aux_loss_coef: float = ranged(0.0, COEFFICIENT)
+    # how tokens reach the experts of other expert-parallel ranks: allgather (CPU and GPU), alltoall (GPU only)
+    moe_token_dispatcher: str = choice("allgather", ("allgather", "alltoall"))
 
 
 @dataclass
@@ -87,6 +97,9 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = ranged(1, AT_LEAST_ONE)
     virtual_pipeline_model_parallel_size: int | None = ranged(None, AT_LEAST_ONE)
     context_parallel_size: int = ranged(1, AT_LEAST_ONE)
+    # experts split over EP ranks (carved out of the data-parallel × context-parallel ranks)
+    expert_model_parallel_size: int = ranged(1, AT_LEAST_ONE)
+    expert_tensor_parallel_size: int | None = ranged(None, AT_LEAST_ONE)  # each expert's TP; None: the same as TP
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     recompute_granularity: str | None = choice(None, (None, "full", "selective"))

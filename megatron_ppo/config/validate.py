@@ -57,6 +57,7 @@ def validate(config: PPOConfig) -> list[str]:
     problems += _cross_key_problems(config)
     problems += _model_problems(config)
     problems += _layout_problems(config)
+    problems += _moe_problems(config)
     problems += _batch_problems(config)
     problems += _kl_problems(config)
     problems += _reward_problems(config)
@@ -211,8 +212,15 @@ def data_parallel_size(c: PPOConfig, megatron: MegatronConfig) -> int:
 
 # Megatron's parallel_state holds one layout per process; roles with different layouts need per-model process
 # groups, which the trainer does not build yet.
-SHARED_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
-_SHORT = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP", "context_parallel_size": "CP"}
+SHARED_LAYOUT_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+_SHORT = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP", "context_parallel_size": "CP",
+          "expert_model_parallel_size": "EP", "expert_tensor_parallel_size": "expert-TP"}  # fmt: skip
 
 
 def _layout_problems(c: PPOConfig) -> list[str]:
@@ -292,9 +300,81 @@ def _shared_layout_problems(c: PPOConfig) -> list[str]:
     fixes = " ".join(f"{other}.megatron.{SHARED_LAYOUT_KEYS[i]}={layouts[nearest][i]}" for other, i in changes[nearest])
     return [
         f"{listed}: actor, ref and critic must share one parallel layout for now (Megatron's parallel_state holds one "
-        f"TP/PP/CP layout per process; per-role process groups are not built); the nearest shared layout is the "
+        f"TP/PP/CP/EP layout per process; per-role process groups are not built); the nearest shared layout is the "
         f"{nearest}'s ({shape}): set {fixes}"
     ]
+
+
+def _moe_problems(c: PPOConfig) -> list[str]:
+    """Mixture of experts: the expert keys against each other, each role's expert layout against the model and
+    the world (Megatron's rule: EP × expert-TP × PP divides the world; with expert-TP = TP this is EP dividing
+    DP × CP, the ranks the experts are spread over), and the token dispatcher against the device and batching."""
+    m, p = c.model, []
+    if not m.num_experts:
+        for key in ("num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef", "moe_token_dispatcher"):
+            if getattr(m, key) not in (0, 0.0, "allgather"):
+                p.append(f"model.{key}={getattr(m, key)!r} applies to mixture-of-experts layers, but model.num_experts"
+                         "=0 (dense); set model.num_experts or drop it")  # fmt: skip
+        for role in ROLES:
+            mg: MegatronConfig = get(c, f"{role}.megatron")
+            if mg.expert_model_parallel_size > 1 or mg.expert_tensor_parallel_size is not None:
+                p.append(f"{role}.megatron: expert_model_parallel_size={mg.expert_model_parallel_size} / "
+                         f"expert_tensor_parallel_size={mg.expert_tensor_parallel_size} need experts (model."
+                         "num_experts > 0); use 1 / null for a dense model")  # fmt: skip
+        return p
+    if not 1 <= m.num_experts_per_tok <= m.num_experts:
+        p.append(f"model.num_experts_per_tok={m.num_experts_per_tok}: each token goes to 1..num_experts="
+                 f"{m.num_experts} experts; set it (Qwen3-MoE: 8)")  # fmt: skip
+    if m.moe_intermediate_size < 1:
+        p.append("model.moe_intermediate_size=0: set each expert's FFN width (Qwen3-30B-A3B: 768)")
+    if c.cluster.device == "cpu" and m.moe_token_dispatcher == "alltoall":
+        p.append("model.moe_token_dispatcher='alltoall' needs CUDA (Megatron creates a CUDA stream for it), but "
+                 "cluster.device='cpu'; use 'allgather' on CPU")  # fmt: skip
+    world = world_size(c)
+    for role in ROLES:
+        key, mg = f"{role}.megatron", get(c, f"{role}.megatron")
+        tp, pp, ep = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.expert_model_parallel_size
+        etp = mg.expert_tensor_parallel_size or tp
+        if min(tp, pp, ep, etp, mg.context_parallel_size) < 1:
+            continue  # reported by the range check
+        if m.num_experts % ep:
+            p.append(f"{key}.expert_model_parallel_size={ep}: model.num_experts={m.num_experts} must split evenly "
+                     f"over the EP ranks; use an EP among {_divisors(m.num_experts)}")  # fmt: skip
+        if world % (ep * etp * pp):
+            p.append(
+                f"{key}: EP × expert-TP × PP = {ep}×{etp}×{pp} = {ep * etp * pp} does not divide the world size "
+                f"{world}: the experts are spread over the data-parallel × context-parallel ranks "
+                f"(DP×CP = {world // max(tp * pp, 1)} at TP {tp}), so EP must divide them when expert-TP = TP; "
+                f"use EP among {_divisors(world // (etp * pp)) if world % (etp * pp) == 0 else [1]}"
+            )
+        if m.moe_intermediate_size % etp:
+            p.append(f"{key}: model.moe_intermediate_size={m.moe_intermediate_size} must be divisible by the "
+                     f"expert TP {etp}; use an expert_tensor_parallel_size among "
+                     f"{_divisors(m.moe_intermediate_size)}")  # fmt: skip
+        if m.add_bias_linear and etp > 1:
+            p.append(f"{key}.expert_tensor_parallel_size={etp}: Megatron's experts take biases (model."
+                     "add_bias_linear) only at expert TP 1; set it to 1")  # fmt: skip
+        if tp > 1 and not mg.sequence_parallel:
+            # without it every TP rank would hand the experts the same tokens: their gradients would count TP times
+            fix = (
+                "set it to 1 and split the experts with expert_tensor_parallel_size instead (sequence parallelism "
+                "needs Transformer Engine)"
+                if c.cluster.device == "cpu"
+                else f"set {key}.sequence_parallel=true"
+            )
+            p.append(f"{key}.tensor_model_parallel_size={tp}: Megatron trains MoE layers at TP > 1 only with sequence "
+                     f"parallelism; {fix}")  # fmt: skip
+    for role in ("actor", "critic"):
+        cfg = get(c, role)
+        if (
+            cfg.use_dynamic_bsz
+            and m.moe_token_dispatcher == "allgather"
+            and cfg.megatron.expert_model_parallel_size > 1
+        ):
+            p.append(f"{role}.use_dynamic_bsz=true: the allgather MoE dispatcher needs the same number of "
+                     "micro-batches on every expert-parallel rank; use fixed micro-batches, or the alltoall "
+                     "dispatcher on GPU")  # fmt: skip
+    return p
 
 
 def _divisors(n: int) -> list[int]:

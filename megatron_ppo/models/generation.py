@@ -13,6 +13,7 @@ import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_ppo.models import RoleModel, run_micro_batches
+from megatron_ppo.models.moe import finished_everywhere
 from megatron_ppo.parallel.collectives import (
     broadcast_from_last_stage,
     data_parallel_share,
@@ -77,6 +78,6 @@ def _decode(model, rows, max_new_tokens, eos_id, pad_id, temperature, greedy, ge
             if not finished[i]:
                 rows[i].append(token)
                 finished[i] = token == eos_id
-        if all(finished):
+        if finished_everywhere(model.config, all(finished)):  # MoE: the expert-parallel ranks stop together
             break
     return [(row[n:], done) for row, n, done in zip(rows, prompt_lengths, finished, strict=True)]

@@ -43,7 +43,8 @@ class RoleModel:
 
 
 def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
-    """Transformer Engine's fused layers on CUDA when installed (or demanded), Megatron's local spec otherwise.
+    """Transformer Engine's fused layers on CUDA when installed (or demanded), Megatron's local spec otherwise; with
+    `model.num_experts`, each layer's MLP is a MoE layer (TE's grouped-GEMM experts, or the local SequentialMLP).
 
     Returns (spec, uses_te). Demanding TE where it cannot run fails with the fix in the message."""
     if model.transformer_impl == "transformer_engine" and not transformer_engine_usable():
@@ -56,14 +57,23 @@ def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
     use_te = model.transformer_impl == "transformer_engine" or (
         model.transformer_impl == "auto" and transformer_engine_usable()
     )
+    num_experts = model.num_experts or None  # MoE layers: the router, the token dispatcher and the experts
     spec = (
-        get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+        get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=model.qk_layernorm
+        )
         if use_te
         else with_sdpa_attention(
-            get_gpt_layer_local_spec(normalization=model.normalization, qk_layernorm=model.qk_layernorm)
+            get_gpt_layer_local_spec(
+                num_experts=num_experts, normalization=model.normalization, qk_layernorm=model.qk_layernorm
+            )
         )
     )
-    logger.info("layer spec: %s", "Transformer Engine" if use_te else "Megatron local, attention through SDPA")
+    logger.info(
+        "layer spec: %s%s",
+        "Transformer Engine" if use_te else "Megatron local, attention through SDPA",
+        f"; {model.num_experts} experts per layer, top-{model.num_experts_per_tok}" if num_experts else "",
+    )
     return spec, use_te
 
 
@@ -84,7 +94,7 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
             f"norms refuse it), which is not usable here; set {role}.megatron.sequence_parallel=false or install "
             "Transformer Engine on this CUDA machine"
         )
-    config = build_transformer_config(model, layout)
+    config = build_transformer_config(model, layout, with_aux_loss=role == "actor")
     vocab = padded_vocab_size(model, layout.tensor_model_parallel_size)
     num_chunks = layout.virtual_pipeline_model_parallel_size or 1
     chunks: list[torch.nn.Module] = []

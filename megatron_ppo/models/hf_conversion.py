@@ -9,9 +9,14 @@ says how the tensors combine and how tensor parallelism splits them, in both dir
   gate_up     linear_fc1 = [gate; up] (SwiGLU activates the first half); TP rank r holds its rows of each half
   vocab       embedding and output layer, padded with zero rows to `padded_vocab`; TP rank r holds its rows
               (logits past the true vocabulary are masked downstream)
+A `*` in a name stands for a number: the layer, then (in expert rows) the global expert e = 0..E−1. Expert rows
+(Qwen3-MoE's `mlp.experts.{e}.gate_proj/up_proj/down_proj`, as Megatron's SequentialMLP `local_experts.{e}` on CPU or
+TEGroupedMLP `weight{e}` on GPU) are split by the expert-tensor-parallel size instead of TP, and an expert-parallel
+rank holds experts [r·E/EP, (r+1)·E/EP) only (the converter names them by their global number).
 A conversion is driven by the Megatron parameters a shard holds: each is looked up in the table, so an architecture
 adds rows, not functions. Tensors are read one at a time from the safetensors files (`safe_open`), never through
-pickle, and of a split weight a TP rank reads only its own rows or columns (`get_slice`).
+pickle, and of a split weight a TP rank reads only its own rows or columns (`get_slice`); an EP rank reads only its
+own experts.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,17 +48,30 @@ class Kind(enum.Enum):
 
 @dataclass(frozen=True)
 class Mapping:
-    """One Megatron parameter and the Hugging Face tensors it is made of; `*` stands for the layer number."""
+    """One Megatron parameter and the Hugging Face tensors it is made of; each `*` stands for a number (the layer,
+    then the expert), in the same order in both names."""
 
     megatron: str
     hf: tuple[str, ...]  # one name, or the parts fused in order: (q, k, v) or (gate, up)
     kind: Kind
+    expert: bool = False  # split by the expert-tensor-parallel size (instead of TP)
 
-    def hf_names(self, layer: str | None) -> tuple[str, ...]:
-        return self.hf if layer is None else tuple(name.replace("*", layer) for name in self.hf)
+    def hf_names(self, indices: Sequence[str] = ()) -> tuple[str, ...]:
+        """The Hugging Face names with the `*`s replaced by `indices` in order."""
+        return tuple(_fill(name, indices) for name in self.hf)
+
+    def megatron_name(self, indices: Sequence[str] = ()) -> str:
+        return _fill(self.megatron, indices)
+
+
+def _fill(pattern: str, indices: Sequence[str]) -> str:
+    for index in indices:
+        pattern = pattern.replace("*", index, 1)
+    return pattern
 
 
 _HF, _MG = "model.layers.*.", "decoder.layers.*."
+_HF_EXPERT = _HF + "mlp.experts.*."
 MAPPINGS: tuple[Mapping, ...] = (
     Mapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Kind.VOCAB),
     Mapping(_MG + "input_layernorm.weight", (_HF + "input_layernorm.weight",), Kind.REPLICATED),
@@ -73,15 +91,26 @@ MAPPINGS: tuple[Mapping, ...] = (
     # its parameters carry these names (the CPU tests build the local spec only).
     Mapping(_MG + "self_attention.linear_qkv.layer_norm_weight", (_HF + "input_layernorm.weight",), Kind.REPLICATED),
     Mapping(_MG + "mlp.linear_fc1.layer_norm_weight", (_HF + "post_attention_layernorm.weight",), Kind.REPLICATED),
+    # Mixture of experts (Qwen3-MoE): the router (fp32 in Megatron), then each expert as a gated MLP, named as
+    # Megatron's SequentialMLP (the local spec) or TEGroupedMLP (TE's grouped GEMM) holds it.
+    Mapping(_MG + "mlp.router.weight", (_HF + "mlp.gate.weight",), Kind.REPLICATED),
+    *(
+        Mapping(_MG + fc1, (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"), Kind.GATE_UP, expert=True)
+        for fc1 in ("mlp.experts.local_experts.*.linear_fc1.weight", "mlp.experts.linear_fc1.weight*")
+    ),
+    *(
+        Mapping(_MG + fc2, (_HF_EXPERT + "down_proj.weight",), Kind.ROW, expert=True)
+        for fc2 in ("mlp.experts.local_experts.*.linear_fc2.weight", "mlp.experts.linear_fc2.weight*")
+    ),
 )
 _PATTERNS = {re.compile(re.escape(m.megatron).replace(r"\*", r"(\d+)")): m for m in MAPPINGS}
 
 
-def mapping_of(megatron_name: str) -> tuple[Mapping, str | None]:
-    """The table row of a full-model Megatron parameter name, and its layer number (None outside the layers)."""
+def mapping_of(megatron_name: str) -> tuple[Mapping, tuple[str, ...]]:
+    """The table row of a full-model Megatron parameter name, and the numbers its `*`s stand for (layer, expert)."""
     for pattern, mapping in _PATTERNS.items():
         if match := pattern.fullmatch(megatron_name):
-            return mapping, match.group(1) if pattern.groups else None
+            return mapping, match.groups()
     raise KeyError(f"{megatron_name}: no row in the conversion table (megatron_ppo.models.hf_conversion.MAPPINGS)")
 
 
@@ -91,20 +120,42 @@ class Family:
 
     add_qkv_bias: bool
     qk_layernorm: bool = False
+    moe: bool = False  # every layer's MLP is a mixture of experts (Qwen3-MoE)
 
 
 FAMILIES = {
     "llama": Family(add_qkv_bias=False),
     "qwen2": Family(add_qkv_bias=True),
     "qwen3": Family(add_qkv_bias=False, qk_layernorm=True),
+    "qwen3_moe": Family(add_qkv_bias=False, qk_layernorm=True, moe=True),
 }
 # config.json keys that add tensors or change the layout beyond what Megatron's GPT and the table express.
 _REFUSED = {"attention_bias": True, "mlp_bias": True, "use_sliding_window": True}
 
 
+def _moe_keys(config: dict) -> tuple[dict, list[str]]:
+    """Our mixture-of-experts `model.*` keys from a Qwen3-MoE config.json, and what the conversion cannot express:
+    dense layers between the MoE ones (`mlp_only_layers`, `decoder_sparse_step` > 1)."""
+    problems = []
+    if config.get("mlp_only_layers"):
+        problems.append(f"mlp_only_layers={config['mlp_only_layers']!r} is not supported (every layer must be MoE)")
+    if config.get("decoder_sparse_step", 1) != 1:
+        problems.append(f"decoder_sparse_step={config['decoder_sparse_step']!r} is not supported (expected 1: every "
+                        "layer MoE)")  # fmt: skip
+    keys = {
+        # published checkpoints write num_experts; transformers 5 writes its attribute name num_local_experts
+        "num_experts": config.get("num_experts") or config["num_local_experts"],
+        "num_experts_per_tok": config["num_experts_per_tok"],
+        "moe_intermediate_size": config["moe_intermediate_size"],
+        "norm_topk_prob": config.get("norm_topk_prob", False),  # transformers' default
+    }
+    return keys, problems
+
+
 def model_config_from_hf(hf_dir: str | Path) -> dict:
-    """Our `model.*` keys from a Hugging Face `config.json` (Llama, Qwen2, Qwen3); a `ConfigError` naming the key
-    where the checkpoint needs what the conversion cannot express."""
+    """Our `model.*` keys from a Hugging Face `config.json` (Llama, Qwen2, Qwen3, Qwen3-MoE); a `ConfigError` naming
+    the key where the checkpoint needs what the conversion cannot express. The router's aux-loss coefficient is a
+    training setting, not architecture: it is left to the recipe."""
     source = str(Path(hf_dir) / "config.json")
     config = json.loads(Path(source).read_text())
     kind = config.get("model_type")
@@ -114,6 +165,8 @@ def model_config_from_hf(hf_dir: str | Path) -> dict:
     rope_scaling_factor, problems = hf_rope_scaling(config)
     problems += [f"{key}={config[key]!r} is not supported by the conversion (megatron-ppo converts {kind} with "
                  f"{key}={not value})" for key, value in _REFUSED.items() if config.get(key) == value]  # fmt: skip
+    moe, moe_problems = _moe_keys(config) if family.moe else ({}, [])
+    problems += moe_problems
     if problems:
         raise ConfigError(problems, source)
     rope = config.get("rope_parameters") or {}
@@ -137,6 +190,7 @@ def model_config_from_hf(hf_dir: str | Path) -> dict:
         "qk_layernorm": family.qk_layernorm,
         "add_bias_linear": False,
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        **moe,
     }
 
 
@@ -272,22 +326,29 @@ WRITE: dict[Kind, Callable[[torch.Tensor, Shapes], tuple[torch.Tensor, ...]]] = 
 
 
 def hf_to_megatron(
-    reader: SafetensorsReader, names: Iterable[str], shapes: Shapes, part: TensorParallelPart = TensorParallelPart()
+    reader: SafetensorsReader,
+    names: Iterable[str],
+    shapes: Shapes,
+    part: TensorParallelPart = TensorParallelPart(),
+    expert_part: TensorParallelPart | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, `part`'s share of the tensor) for each full-model Megatron parameter name, one tensor at a time: only
-    what is asked for is read, and of a tensor-parallel weight only `part`'s rows or columns."""
+    what is asked for is read, and of a tensor-parallel weight only `part`'s rows or columns (of an expert's weight,
+    `expert_part`'s: the expert-tensor-parallel rank, by default the same as `part`)."""
     for name in names:
-        mapping, layer = mapping_of(name)
-        yield name, READ[mapping.kind](reader, mapping.hf_names(layer), shapes, part)
+        mapping, indices = mapping_of(name)
+        share = (expert_part or part) if mapping.expert else part
+        yield name, READ[mapping.kind](reader, mapping.hf_names(indices), shapes, share)
 
 
 def megatron_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of `hf_to_megatron` for a full (TP = 1, PP = 1) Megatron state dict; vocabulary padding dropped."""
+    """The inverse of `hf_to_megatron` for a full (TP = 1, PP = 1, EP = 1) Megatron state dict; vocabulary padding
+    dropped."""
     shapes, out = Shapes.of(model), {}
     for name, tensor in state.items():
-        mapping, layer = mapping_of(name)
+        mapping, indices = mapping_of(name)
         parts = WRITE[mapping.kind](tensor, shapes)
-        out.update(zip(mapping.hf_names(layer), (t.contiguous() for t in parts), strict=True))
+        out.update(zip(mapping.hf_names(indices), (t.contiguous() for t in parts), strict=True))
     return out
 
 

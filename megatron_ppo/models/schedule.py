@@ -22,7 +22,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_ppo.models.gpt import RoleModel
+from megatron_ppo.models.gpt import RoleModel, unwrap
+from megatron_ppo.models.moe import expert_parallel_shapes, pad_tokens, routing_padding_mask
 from megatron_ppo.parallel.device import module_device, to_device
 
 MicroBatch = dict[str, torch.Tensor]
@@ -44,23 +45,43 @@ def run_micro_batches(
     """Run the schedule over `micro_batches` (each with `input_ids` `[b, s]`, optional `position_ids` and a boolean
     `attention_mask` `[b, 1, s, s]`, True where attention is not allowed; causal without one); `loss_fn` sees the
     micro-batch on the model's device. Returns, on the last pipeline stage, the metrics dict `loss_fn` gave for each
-    micro-batch (an empty list on other stages). Gradients accumulate in the DDP buffers when not `forward_only`."""
+    micro-batch (an empty list on other stages). Gradients accumulate in the DDP buffers when not `forward_only`.
+    MoE layers with the allgather dispatcher at EP > 1: tokens are padded to the expert-parallel group's shape
+    (`models.moe`) and the last stage's output cut back to the micro-batch's before `loss_fn`."""
     num_micro_batches = len(micro_batches)
     seq_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
     micro_batch_size = max(batch["input_ids"].shape[0] for batch in micro_batches)
     device = module_device(model.chunks[0], f"the {model.role} model")
+    # MoE with the allgather dispatcher: one token count per micro-batch across the expert-parallel ranks
+    padded_shapes = expert_parallel_shapes(model.config, [tuple(batch["input_ids"].shape) for batch in micro_batches])
+    if padded_shapes is not None:
+        micro_batch_size, seq_length = (max(sizes) for sizes in zip(*padded_shapes, strict=True))
 
     def forward_step(data_iterator, chunk):
-        batch = to_device(next(data_iterator), device, f"the {model.role} model's forward")
+        index, batch = next(data_iterator)
+        batch = to_device(batch, device, f"the {model.role} model's forward")
         input_ids = batch["input_ids"]
         position_ids = batch.get("position_ids")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
         # no mask: causal attention by the layers' mask type (the flash path of SDPA / TE, no [s, s] tensor)
-        output = chunk(input_ids, position_ids, batch.get("attention_mask"))
+        attention_mask = batch.get("attention_mask")
+        rows, width = input_ids.shape
+        if padded_shapes is not None:
+            input_ids, position_ids, attention_mask = pad_tokens(
+                input_ids, position_ids, attention_mask, padded_shapes[index]
+            )
+        if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
+            lengths = batch.get("lengths", torch.full((rows,), width, device=device))
+            mask = routing_padding_mask(lengths, tuple(input_ids.shape))
+            output = chunk(input_ids, position_ids, attention_mask, padding_mask=mask)
+        else:
+            output = chunk(input_ids, position_ids, attention_mask)
+        if padded_shapes is not None and unwrap(chunk).post_process:
+            output = output[:rows, :width]
         return output, partial(_scaled_loss, loss_fn, batch, num_micro_batches)
 
-    iterators = [iter(micro_batches) for _ in model.chunks]
+    iterators = [iter(enumerate(micro_batches)) for _ in model.chunks]
     forward_backward = get_forward_backward_func()
     results = forward_backward(
         forward_step_func=forward_step,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig
-from megatron_ppo.models.kernels import fusion_flags
+from megatron_ppo.models.kernels import fusion_flags, uses_transformer_engine
 from megatron_ppo.parallel.device import on_cuda
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -22,7 +23,40 @@ def padded_vocab_size(model: ModelConfig, tensor_parallel_size: int) -> int:
     return math.ceil(model.vocab_size / multiple) * multiple
 
 
-def build_transformer_config(model: ModelConfig, layout: MegatronConfig) -> TransformerConfig:
+def moe_settings(model: ModelConfig, layout: MegatronConfig, with_aux_loss: bool) -> dict[str, Any]:
+    """Megatron's MoE fields for `model.num_experts` > 0 (empty for a dense model), routed as Hugging Face's
+    Qwen3-MoE routes: p = softmax(router logits) over all experts, the top `num_experts_per_tok` chosen; with
+    `norm_topk_prob` their weights are renormalised, p_i / Σ_topk p_j, which equals Megatron's softmax over the
+    top-k logits (`moe_router_pre_softmax=False`); without it they stay p_i (softmax before top-k). Dropless:
+    no capacity factor, every token reaches its experts. `with_aux_loss`: the router's load-balancing loss
+    (Switch: E · Σ_e f_e · P_e per layer and micro-batch, f_e the share of the k·T assignments, P_e the mean
+    router probability; padding excluded) times `router_aux_loss_coef`, summed over layers, enters this role's
+    backward through Megatron's `MoEAuxLossAutoScaler` — the actor only, as in Hugging Face's causal LM (its critic
+    heads add none). The coefficient passes through as verl's mbridge passes it; Hugging Face's own loss is k × the
+    mean over layers, so the same coefficient weighs Megatron's num_layers/k times as much.
+    Experts: Transformer Engine's grouped GEMM with its layer spec (CUDA); Megatron's SequentialMLP otherwise."""
+    if not model.num_experts:
+        return {}
+    coefficient = model.router_aux_loss_coef if with_aux_loss else 0.0
+    return {
+        "num_moe_experts": model.num_experts,
+        "moe_router_topk": model.num_experts_per_tok,
+        "moe_ffn_hidden_size": model.moe_intermediate_size,
+        "moe_router_pre_softmax": not model.norm_topk_prob,
+        "moe_router_score_function": "softmax",
+        "moe_expert_capacity_factor": None,
+        "moe_router_load_balancing_type": "aux_loss" if coefficient > 0 else "none",
+        "moe_aux_loss_coeff": coefficient,
+        "moe_token_dispatcher_type": model.moe_token_dispatcher,
+        "moe_grouped_gemm": uses_transformer_engine(model),
+        "expert_model_parallel_size": layout.expert_model_parallel_size,
+        "expert_tensor_parallel_size": layout.expert_tensor_parallel_size,
+    }
+
+
+def build_transformer_config(
+    model: ModelConfig, layout: MegatronConfig, with_aux_loss: bool = False
+) -> TransformerConfig:
     """The Megatron config for one role, for the device chosen at start (`megatron_ppo.parallel.device`).
 
     On CUDA: weights initialised directly on the GPU (each rank draws its own shard) unless
@@ -30,7 +64,7 @@ def build_transformer_config(model: ModelConfig, layout: MegatronConfig) -> Tran
     (`models.kernels.fusion_flags`); batched pipeline messages. On CPU: weights initialised on the CPU (a full
     master weight is drawn, then split, so every TP layout starts from the same weights), no fused kernels, and
     point-to-point pipeline messages sent one by one (gloo pairs batched messages out of order at PP=2 with VPP,
-    which silently corrupts the interleaved schedule's gradients)."""
+    which silently corrupts the interleaved schedule's gradients). MoE fields: `moe_settings`."""
     cuda = on_cuda()
     dtype = DTYPES[model.params_dtype]
     swiglu = model.activation == "swiglu"
@@ -67,6 +101,7 @@ def build_transformer_config(model: ModelConfig, layout: MegatronConfig) -> Tran
         use_cpu_initialization=not cuda or model.use_cpu_initialization,
         batch_p2p_comm=cuda,
         **fusion_flags(model),
+        **moe_settings(model, layout, with_aux_loss),
     )
     # Micro-batches differ in length; the constructor refuses this flag for the default MoE dispatcher even
     # without experts, so it is set afterwards. Shapes then travel ahead of each pipeline message.

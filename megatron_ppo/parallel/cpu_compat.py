@@ -12,7 +12,14 @@
      tensors themselves, see `build_transformer_config`);
   4. `seed_model_parallel_rng` installs an RNG-states tracker backed by `torch.get/set_rng_state`, so
      `get_cuda_rng_tracker().fork()` (tensor-parallel weight init and dropout) works.
-Sequence parallelism and context parallelism need Transformer Engine and stay off on CPU (config validation).
+  5. defines `te_general_gemm = None` in Megatron's MoE utilities when Transformer Engine is missing: the router's
+     gating linear tests that name, which megatron-core 0.16.1 binds only when TE imports (a NameError otherwise);
+     None selects its torch path;
+  6. runs the backward of every custom autograd Function under the same mode: the autograd engine does not carry
+     a torch-function mode into backward, where Megatron's gathers allocate with `device=torch.cuda.current_device()`
+     (the MoE dispatcher's backward does, at EP > 1).
+Sequence parallelism and context parallelism need Transformer Engine and stay off on CPU (config validation); so
+does the alltoall MoE dispatcher, which creates a CUDA stream (allgather on CPU).
 """
 
 from __future__ import annotations
@@ -143,7 +150,28 @@ def enable_cpu_compat(hide_gpus: bool = False) -> bool:
         torch.cuda.synchronize = lambda device=None: None
         _ACTIVE_MODE = _CpuDeviceMode()
         _ACTIVE_MODE.__enter__()
+        _define_missing_te_gemm()
+        _backward_under_cpu_mode()
     return True
+
+
+def _backward_under_cpu_mode() -> None:
+    from torch.autograd.function import BackwardCFunction
+
+    apply = BackwardCFunction.apply
+
+    def apply_on_cpu(self, *args):
+        with _CpuDeviceMode():
+            return apply(self, *args)
+
+    BackwardCFunction.apply = apply_on_cpu
+
+
+def _define_missing_te_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def seed_model_parallel_rng(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:

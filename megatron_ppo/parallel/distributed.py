@@ -70,9 +70,10 @@ def first_host(nodelist: str) -> str:
 
 def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0, device: str | None = None) -> DistEnv:
     """Decide the device (`cluster.device`; None: CUDA when available), start torch.distributed (NCCL bound to this
-    process's GPU on CUDA, gloo on CPU), then Megatron's TP/PP/VPP/CP/DP groups, then seed.
+    process's GPU on CUDA, gloo on CPU), then Megatron's TP/PP/VPP/CP/DP/EP groups, then seed.
 
-    Seeding follows Megatron: the data-parallel RNG state gets `seed`, the tensor-parallel one `seed + 2718 + tp_rank`.
+    Seeding follows Megatron: the data-parallel RNG state gets `seed`, the tensor-parallel one `seed + 2718 + tp_rank`,
+    the expert-parallel one `seed + 1024 + 100·ep_rank + expert_tp_rank`.
     """
     env = dist_env_from_environment()
     if device is None:
@@ -94,7 +95,8 @@ def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0
 
 
 def initialize_model_parallel(layout: MegatronConfig) -> None:
-    """(Re)build Megatron's process groups for `layout` on the running world."""
+    """(Re)build Megatron's process groups for `layout` on the running world, the expert groups (EP × expert TP ×
+    PP, the rest expert data parallel) included."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -102,6 +104,8 @@ def initialize_model_parallel(layout: MegatronConfig) -> None:
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
     )
 
 
@@ -109,11 +113,15 @@ def seed_everything(seed: int) -> None:
     """torch's global generator (same on every rank: identical CPU-initialised master weights) and Megatron's
     tracked RNG states."""
     torch.manual_seed(seed)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     if torch.cuda.is_available():
         model_parallel_cuda_manual_seed(seed)
     else:
-        seed_model_parallel_rng(seed, tp_rank)
+        seed_model_parallel_rng(
+            seed,
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_expert_model_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_rank(),
+        )
 
 
 def destroy_distributed() -> None:

@@ -22,6 +22,7 @@ from megatron.core import parallel_state
 from megatron_ppo import algo
 from megatron_ppo.config.schema import ActorConfig, CriticConfig
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
+from megatron_ppo.models.moe import clear_moe_aux_losses, moe_aux_loss_metrics
 from megatron_ppo.parallel.collectives import broadcast_from_last_stage, gather_data_parallel
 from megatron_ppo.train.batch import replica_micro_batches, select
 from megatron_ppo.train.experience import Experience
@@ -177,7 +178,8 @@ def update_role(
     optimizer step per mini-batch (skipped, with the schedule held, when the gradient is not finite).
 
     Metrics: the loss-function parts averaged over mini-batches, plus `{role}/grad_norm` (mean of the finite
-    norms), `{role}/grad_norm_max` and `{role}/lr`."""
+    norms), `{role}/grad_norm_max`, `{role}/lr` and, for a MoE role with a load-balancing loss,
+    `{role}/moe_aux_loss` (`models.moe.moe_aux_loss_metrics`)."""
     rows = experience["input_ids"].shape[0]
     per_mini_batch: list[Metrics] = []
     update = RoleUpdate()
@@ -186,13 +188,15 @@ def update_role(
             mini = select(experience, range(start, min(start + mini_batch_size, rows)))
             _, _, micro = replica_micro_batches(mini, micro_batch_size, max_tokens)
             zero_grads(model, optimizer)
+            clear_moe_aux_losses()
             outputs = run_micro_batches(model, micro, make_loss(mini_batch_counts(mini)), forward_only=False)
+            moe_metrics = moe_aux_loss_metrics(role, model.config, len(micro))  # already in the backward
             result = optimizer_step(optimizer, clip_grad)
             if not result.skipped:
                 scheduler.step(1)
             update.steps.append(result)
             if outputs:
-                per_mini_batch.append(reduce_parts(outputs))
+                per_mini_batch.append(reduce_parts(outputs) | moe_metrics)
     keys = {key for metrics in per_mini_batch for key in metrics}
     update.metrics = broadcast_from_last_stage(
         {key: _mean([m[key] for m in per_mini_batch if key in m]) for key in keys}

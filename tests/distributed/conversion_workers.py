@@ -1,5 +1,5 @@
-"""Small random Llama and Qwen2 models from `transformers`, a recipe training one, and spawned-rank code for the
-conversion tests."""
+"""Small random Llama, Qwen2, Qwen3 and Qwen3-MoE models from `transformers`, a recipe training one, and
+spawned-rank code for the conversion tests."""
 
 from __future__ import annotations
 
@@ -25,18 +25,23 @@ LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "l
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
 
 
+# Qwen3-MoE's shape in small: 8 experts of FFN 48, top 2, weights renormalised (as Qwen3-30B-A3B: norm_topk_prob).
+QWEN3_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True}
+
+
 def save_hf_model(kind: str, directory: Path, tied: bool, rope: dict | None = None) -> Path:
-    """A small random `transformers` model of `kind` (llama, qwen2, qwen3; Qwen3 with head_dim 32 ≠ hidden/heads,
-    as in Qwen3-32B), its norm weights drawn around 1 so that a misplaced norm changes the logits."""
+    """A small random `transformers` model of `kind` (llama, qwen2, qwen3, qwen3_moe; Qwen3 with head_dim 32 ≠
+    hidden/heads, as in Qwen3-32B; Qwen3-MoE with `QWEN3_MOE`'s experts in every layer), its norm weights drawn
+    around 1 so that a misplaced norm changes the logits."""
     import transformers
 
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "qwen3": transformers.Qwen3Config}[kind]  # fmt: skip
+                    "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig}[kind]  # fmt: skip
     config = config_class(
         vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=16384 if rope else 64, tie_word_embeddings=tied,
-        initializer_range=0.2, **({"head_dim": 32} if kind == "qwen3" else {}),
-        **({"rope_parameters": rope} if rope else {}),
+        initializer_range=0.2, **({"head_dim": 32} if kind.startswith("qwen3") else {}),
+        **({"rope_parameters": rope} if rope else {}), **(QWEN3_MOE if kind == "qwen3_moe" else {}),
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -73,10 +78,45 @@ def convert_at(rank: int, world_size: int, hf_dir: str, out_dir: str, layout: Me
 def shard_reads(rank: int, world_size: int, hf_dir: str, layout: MegatronConfig) -> tuple[int, int]:
     """(bytes this rank read from the safetensors, parameters this rank holds) when converting under `layout`."""
     init_distributed(layout, seed=0)
+    return _reads(hf_dir, layout)
+
+
+def _reads(hf_dir: str, layout: MegatronConfig) -> tuple[int, int]:
     model = hf_model_config(hf_dir)
     shard = build_role_model("ref", model, layout)
     read = fill_from_hf(shard, hf_dir, model, layout)
     return read, sum(p.numel() for chunk in shard.chunks for p in chunk.parameters())
+
+
+def moe_in_one_process(rank: int, world_size: int, hf_dir: str, root: str) -> dict:
+    """A Qwen3-MoE checkpoint in one process: converted, its largest logit difference from `transformers`, the
+    largest after the way back to Hugging Face, and (bytes read, parameters held)."""
+    init_distributed(MegatronConfig(), seed=0)
+    megatron_dir = str(hf_to_mcore(hf_dir, f"{root}/megatron"))
+    difference = verify(hf_dir, megatron_dir, MegatronConfig())
+    back = mcore_to_hf(megatron_dir, hf_dir, f"{root}/back")
+    input_ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    round_trip = float((hf_logits(back, input_ids) - hf_logits(hf_dir, input_ids)).abs().max())
+    return {"megatron": megatron_dir, "difference": difference, "round_trip": round_trip,
+            "reads": _reads(hf_dir, MegatronConfig())}  # fmt: skip
+
+
+def moe_under_layouts(
+    rank: int, world_size: int, hf_dir: str, whole_dir: str, root: str, layouts: dict[str, MegatronConfig]
+) -> dict:
+    """Under each layout in turn (one process group, re-laid out): verify the previous conversion (first the
+    one-process one, at the end the last layout's at the first layout), then convert under this layout and measure
+    what this rank reads. Returns {"verified": [(converted under, verified at, difference or None)], "reads":
+    {layout: (bytes read, parameters held)}}."""
+    names = list(layouts)
+    verified, reads, previous, converted_under = [], {}, whole_dir, "one process"
+    for step, name in enumerate([*names, names[0]]):
+        init_distributed(layouts[name], seed=0)
+        verified.append((converted_under, name, verify(hf_dir, previous, layouts[name])))
+        if step < len(names):
+            previous, converted_under = str(hf_to_mcore(hf_dir, f"{root}/megatron-{name}", layout=layouts[name])), name
+            reads[name] = _reads(hf_dir, layouts[name])
+    return {"verified": verified, "reads": reads}
 
 
 def offline_recipe(root: Path, hf_dir: Path, tp: int) -> Path:

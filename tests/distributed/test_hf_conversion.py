@@ -2,11 +2,13 @@
 (QK layernorm, head_dim ≠ hidden/heads) and Llama-3.1-style (RoPE scaling) models: our Megatron model's logits equal
 the `transformers` logits at TP 1, TP 2 and PP 2, whether converted in one process or sharded under TP 2 / PP 2 (each
 rank reading only its share); the weights come back unchanged; the trainer converts a recipe's
-`model.hf_checkpoint` on first use and caches it; RoPE scaling Megatron cannot express is refused."""
+`model.hf_checkpoint` on first use and caches it; RoPE scaling Megatron cannot express is refused. A Qwen3-MoE
+(8 experts, top 2) converts and verifies at EP 1/2 and TP 1/2, each EP rank reading only its own experts."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,65 @@ def test_conversion_reads_llama31_and_qwen3_configs_as_megatron_expresses_them(t
     assert (llama["rope_scaling_factor"], llama["rotary_base"], llama["qk_layernorm"]) == (8.0, 500000.0, False)
     assert (qwen3["qk_layernorm"], qwen3["add_qkv_bias"], qwen3["kv_channels"]) == (True, False, 32)
     assert qwen3["rope_scaling_factor"] is None
+
+
+# Expert parallel; TP 2 with the experts split by expert TP = TP; both, with expert TP 1 (Megatron's expert groups
+# fold EP 2 into the same 2 ranks as TP 2).
+MOE_LAYOUTS = {
+    "ep2": MegatronConfig(expert_model_parallel_size=2),
+    "tp2": MegatronConfig(tensor_model_parallel_size=2),
+    "tp2-ep2-etp1": MegatronConfig(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> dict:
+    """Two multi-process runs in all: one process (convert, verify, the way back), then two processes re-laid out
+    through `MOE_LAYOUTS` (convert under each, verify each conversion under another layout)."""
+    root = tmp_path_factory.mktemp("qwen3-moe")
+    hf_dir = conversion_workers.save_hf_model("qwen3_moe", root / "hf", False)
+    single = run_distributed(conversion_workers.moe_in_one_process, 1, str(hf_dir), str(root))[0]
+    ranks = run_distributed(
+        conversion_workers.moe_under_layouts, 2, str(hf_dir), single["megatron"], str(root), MOE_LAYOUTS
+    )
+    return {"hf": hf_dir, "single": single, "ranks": ranks}
+
+
+def test_qwen3_moe_converted_in_one_process_equals_transformers_both_ways(moe) -> None:
+    assert moe["single"]["difference"] < 1e-4, f"Qwen3-MoE logits differ by {moe['single']['difference']:.2e}"
+    assert moe["single"]["round_trip"] < 1e-5, f"HF → Megatron → HF differs by {moe['single']['round_trip']:.2e}"
+
+
+def test_qwen3_moe_converted_under_ep_and_tp_verifies_under_another_layout(moe) -> None:
+    verified = moe["ranks"][0]["verified"]  # rank 0 reports (first TP and DP rank, last stage)
+    assert [(under, at) for under, at, _ in verified] == [
+        ("one process", "ep2"), ("ep2", "tp2"), ("tp2", "tp2-ep2-etp1"), ("tp2-ep2-etp1", "ep2")
+    ]  # fmt: skip
+    for under, at, difference in verified:
+        assert difference < 1e-4, f"converted under {under}, verified at {at}: logits differ by {difference:.2e}"
+
+
+def _expert_of(name: str) -> int | None:
+    match = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+    return int(match[1]) if match else None
+
+
+def test_each_ep_rank_reads_only_its_own_experts(moe) -> None:
+    """EP 2: rank r reads every tensor outside the experts whole and, of the experts, exactly its own, 4r..4r+3."""
+    with safe_open(str(Path(moe["hf"]) / "model.safetensors"), framework="pt") as f:
+        sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
+    nbytes = {k: 4 * torch.Size(shape).numel() for k, shape in sizes.items()}  # fp32
+    total = sum(nbytes.values())
+    whole_read, whole_params = moe["single"]["reads"]
+    assert whole_read == total
+    for rank, report in enumerate(moe["ranks"]):
+        own = range(4 * rank, 4 * rank + 4)
+        expected = sum(n for k, n in nbytes.items() if _expert_of(k) is None or _expert_of(k) in own)
+        read, params = report["reads"]["ep2"]
+        assert read == expected, f"EP rank {rank} read {read} bytes, its share is {expected} (total {total})"
+        assert params < 0.7 * whole_params, (rank, params, whole_params)
+        for layout in ("tp2", "tp2-ep2-etp1"):  # TP 2 splits the rest too, EP 2 or expert TP 2 the experts
+            read, params = report["reads"][layout]
+            assert read < 0.6 * total and params < 0.6 * whole_params, (layout, rank, read, total)

@@ -67,9 +67,9 @@ def experience(count: int, seed: int, passes: dict[str, torch.Tensor] | None = N
     )  # fmt: skip
 
 
-def ppo_config(layout: MegatronConfig) -> PPOConfig:
+def ppo_config(layout: MegatronConfig, model: ModelConfig = MODEL) -> PPOConfig:
     """The roles' settings of the parity run: asymmetric clip, KL loss, entropy bonus, micro-batches of 2 rows."""
-    config = PPOConfig(model=MODEL)
+    config = PPOConfig(model=model)
     config.actor = ActorConfig(
         megatron=layout,
         optim=OPTIM,
@@ -87,8 +87,8 @@ def ppo_config(layout: MegatronConfig) -> PPOConfig:
     return config
 
 
-def _build(layout: MegatronConfig):
-    return build_role_model("actor", MODEL, layout), build_role_model("critic", MODEL, layout)
+def _build(layout: MegatronConfig, model: ModelConfig = MODEL):
+    return build_role_model("actor", model, layout), build_role_model("critic", model, layout)
 
 
 def _sharded(role_model) -> dict:
@@ -134,7 +134,7 @@ def _experience_and_update(config: PPOConfig, actor, ref, critic) -> dict[str, A
     out: dict[str, Any] = {"passes": {k: v.clone() for k, v in passes.items()}}
     for role, model, make_loss in (
         ("critic", critic, partial(critic_loss, config.critic)),
-        ("actor", actor, partial(actor_loss, config.actor, kl_loss_coef=0.1, vocab_size=MODEL.vocab_size)),
+        ("actor", actor, partial(actor_loss, config.actor, kl_loss_coef=0.1, vocab_size=config.model.vocab_size)),
     ):
         optimizer = build_optimizer(model, OPTIM, config.actor.megatron)
         role_config = getattr(config, role)
@@ -148,34 +148,36 @@ def _experience_and_update(config: PPOConfig, actor, ref, critic) -> dict[str, A
     return out
 
 
-def reference(rank: int, world_size: int, workdir: str) -> None:
+def reference(rank: int, world_size: int, workdir: str, model: ModelConfig = MODEL) -> None:
     """TP=1 PP=1 on one process: save initial weights, run experience and update, save updated weights."""
     workdir = Path(workdir)
     init_distributed(MegatronConfig(), seed=SEED)
-    actor, critic = _build(MegatronConfig())
-    ref = build_role_model("ref", MODEL, MegatronConfig())
+    actor, critic = _build(MegatronConfig(), model)
+    ref = build_role_model("ref", model, MegatronConfig())
     with torch.no_grad():  # the value head starts at zero; give it weights so the values test something
         unwrap(critic.chunks[-1]).output_layer.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(5))
     save(actor, workdir / "initial" / "actor")
     save(critic, workdir / "initial" / "critic")
     load(ref, workdir / "initial" / "actor")
-    result = _experience_and_update(ppo_config(MegatronConfig()), actor, ref, critic)
+    result = _experience_and_update(ppo_config(MegatronConfig(), model), actor, ref, critic)
     torch.save({**result, "actor_weights": weights(actor), "critic_weights": weights(critic)}, workdir / "reference.pt")
 
 
-def parallel_layout(rank: int, world_size: int, workdir: str, name: str, layout: MegatronConfig) -> dict[str, Any]:
+def parallel_layout(
+    rank: int, world_size: int, workdir: str, name: str, layout: MegatronConfig, model: ModelConfig = MODEL
+) -> dict[str, Any]:
     """Load the reference weights into `layout`, repeat experience and update; report differences from the
     reference (every rank holds the experience and the metrics)."""
     workdir = Path(workdir)
     init_distributed(layout, seed=SEED + 1)  # a different seed: every weight must come from the checkpoint
-    actor, critic = _build(layout)
-    ref = build_role_model("ref", MODEL, layout)
+    actor, critic = _build(layout, model)
+    ref = build_role_model("ref", model, layout)
     load(actor, workdir / "initial" / "actor")
     load(ref, workdir / "initial" / "actor")
     load(critic, workdir / "initial" / "critic")
     frozen_before = weights(ref)
     expected = torch.load(workdir / "reference.pt")
-    ours = _experience_and_update(ppo_config(layout), actor, ref, critic)
+    ours = _experience_and_update(ppo_config(layout, model), actor, ref, critic)
     report: dict[str, Any] = {
         "actor_grad_norm": (ours["actor_grad_norm"], expected["actor_grad_norm"]),
         "critic_grad_norm": (ours["critic_grad_norm"], expected["critic_grad_norm"]),
@@ -196,12 +198,14 @@ def parallel_layout(rank: int, world_size: int, workdir: str, name: str, layout:
     return report
 
 
-def compare_updated_weights(rank: int, world_size: int, workdir: str, names: list[str]) -> dict[str, float]:
+def compare_updated_weights(
+    rank: int, world_size: int, workdir: str, names: list[str], model: ModelConfig = MODEL
+) -> dict[str, float]:
     """Load each layout's updated checkpoint at TP=1 PP=1 and measure the largest weight difference."""
     workdir = Path(workdir)
     init_distributed(MegatronConfig(), seed=SEED + 2)
     expected = torch.load(workdir / "reference.pt")
-    actor, critic = _build(MegatronConfig())
+    actor, critic = _build(MegatronConfig(), model)
     largest: dict[str, float] = {}
     for name in names:
         for role, role_model in (("actor", actor), ("critic", critic)):

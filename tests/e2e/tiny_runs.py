@@ -28,21 +28,21 @@ SHORT = [
 ]  # fmt: skip
 
 
-def command(nproc: int, overrides: list[str]) -> list[str]:
+def command(nproc: int, overrides: list[str], recipe: Path = RECIPE) -> list[str]:
     torchrun = Path(sys.executable).with_name("torchrun")
     return [str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={free_port()}", "-m", "megatron_ppo", "train",
-            str(RECIPE), *SHORT, f"cluster.gpus_per_node={nproc}", *overrides]  # fmt: skip
+            str(recipe), *SHORT, f"cluster.gpus_per_node={nproc}", *overrides]  # fmt: skip
 
 
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run(nproc: int, overrides: list[str], log: Path, timeout_s: float = 900) -> None:
-    """Run to completion; on failure, raise with the end of the log."""
+def run(nproc: int, overrides: list[str], log: Path, timeout_s: float = 900, recipe: Path = RECIPE) -> None:
+    """Run `recipe` (shortened) to completion; on failure, raise with the end of the log."""
     with log.open("w") as out:
-        result = subprocess.run(command(nproc, overrides), cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
-                                timeout=timeout_s, check=False)  # fmt: skip
+        result = subprocess.run(command(nproc, overrides, recipe), cwd=REPO, env=_env(), stdout=out,
+                                stderr=subprocess.STDOUT, timeout=timeout_s, check=False)  # fmt: skip
     if result.returncode != 0:
         raise AssertionError(f"training exited {result.returncode}; log tail:\n{log.read_text()[-4000:]}")
 

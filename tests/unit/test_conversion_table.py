@@ -1,8 +1,10 @@
 """The conversion table on its own, without Megatron or processes: each tensor-parallel rank reads exactly its
-share of the full Megatron tensor, and Megatron → Hugging Face gives back every Hugging Face tensor unchanged."""
+share of the full Megatron tensor (of an expert, its expert-tensor-parallel share), and Megatron → Hugging Face
+gives back every Hugging Face tensor unchanged."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -23,13 +25,15 @@ from megatron_ppo.models.hf_conversion import (
 from tests.distributed.conversion_workers import save_hf_model
 
 
-def _megatron_names(reader: SafetensorsReader, layers: int) -> list[str]:
-    """The Megatron parameters of the checkpoint: every table row whose Hugging Face tensors it holds."""
+def _megatron_names(reader: SafetensorsReader, layers: int, experts: int) -> list[str]:
+    """The Megatron parameters of the checkpoint: every table row whose Hugging Face tensors it holds, its `*`s
+    standing for each layer (and each expert)."""
     names = []
     for mapping in MAPPINGS:
-        for layer in [str(i) for i in range(layers)] if "*" in mapping.megatron else [None]:
-            if all(name in reader for name in mapping.hf_names(layer)):
-                names.append(mapping.megatron.replace("*", layer) if layer else mapping.megatron)
+        numbers = [range(layers), range(experts)][: mapping.megatron.count("*")]
+        for indices in itertools.product(*([str(i) for i in n] for n in numbers)):
+            if all(name in reader for name in mapping.hf_names(indices)):
+                names.append(mapping.megatron_name(indices))
     return names
 
 
@@ -44,18 +48,22 @@ def _rank_share(full: torch.Tensor, kind: Kind, part: TensorParallelPart) -> tor
     return full.chunk(part.size)[part.rank]
 
 
-@pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("qwen2", True), ("qwen3", False)])
+@pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("qwen2", True), ("qwen3", False), ("qwen3_moe", False)])
 def test_each_tp_rank_reads_its_share_and_the_way_back_is_exact(tmp_path: Path, kind: str, tied: bool) -> None:
     hf_dir = save_hf_model(kind, tmp_path, tied)
     model = hf_model_config(hf_dir)
     reader = SafetensorsReader(hf_dir)
-    names = _megatron_names(reader, model.num_layers)
+    names = _megatron_names(reader, model.num_layers, model.num_experts)
+    if kind == "qwen3_moe":  # the router and each expert's two weights in both Megatron namings (local and TE)
+        assert sum(".experts." in n for n in names) == model.num_layers * model.num_experts * 2 * 2
+        assert sum(n.endswith("mlp.router.weight") for n in names) == model.num_layers
     shapes = Shapes.of(model, tensor_parallel_size=2)
     full = dict(hf_to_megatron(reader, names, shapes))
-    for rank in range(2):
-        part = TensorParallelPart(2, rank)
-        for name, share in hf_to_megatron(reader, names, shapes, part):
-            expected = _rank_share(full[name], mapping_of(name)[0].kind, part)
+    for rank, expert_tp in itertools.product(range(2), (1, 2)):
+        part, expert_part = TensorParallelPart(2, rank), TensorParallelPart(expert_tp, rank % expert_tp)
+        for name, share in hf_to_megatron(reader, names, shapes, part, expert_part):
+            mapping = mapping_of(name)[0]
+            expected = _rank_share(full[name], mapping.kind, expert_part if mapping.expert else part)
             assert torch.equal(share, expected), f"{kind}: TP rank {rank}'s {name} differs from its share"
     back = megatron_to_hf(full, model)
     with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:

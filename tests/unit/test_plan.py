@@ -1,5 +1,6 @@
 """The planner: parameter counts against the published model sizes, every recipe plans, and a layout that cannot
-fit is flagged with one that does."""
+fit is flagged with one that does; for a mixture of experts, total and active parameters against the published
+config.json, the experts sharded by EP, the all-to-all in the step time, and a fitting layout with EP."""
 
 from __future__ import annotations
 
@@ -11,12 +12,21 @@ from pathlib import Path
 import pytest
 
 from megatron_ppo.config import load_config
-from megatron_ppo.plan import parameter_count, plan, suggest
+from megatron_ppo.plan import (
+    ALL_TO_ALL_GBPS,
+    active_parameter_count,
+    expert_parameter_count,
+    parameter_count,
+    plan,
+    suggest,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 # Sizes on the models' Hugging Face cards (billions of parameters).
 PUBLISHED = {"qwen2.5-7b": 7.61, "qwen2.5-32b": 32.5, "qwen2.5-72b": 72.7, "llama3.1-70b": 70.6, "qwen3-8b": 8.2,
-             "qwen3-32b": 32.8}  # fmt: skip
+             "qwen3-32b": 32.8, "qwen3-moe-30b-a3b": 30.5, "qwen3-moe-235b-a22b": 235.0}  # fmt: skip
+# Active parameters per token on the MoE models' cards (the "A3B", "A22B": 3.3 B, 22 B).
+PUBLISHED_ACTIVE = {"qwen3-moe-30b-a3b": 3.3, "qwen3-moe-235b-a22b": 22.0}
 BIG_RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if p.stem != "tiny-cpu")
 
 
@@ -24,6 +34,14 @@ BIG_RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if p.stem != "
 def test_parameter_count_matches_the_published_size(model: str) -> None:
     count = parameter_count(load_config(REPO / "configs" / "models" / f"{model}.yaml").model) / 1e9
     assert abs(count / PUBLISHED[model] - 1) < 0.01, f"{model}: {count:.3f} B vs published {PUBLISHED[model]} B"
+
+
+@pytest.mark.parametrize("model", list(PUBLISHED_ACTIVE))
+def test_active_parameter_count_matches_the_published_size(model: str) -> None:
+    count = active_parameter_count(load_config(REPO / "configs" / "models" / f"{model}.yaml").model) / 1e9
+    assert abs(count / PUBLISHED_ACTIVE[model] - 1) < 0.02, (
+        f"{model}: {count:.3f} B active vs {PUBLISHED_ACTIVE[model]}"
+    )
 
 
 @pytest.mark.parametrize("recipe", BIG_RECIPES, ids=lambda p: p.stem)
@@ -108,3 +126,95 @@ def test_qwen3_32b_parameter_count_equals_the_sum_over_its_config_json_shapes(tm
     converted = model_config_from_hf(tmp_path)
     differing = {k: (getattr(model, k), v) for k, v in converted.items() if k != "name" and getattr(model, k) != v}
     assert not differing, f"configs/models/qwen3-32b.yaml differs from the published config.json: {differing}"
+
+
+# Qwen/Qwen3-30B-A3B's and Qwen/Qwen3-235B-A22B's config.json as published (transformers 4.51.0).
+_QWEN3_MOE_COMMON = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "initializer_range": 0.02, "max_position_embeddings": 40960, "mlp_only_layers": [], "model_type": "qwen3_moe",
+    "norm_topk_prob": True, "num_experts": 128, "num_experts_per_tok": 8, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+QWEN3_MOE_CONFIG_JSON = {
+    "qwen3-moe-30b-a3b": {**_QWEN3_MOE_COMMON, "hidden_size": 2048, "intermediate_size": 6144,
+                          "max_window_layers": 48, "moe_intermediate_size": 768, "num_attention_heads": 32,
+                          "num_hidden_layers": 48},
+    "qwen3-moe-235b-a22b": {**_QWEN3_MOE_COMMON, "hidden_size": 4096, "intermediate_size": 12288,
+                            "max_window_layers": 94, "moe_intermediate_size": 1536, "num_attention_heads": 64,
+                            "num_hidden_layers": 94},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(QWEN3_MOE_CONFIG_JSON))
+def test_qwen3_moe_total_and_active_counts_equal_the_sums_over_config_json_shapes(tmp_path: Path, name: str) -> None:
+    """Total: every tensor of `Qwen3MoeForCausalLM`; active: all but the (E − k)/E of the experts a token skips."""
+    import torch
+    import transformers
+
+    from megatron_ppo.models.hf_conversion import model_config_from_hf
+
+    config_json = QWEN3_MOE_CONFIG_JSON[name]
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    with torch.device("meta"):  # shapes only
+        hf = transformers.Qwen3MoeForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path))
+    sizes = {n: p.numel() for n, p in hf.named_parameters()}
+    experts = sum(n for key, n in sizes.items() if ".mlp.experts." in key)
+    k, e = config_json["num_experts_per_tok"], config_json["num_experts"]
+    model = load_config(REPO / "configs" / "models" / f"{name}.yaml").model
+    assert parameter_count(model) == sum(sizes.values()), f"{name}: planner vs config.json {sum(sizes.values())}"
+    assert expert_parameter_count(model) == experts
+    assert active_parameter_count(model) == sum(sizes.values()) - experts + experts * k // e
+    converted = model_config_from_hf(tmp_path)
+    differing = {k: (getattr(model, k), v) for k, v in converted.items() if k != "name" and getattr(model, k) != v}
+    assert not differing, f"configs/models/{name}.yaml differs from the published config.json: {differing}"
+
+
+MOE_RECIPE = REPO / "recipes" / "qwen3-30b-a3b.yaml"
+
+
+def _with_ep(ep: int, *more: str) -> list[str]:
+    return [*(f"{r}.megatron.expert_model_parallel_size={ep}" for r in ("actor", "critic", "ref")), *more]
+
+
+def test_expert_parallelism_shards_the_experts_and_their_optimizer_states_only() -> None:
+    """EP 8 → 4: each GPU holds twice the expert weights, the same dense ones; the experts' optimizer states are
+    sharded by expert DP = world / (ETP·EP·PP) (8 / 4 = 2), the dense ones by DP 8."""
+    config = load_config(MOE_RECIPE)
+    m = config.model
+    experts, dense = expert_parameter_count(m), parameter_count(m) - expert_parameter_count(m)
+    by_ep = {ep: plan(load_config(MOE_RECIPE, _with_ep(ep))).roles["actor"] for ep in (4, 8)}
+    for ep, role in by_ep.items():
+        assert role.expert_params_per_gpu == experts // ep
+        assert role.params_per_gpu == dense + experts // ep
+        expected_optimizer = 12 * (dense / 8 + experts / ep / (8 // ep)) / 2**30
+        assert role.optimizer_gib == pytest.approx(expected_optimizer), ep
+
+
+def test_the_all_to_all_is_in_the_step_time_and_crosses_nodes_slower() -> None:
+    """Per GPU and iteration: 27 passes (3 forwards, 2 × 4 epochs × 3 with full recompute) × T·L/world tokens ×
+    k copies × 2h bytes × 2 (dispatch, combine) × 7/8 leaving the GPU at EP 8; none at EP 1. The same EP 8 over 2
+    nodes of 4 GPUs runs at the InfiniBand bandwidth."""
+    config = load_config(MOE_RECIPE)
+    m, d = config.model, config.data
+    tokens = d.train_batch_size * (d.max_prompt_length + d.max_response_length)
+    expected_gb = 27 * tokens * m.num_layers / 8 * m.num_experts_per_tok * 2 * m.hidden_size * 2 * 7 / 8 / 1e9
+    within, across = ALL_TO_ALL_GBPS["h100-80gb"]
+    ep8 = plan(config)
+    assert ep8.all_to_all_gb_per_gpu == pytest.approx(expected_gb)
+    assert ep8.all_to_all_s == pytest.approx(expected_gb / within)
+    ep1 = plan(load_config(MOE_RECIPE, _with_ep(1)))
+    assert ep1.all_to_all_gb_per_gpu == 0 and ep1.all_to_all_s == 0
+    assert ep8.step_time_s - ep8.all_to_all_s == pytest.approx(ep1.step_time_s)
+    spread = plan(load_config(MOE_RECIPE, ["cluster.gpus_per_node=4", "cluster.nodes=2"]))
+    assert spread.all_to_all_s == pytest.approx(expected_gb / across)
+
+
+def test_moe_without_offload_on_one_node_is_flagged_with_a_fitting_expert_parallel_layout() -> None:
+    on_gpu = [f"{r}.megatron.{k}=false" for r in ("actor", "critic") for k in ("param_offload", "optimizer_offload")]
+    config = load_config(MOE_RECIPE, [*on_gpu, "ref.megatron.param_offload=false", "cluster.nodes=4", *_with_ep(1)])
+    assert not plan(config).fits
+    layout, fitting = suggest(config)
+    assert fitting.fits and not fitting.problems and layout.expert_model_parallel_size > 1, fitting.layout
