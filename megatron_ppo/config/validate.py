@@ -282,8 +282,8 @@ def _layout_problems(c: PPOConfig) -> list[str]:
 
 
 def _shared_layout_problems(c: PPOConfig) -> list[str]:
-    """One problem when the roles' TP/PP/CP differ, proposing the nearest shared layout: the role's layout that the
-    fewest keys must change to reach (on a tie the actor's, then the critic's — the trained models)."""
+    """One problem when the roles' TP/PP/CP/EP/expert-TP differ, proposing the nearest shared layout: the role's
+    layout that the fewest keys must change to reach (on a tie the actor's, then the critic's — the trained models)."""
     layouts = {role: tuple(getattr(get(c, f"{role}.megatron"), key) for key in SHARED_LAYOUT_KEYS) for role in ROLES}
     if len(set(layouts.values())) == 1:
         return []
@@ -296,7 +296,11 @@ def _shared_layout_problems(c: PPOConfig) -> list[str]:
         for role in ("actor", "critic", "ref")
     }
     nearest = min(changes, key=lambda role: len(changes[role]))
-    shape = " ".join(f"{_SHORT[key]} {value}" for key, value in zip(SHARED_LAYOUT_KEYS, layouts[nearest], strict=True))
+    shape = " ".join(
+        f"{_SHORT[key]} {value}"
+        for key, value in zip(SHARED_LAYOUT_KEYS, layouts[nearest], strict=True)
+        if key in SHARED_LAYOUT_KEYS[:3] or value not in (1, None)
+    )  # TP, PP and CP, then the expert layout when it is set
     fixes = " ".join(f"{other}.megatron.{SHARED_LAYOUT_KEYS[i]}={layouts[nearest][i]}" for other, i in changes[nearest])
     return [
         f"{listed}: actor, ref and critic must share one parallel layout for now (Megatron's parallel_state holds one "
