@@ -12,6 +12,7 @@ import pytest
 from megatron_ppo.config.schema import MegatronConfig
 from tests.distributed import workers
 from tests.distributed.harness import run_distributed
+from tests.distributed.parity_checks import assert_grad_norms_and_weights_match, assert_update_metrics_match
 
 LAYOUTS = {
     "tp2": (2, MegatronConfig(tensor_model_parallel_size=2)),
@@ -41,23 +42,13 @@ def test_experience_matches_single_process_on_every_rank(parity, name: str) -> N
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_update_metrics_match_single_process_on_every_rank(parity, name: str) -> None:
-    for report in parity["reports"][name]:
-        assert {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss"} <= set(
-            report["metrics"]
-        )
-        for key, (ours, reference) in report["metrics"].items():
-            assert math.isclose(ours, reference, rel_tol=1e-4, abs_tol=1e-6), f"{name}: {key} {ours} vs {reference}"
+    required = {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss"}
+    assert_update_metrics_match(parity["reports"][name], name, required)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_grad_norm_and_updated_weights_match_single_process(parity, name: str) -> None:
-    for report in parity["reports"][name]:
-        for role in ("actor", "critic"):
-            ours, reference = report[f"{role}_grad_norm"]
-            assert math.isclose(ours, reference, rel_tol=1e-5), f"{name}: {role} grad norm {ours} vs {reference}"
-    for role in ("actor", "critic"):
-        diff = parity["weights"][f"{name}/{role}"]
-        assert diff < 1e-6, f"{name}: {role} weights after one clipped optimizer step differ by {diff:.2e}"
+    assert_grad_norms_and_weights_match(parity, name)
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2-vpp2", "tp2-pp2"])
