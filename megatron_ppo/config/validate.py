@@ -54,6 +54,7 @@ def validate(config: PPOConfig) -> list[str]:
     problems += _cross_key_problems(config)
     problems += _model_problems(config)
     problems += _layout_problems(config)
+    problems += _offload_problems(config)
     problems += _batch_problems(config)
     problems += _kl_problems(config)
     problems += _reward_problems(config)
@@ -240,6 +241,16 @@ def _layout_problems(c: PPOConfig) -> list[str]:
                 f"{key}.recompute_granularity='full' needs recompute_method (uniform|block) and recompute_num_layers"
             )
     return p
+
+
+def _offload_problems(c: PPOConfig) -> list[str]:
+    """The frozen reference has no gradients and no optimizer: only its weights can be offloaded."""
+    ref = c.ref.megatron
+    return [
+        f"ref.megatron.{key}=true: the reference has no {what}; use ref.megatron.param_offload for its weights"
+        for key, what in (("grad_offload", "gradients"), ("optimizer_offload", "optimizer states"))
+        if getattr(ref, key)
+    ]
 
 
 def _divisors(n: int) -> list[int]:

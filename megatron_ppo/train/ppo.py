@@ -16,6 +16,7 @@ from megatron_ppo.data.rows import Row
 from megatron_ppo.models import RoleModel, build_role_model, copy_weights
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.models.kernels import describe_kernels
+from megatron_ppo.models.offload import HostOffload
 from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.train.batch import build_sampler, collate
 from megatron_ppo.train.experience import Experience, compute_advantages, experience_metrics, forward_passes
@@ -82,6 +83,12 @@ class PPOTrainer:
             self.schedulers[role] = build_scheduler(
                 self.optimizers[role], role_config.optim, self.total_steps * minibatches[role]
             )
+        # host offload between phases: each role's weights, gradients, optimizer states by its megatron.*_offload
+        self.offload = HostOffload(
+            {role: (model, self.optimizers.get(role), getattr(config, role).megatron)
+             for role, model in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)) if model},
+            report=lambda line: self.logger.event(self.step, "offload", line),
+        )  # fmt: skip
         self.kl = KLCoefficients(config, self.total_steps)
         self.normalizer = algo.RunningRewardNormalizer() if config.reward.normalize else None
         self.guards = Guards(config.guards)
@@ -143,6 +150,7 @@ class PPOTrainer:
             batch = to_device(collate(rows, self.pad_id), current_device(), "the PPO batch")
             with phase_timer(timings, "experience"):
                 # 2. experience: log-probs of actor and reference, values of the critic (no grad; on every rank)
+                self.offload.enter("experience")
                 passes = forward_passes(config, batch, self.actor, self.ref, self.critic)
                 # 3. advantages: token rewards (clipped score, minus β·KL when the KL is in the reward), GAE or GRPO
                 experience, metrics = compute_advantages(config, batch, passes, self.kl.coef("reward"), self.normalizer)
@@ -155,6 +163,7 @@ class PPOTrainer:
             for update in updates:
                 metrics |= update.metrics
                 self.skipped_steps += update.skipped
+            self.offload.enter("between iterations")  # checkpoints, rollbacks, evaluation read weights and optimizers
             self.step += 1
             # 6. KL control: β for the next iteration from this one's KL (stage-aware)
             metrics |= self.kl.step(metrics.get("kl/mean"), config.data.train_batch_size)
@@ -183,6 +192,7 @@ class PPOTrainer:
         else:
             make_loss = partial(critic_loss, role_config)
         with phase_timer(timings, f"update_{role}"):
+            self.offload.enter(f"{role} update")
             return update_role(
                 role, self.models[role], self.optimizers[role], self.schedulers[role], experience,
                 epochs=role_config.ppo_epochs, mini_batch_size=role_config.ppo_mini_batch_size,

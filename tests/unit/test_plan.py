@@ -41,12 +41,17 @@ UNSHARDED = [
 ]
 
 
-def test_70b_without_model_parallelism_on_one_node_is_flagged_with_a_fitting_layout() -> None:
-    config = load_config(REPO / "recipes" / "llama3.1-70b.yaml", ["cluster.nodes=1", *UNSHARDED])
+def test_70b_without_model_parallelism_on_four_nodes_is_flagged_with_a_fitting_layout() -> None:
+    """32 H100s hold 70B only split 32 ways with every idle state on the host (Adam's 16 bytes per parameter stay
+    on the GPU in the role's own update and between iterations); one node holds it in no layout."""
+    config = load_config(REPO / "recipes" / "llama3.1-70b.yaml", ["cluster.nodes=4", *UNSHARDED])
     result = plan(config)
     assert not result.fits and result.peak_gib > 500
     layout, fitting = suggest(config)
-    assert fitting.fits and layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size > 1
+    assert fitting.fits and layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size == 32
+    assert layout.param_offload and layout.grad_offload and layout.optimizer_offload
+    one_node = load_config(REPO / "recipes" / "llama3.1-70b.yaml", ["cluster.nodes=1", *UNSHARDED])
+    assert suggest(one_node) is None
 
 
 def test_more_memory_per_parameter_with_a_replicated_optimizer() -> None:
@@ -108,3 +113,23 @@ def test_qwen3_32b_parameter_count_equals_the_sum_over_its_config_json_shapes(tm
     converted = model_config_from_hf(tmp_path)
     differing = {k: (getattr(model, k), v) for k, v in converted.items() if k != "name" and getattr(model, k) != v}
     assert not differing, f"configs/models/qwen3-32b.yaml differs from the published config.json: {differing}"
+
+
+def test_each_phase_counts_what_the_offload_switches_leave_on_the_gpu() -> None:
+    """With everything offloaded a role's update holds only that role's state and activations; a switch turned
+    off adds that kind of the idle role to every phase that does not need it, and nothing to the others."""
+    from megatron_ppo.plan import RESERVED_GIB
+
+    recipe = REPO / "recipes" / "qwen2.5-32b-1node.yaml"
+    offloaded = plan(load_config(recipe))
+    actor, critic, ref = (offloaded.roles[r] for r in ("actor", "critic", "ref"))
+    assert offloaded.phases_gib["actor update"] == pytest.approx(
+        actor.weights_gib + actor.grads_gib + actor.optimizer_gib + actor.activations_gib + RESERVED_GIB
+    )
+    resting = sum(r.weights_gib + r.optimizer_gib for r in (actor, critic, ref)) + RESERVED_GIB
+    assert offloaded.phases_gib["between iterations"] == pytest.approx(resting)
+    kept = plan(load_config(recipe, ["critic.megatron.grad_offload=false"]))
+    added = {phase: kept.phases_gib[phase] - gib for phase, gib in offloaded.phases_gib.items()}
+    grads = critic.grads_gib
+    expected = {"experience": grads, "critic update": 0.0, "actor update": grads, "between iterations": grads}
+    assert added == pytest.approx(expected)
