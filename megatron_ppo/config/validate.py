@@ -7,6 +7,7 @@ own choices and range are on its schema field (`config.fields`); the rules betwe
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ def validate(config: PPOConfig) -> list[str]:
     problems += _model_problems(config)
     problems += _layout_problems(config)
     problems += _offload_problems(config)
+    problems += _context_parallel_problems(config)
     problems += _batch_problems(config)
     problems += _kl_problems(config)
     problems += _reward_problems(config)
@@ -232,14 +234,39 @@ def _layout_problems(c: PPOConfig) -> list[str]:
             p.append(f"{key}.sequence_parallel=True needs tensor_model_parallel_size > 1; set it to false")
         if c.cluster.device == "cpu" and mg.sequence_parallel:
             p.append(f"{key}.sequence_parallel=True needs Transformer Engine norms (GPU); set it to false on CPU")
-        if c.cluster.device == "cpu" and cp > 1:
-            p.append(f"{key}.context_parallel_size={cp} needs Transformer Engine attention (GPU); use 1 on CPU")
         if mg.recompute_method is not None and mg.recompute_granularity != "full":
             p.append(f"{key}.recompute_method={mg.recompute_method!r} only applies with recompute_granularity='full'")
         if mg.recompute_granularity == "full" and (mg.recompute_method is None or mg.recompute_num_layers is None):
             p.append(
                 f"{key}.recompute_granularity='full' needs recompute_method (uniform|block) and recompute_num_layers"
             )
+    return p
+
+
+def _context_parallel_problems(c: PPOConfig) -> list[str]:
+    """CP > 1 runs only where Transformer Engine's attention passes keys and values around the CP ring (Megatron's
+    local and our SDPA attention see only this rank's tokens), and only with losses that add up over tokens. (The
+    roles share one CP size, checked with the layout.)"""
+    cp = c.actor.megatron.context_parallel_size
+    if cp <= 1:
+        return []
+    setting = f"actor.megatron.context_parallel_size={cp}"
+    p: list[str] = []
+    if c.cluster.device == "cpu":
+        p.append(f"{setting} needs Transformer Engine attention (GPU); use 1 on CPU")
+    elif importlib.util.find_spec("transformer_engine") is None:
+        p.append(f"{setting} needs Transformer Engine's attention, which exchanges keys and values between the CP "
+                 "ranks (the local attention would attend within each rank's chunks only); Transformer Engine is "
+                 "not installed here: install the gpu extra, or use 1")  # fmt: skip
+    if c.model.transformer_impl == "local":
+        p.append(f"{setting} needs model.transformer_impl='transformer_engine' or 'auto', not 'local'")
+    for role in ("actor", "critic"):
+        if get(c, role).loss_agg_mode == "seq-mean-token-mean":
+            p.append(f"{setting}: {role}.loss_agg_mode='seq-mean-token-mean' divides by each row's token count, "
+                     "which no CP rank sees whole; use token-mean or seq-mean-token-sum(-norm), or CP 1")  # fmt: skip
+    if c.actor.behavior_is_cap is not None and c.actor.behavior_is_level == "sequence":
+        p.append(f"{setting}: actor.behavior_is_level='sequence' multiplies ratios over whole rows, which no CP rank "
+                 "sees whole; use 'token', or CP 1")  # fmt: skip
     return p
 
 
