@@ -95,10 +95,6 @@ class HostOffload:
         residency = self.roles[role]
         return {kind: sum(s.nbytes() for s in _storages(residency, kind)) for kind in OFFLOAD_KINDS}
 
-    def offloaded(self, role: str) -> set[str]:
-        """The kinds of `role` whose storages are on the host now."""
-        return set(self.roles[role].stashed)
-
 
 def _offload(residency: RoleResidency, kind: str) -> None:
     if kind == "params":
@@ -119,15 +115,16 @@ def _offload(residency: RoleResidency, kind: str) -> None:
 
 
 def _load(residency: RoleResidency, kind: str) -> None:
-    for stash in residency.stashed.pop(kind):
+    stashes = residency.stashed.pop(kind)  # held until the copies below have finished
+    for stash in stashes:
         stash.storage.resize_(stash.nbytes)
         data = _as_bytes(stash.storage)
         if stash.host is None:
             data.zero_()
         else:
             data.copy_(stash.host, non_blocking=True)
-    if kind != "grads" and torch.cuda.is_available():
-        torch.cuda.current_stream().synchronize()  # the host buffers are freed once the copies are done
+    if stashes and stashes[0].storage.device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
