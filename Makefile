@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint validate bench train compare-kl plan submit report gpu-check
+.PHONY: setup test lint validate bench train compare-kl drill plan submit report gpu-check
 
 setup: $(STAMP)
 
@@ -34,6 +34,13 @@ train: setup
 # The tiny recipe with the KL term off, fixed, adaptive and staged: one table side by side.
 compare-kl: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node $(NPROC) --master_port 29651 -m megatron_ppo compare-kl $(RECIPE) $(OVERRIDES)
+
+# The fault drill: the tiny recipe with a NaN gradient, a gradient spike, an out-of-memory error, a KL blow-up and an
+# evaluation drop injected (test-only patches, tests/drill); prints where each guard fired. A new folder per drill.
+DRILL_STAMP := $(shell date -u +%Y%m%d-%H%M%S)
+DRILL_DIR ?= outputs/drill/$(DRILL_STAMP)
+drill: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node $(NPROC) --master_port 29652 -m tests.drill $(RECIPE) trainer.default_local_dir=$(DRILL_DIR)/checkpoints trainer.log_dir=$(DRILL_DIR)/tensorboard $(OVERRIDES)
 
 # Layout check, per-GPU memory and step-time estimate before any job (exit 1 when it does not fit).
 plan: setup

@@ -58,11 +58,13 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     run: RunIdentity | None = None,
     keep: int | None = None,
+    protect: str | Path | None = None,
 ) -> Path:
     """Save models (and their optimizers) under their role names, `trainer_state` (plain Python/tensors) and the
     identity of the `run` saving them (None: an initialisation, such as the SFT start, that no run resumes).
 
-    With `keep`, the run's own checkpoints beyond the newest `keep` are then deleted (`_prune`)."""
+    With `keep`, the run's own checkpoints beyond the newest `keep` are then deleted (`_prune`), except `protect`
+    (the best evaluation's checkpoint, which an evaluation-drop rollback returns to)."""
     if keep and run is None:
         raise ValueError("pruning (keep) needs the run identity: only a run's own checkpoints are pruned")
     root = Path(root)
@@ -95,7 +97,7 @@ def save_checkpoint(
         point_latest_at(final)
         shutil.rmtree(replaced, ignore_errors=True)
         if keep:
-            _prune(root, run.run_id, keep, step)
+            _prune(root, run.run_id, keep, step, None if protect is None else Path(protect))
     barrier()
     return final
 
@@ -117,7 +119,7 @@ def point_latest_at(checkpoint: Path) -> None:
     tracker.replace(checkpoint.parent / LATEST)
 
 
-def _prune(root: Path, run_id: str, keep: int, step: int) -> None:
+def _prune(root: Path, run_id: str, keep: int, step: int, protect: Path | None = None) -> None:
     """Delete the complete checkpoints of run `run_id` beyond the `keep` newest of its current line of training.
 
     The line of training is the checkpoints up to `step`, newest first; a checkpoint past `step` (left by a branch
@@ -127,6 +129,8 @@ def _prune(root: Path, run_id: str, keep: int, step: int) -> None:
     own = [(s, path) for s, path in complete_checkpoints(root) if run_of(path) == run_id]
     own.sort(key=lambda item: (item[0] <= step, item[0]), reverse=True)
     for _, path in own[keep:]:
+        if protect is not None and path.resolve() == protect.resolve():
+            continue
         shutil.rmtree(path, ignore_errors=True)
 
 

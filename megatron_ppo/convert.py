@@ -88,10 +88,13 @@ def hf_to_mcore(
     return checkpoint.save_checkpoint(out_dir, 0, {"actor": shard}, {}, meta)
 
 
-def fill_from_hf(shard: RoleModel, hf_dir: str | Path, model: ModelConfig, layout: MegatronConfig) -> int:
-    """Copy this rank's part of every weight from the safetensors into `shard`; the bytes read (this pipeline
-    stage's tensors, and of tensor-parallel weights this TP rank's part only)."""
-    targets = _local_targets(shard, model)
+def fill_from_hf(
+    shard: RoleModel, hf_dir: str | Path, model: ModelConfig, layout: MegatronConfig, skip: tuple[str, ...] = ()
+) -> int:
+    """Copy this rank's part of every weight from the safetensors into `shard`, except those whose full-model name
+    starts with one of `skip` (the critic's value head); the bytes read (this pipeline stage's tensors, and of
+    tensor-parallel weights this TP rank's part only)."""
+    targets = {name: t for name, t in _local_targets(shard, model).items() if not name.startswith(skip)}
     reader = SafetensorsReader(hf_dir)
     shapes = Shapes.of(model, layout.tensor_model_parallel_size)
     part = TensorParallelPart(

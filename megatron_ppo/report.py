@@ -1,5 +1,6 @@
-"""`report`: what a run left in TensorBoard, as one table — each scalar's first, last, min and max with their steps,
-then every guard, checkpoint, preemption and job event in step order. Read with TensorBoard's own reader, so it
+"""`report`: what a run left in TensorBoard — each scalar's first, last, min and max with their steps; the guard
+events grouped by kind (how often, at which steps, the last message); the evaluation history; then every guard,
+checkpoint, preemption and job event in step order. Read with TensorBoard's own reader, so it
 works on a run still in progress, on a finished one, or on one copied off the cluster.
 
     python -m megatron_ppo report outputs/tiny/tensorboard     (or the recipe: its trainer.log_dir)
@@ -75,6 +76,20 @@ def read_run(log_dir: str | Path) -> tuple[list[ScalarSummary], list[Event]]:
     return summaries, [event for *_, event in sorted(events, key=lambda e: e[:2])]
 
 
+def evaluation_history(summaries: list[ScalarSummary], run: Path) -> dict[int, dict[str, float]]:
+    """step → {eval metric: value} for every `eval/*` scalar of `run` (the last value written for a step wins)."""
+    tags = [s.tag for s in summaries if s.tag.startswith("eval/")]
+    if not tags:
+        return {}
+    accumulator = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    history: dict[int, dict[str, float]] = {}
+    for tag in tags:
+        for event in accumulator.Scalars(tag):
+            history.setdefault(event.step, {})[tag.removeprefix("eval/")] = event.value
+    return history
+
+
 def print_report(log_dir: str | Path, console: Console | None = None) -> None:
     *others, run = find_runs(log_dir)
     summaries, events = read_run(run)
@@ -86,6 +101,26 @@ def print_report(log_dir: str | Path, console: Console | None = None) -> None:
         table.add_row(s.tag, str(s.steps), f"{s.first[1]:.4g}", f"{s.last[1]:.4g} @{s.last[0]}",
                       f"{s.low[1]:.4g} ({s.low[0]})", f"{s.high[1]:.4g} ({s.high[0]})")  # fmt: skip
     console.print(table)
+    guards: dict[str, list[Event]] = {}
+    for event in events:
+        if event.tag.startswith("guard/"):
+            guards.setdefault(event.tag.removeprefix("guard/"), []).append(event)
+    if guards:
+        by_kind = Table(title="guard events by kind")
+        for column in ("guard", "times", "steps", "last message"):
+            by_kind.add_column(column, justify="right" if column == "times" else "left")
+        for kind, fired in sorted(guards.items()):
+            by_kind.add_row(kind, str(len(fired)), ", ".join(str(e.step) for e in fired), fired[-1].message)
+        console.print(by_kind)
+    evaluations = evaluation_history(summaries, run)
+    if evaluations:
+        history = Table(title="evaluations")
+        names = sorted({name for values in evaluations.values() for name in values})
+        for column in ("step", *names):
+            history.add_column(column, justify="right")
+        for step, values in sorted(evaluations.items()):
+            history.add_row(str(step), *(f"{values[n]:.4g}" if n in values else "" for n in names))
+        console.print(history)
     if events:
         log = Table(title="events")
         for column in ("step", "event", "message"):

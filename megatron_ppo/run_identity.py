@@ -27,7 +27,7 @@ RUN_CONTROL = frozenset(
     f"trainer.{key}"
     for key in (
         "resume_mode", "resume_from_path", "overwrite", "exit_interval", "exit_duration_in_mins", "logger",
-        "save_freq", "test_freq", "max_ckpt_to_keep", "default_local_dir", "log_dir",
+        "save_freq", "test_freq", "val_before_train", "max_ckpt_to_keep", "default_local_dir", "log_dir",
     )
 )  # fmt: skip
 # The run's length: the KL schedule (stage ends) and the learning-rate schedule refuse, on load, a change they cannot

@@ -45,6 +45,10 @@ class KLController:
         self.value = self._clamp(self._next(float(current_kl), n_steps))
         return self.value
 
+    def scale(self, factor: float) -> None:
+        """β ← clamp(β·factor): an outside correction (a guard), after which the rule continues from the new β."""
+        self.value = self._clamp(self.value * factor)
+
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "value": self.value}
 

@@ -125,6 +125,12 @@ class StagedKLSchedule:
             self.value = controller.update(current_kl, n_steps)
         return self.value
 
+    def scale(self, factor: float) -> None:
+        """β ← clamp(β·factor) (a guard's correction) outside warm-up; during warm-up the KL term is ramping in by
+        design and β is left to the ramp."""
+        if not self._is_warmup(self.step):
+            self.value = self._clamp(self.value * factor)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind,

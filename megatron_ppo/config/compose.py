@@ -3,7 +3,9 @@
 Composition order (later wins): the files a recipe lists in `defaults:` (each may list its own), the recipe
 itself, then command-line overrides. `defaults:` entries are paths without `.yaml`, looked up next to the file
 that names them and then in `configs/` (or `$MEGATRON_PPO_CONFIG_DIR`). Lists are replaced, not merged.
-verl-style override paths are accepted as aliases (see `VERL_ALIASES`).
+Overrides take Hydra's forms too: `+key=value` sets a key (every key of the schema exists already, so `+` adds
+nothing the schema lacks) and `~key` deletes one (the schema default applies). verl's paths are read as verl means
+them (`config/verl_keys.py`), and a problem with such a key names the key the user wrote.
 """
 
 from __future__ import annotations
@@ -24,33 +26,27 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.config.validate import resolve, validate
+from megatron_ppo.config.verl_keys import VERL_ALIASES, Override, alias, expand_verl_values
+
+__all__ = ["VERL_ALIASES", "build_config", "compose_file", "load_config", "parse_override"]
 
 CONFIG_DIR = Path(os.environ.get("MEGATRON_PPO_CONFIG_DIR", Path(__file__).resolve().parents[2] / "configs"))
-
-# verl path prefix → ours. Longest prefix wins.
-VERL_ALIASES = {
-    "actor_rollout_ref.actor.": "actor.",
-    "actor_rollout_ref.ref.": "ref.",
-    "actor_rollout_ref.model.path": "model.hf_checkpoint",
-    "trainer.nnodes": "cluster.nodes",
-    "trainer.n_gpus_per_node": "cluster.gpus_per_node",
-    "custom_reward_function.": "reward.custom_fn.",
-}
-_UNSUPPORTED_VERL = {
-    "actor_rollout_ref.rollout.": "offline PPO trains on a fixed dataset and has no rollout; set data.* instead",
-    "reward_model.": "rewards come from the dataset (data.reward_key) or are scored when it is read "
-    "(reward.score_fn: verl | custom, reward.custom_fn.path/name); no reward model is served",
-}
 
 
 def load_config(recipe: str | Path, overrides: Sequence[str] = ()) -> PPOConfig:
     """Compose, override, type-check, resolve and validate; raises `ConfigError` listing every problem."""
     recipe = Path(recipe)
     raw = compose_file(recipe)
-    for override in overrides:
-        key, value = parse_override(override)
-        OmegaConf.update(raw, key, value, merge=True, force_add=True)
-    return build_config(raw, source=str(recipe))
+    parsed = expand_verl_values([parse_override(override) for override in overrides])
+    for override in parsed:
+        if override.delete:
+            _delete(raw, override.key)
+        else:
+            OmegaConf.update(raw, override.key, override.value, merge=True, force_add=True)
+    try:
+        return build_config(raw, source=str(recipe))
+    except ConfigError as error:
+        raise ConfigError([_name_written_keys(p, parsed) for p in error.problems], error.source) from None
 
 
 def build_config(raw: DictConfig, source: str | None = None) -> PPOConfig:
@@ -93,20 +89,50 @@ def compose_file(path: Path, _stack: tuple[Path, ...] = ()) -> DictConfig:
     return OmegaConf.merge(composed, node)
 
 
-def parse_override(override: str) -> tuple[str, Any]:
-    """`a.b.c=value` → (our dotted key, YAML-parsed value); verl aliases rewritten."""
-    key, sep, text = override.partition("=")
-    key = key.strip().lstrip("+")
-    if not sep or not key:
-        raise ConfigError([f"override {override!r} is not of the form key=value (e.g. actor.optim.lr=1e-6)"])
-    for prefix, reason in _UNSUPPORTED_VERL.items():
-        if key.startswith(prefix):
-            raise ConfigError([f"override {key}: {reason}"])
-    for prefix in sorted(VERL_ALIASES, key=len, reverse=True):
-        if key == prefix or key.startswith(prefix):
-            key = VERL_ALIASES[prefix] + key[len(prefix) :]
-            break
-    return key, _parse_value(text)
+def parse_override(override: str) -> Override:
+    """`a.b.c=value` → our dotted key and its YAML-parsed value (verl paths renamed); Hydra's `+a.b.c=value` sets it
+    too, `~a.b.c` (or `~a.b.c=value`) deletes it."""
+    text = override.strip()
+    delete, added = text.startswith("~"), text.startswith("+")
+    key, sep, value = text.lstrip("~+").partition("=")
+    key = key.strip()
+    if not key or not (sep or delete):
+        raise ConfigError(
+            [f"override {override!r} is not of the form key=value (e.g. actor.optim.lr=1e-6), +key=value or ~key"]
+        )
+    return Override(alias(key), None if delete else _parse_value(value), key, delete=delete, added=added)
+
+
+def _delete(raw: DictConfig, key: str) -> None:
+    """Hydra's `~key`: drop the key from the composed tree, so the schema default applies. A key the schema lacks is
+    an error (there is nothing to delete); one the YAML files never set is at its default already."""
+    parent_key, _, leaf = key.rpartition(".")
+    if key not in _all_paths(PPOConfig) and not any(path.startswith(f"{key}.") for path in _all_paths(PPOConfig)):
+        raise ConfigError([f"override ~{key}: unknown key, nothing to delete{_suggest_path(key)}"])
+    parent = OmegaConf.select(raw, parent_key) if parent_key else raw
+    if isinstance(parent, DictConfig) and leaf in parent:
+        parent.pop(leaf)
+
+
+def _name_written_keys(problem: str, overrides: list[Override]) -> str:
+    """`problem`, naming the keys as the user wrote them where they were verl paths, and saying that a Hydra `+`
+    does not make an unknown key known."""
+    unknown = re.match(r"unknown key '([^']+)'", problem)
+    notes = []
+    for override in overrides:
+        if unknown is not None:
+            named = override.key == unknown[1] or override.key.startswith(f"{unknown[1]}.")
+        else:
+            named = re.search(rf"(?<![\w.]){re.escape(override.key)}(?![\w])", problem) is not None
+        if not named:
+            continue
+        note = f"{override.written} sets {override.key}" if override.written != override.key else None
+        if unknown is not None and override.added:
+            note = (f"+{override.written}: Hydra's + adds a key to a Hydra config, but megatron-ppo's schema is fixed "
+                    "and + does not make an unknown key known")  # fmt: skip
+        if note is not None and note not in notes:
+            notes.append(note)
+    return problem + (f" (you wrote: {'; '.join(notes)})" if notes else "")
 
 
 def _parse_value(text: str) -> Any:
@@ -147,6 +173,11 @@ def _dataclass_of(schema: type, name: str) -> type | None:
         if dataclasses.is_dataclass(candidate):
             return candidate
     return None
+
+
+def _suggest_path(key: str) -> str:
+    close = difflib.get_close_matches(key, _all_paths(PPOConfig), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _suggest(key: str, siblings: list[str], prefix: str) -> str:

@@ -33,6 +33,7 @@ CLIP_LOW = Range(lambda v: 0 < v < 1, "in (0, 1) (the ratio is clipped at 1 − 
 DUAL_CLIP = Range(lambda v: v > 1, "> 1 (dual clip caps −A·ρ at −A·c; try 3.0)")
 SPIKE_FACTOR = Range(lambda v: v > 1, "> 1 (a multiple of the running grad norm)")
 ROPE_FACTOR = Range(lambda v: v >= 1, "≥ 1 (Llama 3.1: 8), or null: off")
+SAVE_FREQ = Range(lambda v: v >= -1, "≥ -1 (-1: never, 0: only at the end)")
 OFF_OR_POSITIVE = Range(lambda v: v > 0, "> 0 (or null: off)")
 ROLES = ("actor", "ref", "critic")
 
@@ -126,7 +127,7 @@ class AdditionTaskConfig:
     sft_steps: int = 1000
     sft_batch_size: int = 128
     sft_lr: float = 2.0e-3
-    work_dir: str = "outputs/tiny"
+    work_dir: str = "outputs/tiny"  # the task cache: one task-<hash> folder per task setting (recipe.task_directory)
 
 
 @dataclass
@@ -141,7 +142,12 @@ class DataConfig:
     reward_key: str = "reward"
     max_prompt_length: int = ranged(64, AT_LEAST_ONE)
     max_response_length: int = ranged(64, AT_LEAST_ONE)
-    overlong_policy: str = choice("filter", ("filter", "truncate"))
+    # A row whose prompt or response (eos included) is over its limit: dropped and counted (filter), cut (truncate:
+    # the prompt as prompt_truncation says, the response at its end) or an error naming the row (error).
+    overlong_policy: str = choice("filter", ("filter", "truncate", "error"))
+    # Which prompt tokens truncation keeps (verl's data.truncation): the last (left is cut), the first (right is
+    # cut), or the first and last halves (middle is cut).
+    prompt_truncation: str = choice("left", ("left", "right", "middle"))
     # skip: rejected rows go to a rejects file, with their reason
     on_bad_row: str = choice("error", ("error", "skip"))
     # Text rows: tokenizing prompt and response apart vs together (verl's tokenization_sanity_check_mode):
@@ -194,9 +200,19 @@ class RefConfig:
 
 
 @dataclass
+class CriticModelConfig:
+    """The critic's own initial weights (verl: `critic.model.path`); unset: the actor's trunk and a zero head.
+    A reward model is a common start: the value head takes a sequence-classification model's one-label `score`."""
+
+    hf_checkpoint: str | None = None  # Hugging Face directory to convert on first use (verl's critic.model.path)
+    init_checkpoint: str | None = None  # megatron-ppo checkpoint: its "critic" if it saved one, else its "actor" trunk
+
+
+@dataclass
 class CriticConfig:
     """The value model (a GPT trunk with a scalar head)."""
 
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1.0e-5))
     ppo_mini_batch_size: int = ranged(128, AT_LEAST_ONE)
@@ -277,18 +293,48 @@ class RewardConfig:
     normalize: bool = False  # running mean/std over all rewards seen
 
 
+WATCH_ACTIONS = ("warn", "lr_backoff", "kl_bump")
+
+
+@dataclass
+class WatchConfig:
+    """A watched metric: when `metric` first rises above `max` (and again after it has come back under), the run
+    logs a guard event and does `action` (warn only, back off every learning rate, or bump every KL β)."""
+
+    metric: str = "kl/mean"
+    max: float = 0.05
+    action: str = "warn"  # one of WATCH_ACTIONS (checked in validate: list items are not walked by field rules)
+
+
+def _default_watch() -> list[WatchConfig]:
+    return [WatchConfig("kl/mean", 0.05), WatchConfig("kl/std", 0.02), WatchConfig("critic/vf_loss", 0.5)]
+
+
 @dataclass
 class GuardsConfig:
-    """Stability guards; each one that fires is logged and written to TensorBoard."""
+    """Stability guards (`train/guards.py`); each one that fires is logged and written to TensorBoard."""
 
     max_consecutive_skips: int = ranged(5, NON_NEGATIVE)
-    # spike: grad norm > factor × running median of the window
+    # absolute: a role's grad norm (before clipping) above this → its lr × lr_backoff_factor; null: off
+    grad_norm_threshold: float | None = ranged(None, POSITIVE)
+    # relative spike: grad norm > factor × running median of the window → lr × lr_backoff_factor
     grad_norm_spike_factor: float = ranged(10.0, SPIKE_FACTOR)
     grad_norm_window: int = ranged(20, AT_LEAST_ONE)
     lr_backoff_factor: float = ranged(0.5, FACTOR)
+    min_lr_fraction: float = ranged(0.05, FACTOR)  # back-offs never take a role's lr below this × its configured lr
     kl_explosion_threshold: float = ranged(1.0, POSITIVE)  # per-token KL(actor‖ref) in nats that triggers a rollback
+    # |actor loss| > factor × its running median (same window), or a non-finite loss → rollback; null: off
+    loss_explosion_factor: float | None = ranged(None, SPIKE_FACTOR)
     rollback_lr_factor: float = ranged(0.5, FACTOR)
     max_rollbacks: int = ranged(3, NON_NEGATIVE)
+    kl_bump_threshold: float | None = ranged(None, POSITIVE)  # KL per token above it → every active β × kl_bump_factor
+    kl_bump_factor: float = ranged(1.2, SPIKE_FACTOR)
+    # eval/reward_mean below best − fraction·|best| → roll back to the best evaluation's checkpoint; null: off
+    eval_drop_fraction: float | None = ranged(None, FACTOR)
+    plateau_evaluations: int = ranged(0, NON_NEGATIVE)  # no new best reward in this many evaluations → lr back-off
+    plateau_lr_factor: float = ranged(0.9, FACTOR)
+    max_oom_retries: int = ranged(3, NON_NEGATIVE)  # out-of-memory retries with a smaller micro-batch, per run
+    watch: list[WatchConfig] = field(default_factory=_default_watch)
 
 
 @dataclass
@@ -300,10 +346,14 @@ class TrainerConfig:
     total_epochs: int = ranged(1, AT_LEAST_ONE)
     total_training_steps: int | None = ranged(None, AT_LEAST_ONE)  # None: derived from the data and total_epochs
     critic_warmup: int = ranged(0, NON_NEGATIVE)
-    save_freq: int = ranged(0, NON_NEGATIVE)  # 0: only at the end
+    # Checkpoint every save_freq steps and at the end; 0: only at the end; -1 (verl): never — except the save a
+    # preempted job or one whose budget (exit_interval, exit_duration_in_mins) is spent makes for the next job.
+    save_freq: int = ranged(0, SAVE_FREQ)
     test_freq: int = ranged(0, NON_NEGATIVE)
+    val_before_train: bool = True  # evaluate at step 0 (verl's default), when there is something to evaluate on
     default_local_dir: str = "outputs/checkpoints"
     log_dir: str = "outputs/tensorboard"
+    # console, tensorboard, wandb (the `wandb` extra; W&B project = project_name, run name = experiment_name)
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
     resume_mode: str = choice("auto", ("auto", "disable", "resume_path"))
     resume_from_path: str | None = None

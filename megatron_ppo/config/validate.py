@@ -14,7 +14,9 @@ from typing import Any
 
 from megatron_ppo.algo.kl_schedule import WARMUP
 from megatron_ppo.config.fields import choices_of, field_problems
-from megatron_ppo.config.schema import ROLES, GuardsConfig, KLStageConfig, MegatronConfig, PPOConfig
+from megatron_ppo.config.schema import ROLES, WATCH_ACTIONS, GuardsConfig, KLStageConfig, MegatronConfig, PPOConfig
+
+LOGGERS = ("console", "tensorboard", "wandb")
 
 
 def resolve(config: PPOConfig) -> None:
@@ -63,6 +65,21 @@ def validate(config: PPOConfig) -> list[str]:
     return problems
 
 
+def _guard_problems(c: PPOConfig) -> list[str]:
+    """The watch rules (list items are not walked by the field rules) and what the evaluation guards need."""
+    p = []
+    for index, rule in enumerate(c.guards.watch):
+        if rule.action not in WATCH_ACTIONS:
+            p.append(f"guards.watch[{index}].action={rule.action!r} is not one of {', '.join(WATCH_ACTIONS)}")
+        if rule.action == "kl_bump" and not (c.actor.use_kl_loss or c.algorithm.use_kl_in_reward):
+            p.append(f"guards.watch[{index}] ({rule.metric}): action kl_bump needs a KL term (actor.use_kl_loss or "
+                     "algorithm.use_kl_in_reward); use warn or lr_backoff")  # fmt: skip
+    if c.data.val_files and c.data.task is not None:
+        p.append(f"data.val_files is for dataset runs; data.task={c.data.task!r} evaluates on its own held-out "
+                 "problems: drop data.val_files")  # fmt: skip
+    return p
+
+
 def _cross_key_problems(c: PPOConfig) -> list[str]:
     """Rules between keys (each key's own choices and range are on its schema field)."""
     p: list[str] = []
@@ -77,19 +94,31 @@ def _cross_key_problems(c: PPOConfig) -> list[str]:
         p.append(f"algorithm.kl_ctrl.min_coef={kl_ctrl.min_coef!r}: must not exceed max_coef={kl_ctrl.max_coef!r}")
     if c.trainer.resume_mode == "resume_path" and not c.trainer.resume_from_path:
         p.append("trainer.resume_mode='resume_path' needs trainer.resume_from_path=<checkpoint dir>")
-    if c.data.val_files:
-        p.append(
-            f"data.val_files={c.data.val_files!r}: nothing reads validation files yet (evaluation during training "
-            "comes with the stability-guard work); leave it empty"
-        )
+    p += _guard_problems(c)
     if c.trainer.overwrite and c.trainer.resume_mode == "auto":
         p.append(
             "trainer.overwrite=true moves other runs' checkpoints aside, but with trainer.resume_mode='auto' the run "
             "would continue the one `latest` names; set trainer.resume_mode=disable for a new run"
         )
-    unknown_loggers = sorted(set(c.trainer.logger) - {"console", "tensorboard"})
+    unknown_loggers = sorted(set(c.trainer.logger) - set(LOGGERS))
     if unknown_loggers:
-        p.append(f"trainer.logger={c.trainer.logger!r}: unknown {unknown_loggers}; use console and/or tensorboard")
+        p.append(f"trainer.logger={c.trainer.logger!r}: unknown {unknown_loggers}; use any of {', '.join(LOGGERS)}")
+    if "wandb" in c.trainer.logger and importlib.util.find_spec("wandb") is None:
+        p.append(
+            f"trainer.logger={c.trainer.logger!r}: wandb is not installed; install the extra (pip install "
+            "'megatron-ppo[wandb]') or drop wandb from the list"
+        )
+    critic_model = c.critic.model
+    if critic_model.hf_checkpoint and critic_model.init_checkpoint:
+        p.append(
+            f"critic.model.hf_checkpoint={critic_model.hf_checkpoint!r} and critic.model.init_checkpoint="
+            f"{critic_model.init_checkpoint!r} both name the critic's initial weights; set one of them"
+        )
+    if (critic_model.hf_checkpoint or critic_model.init_checkpoint) and c.algorithm.adv_estimator != "gae":
+        p.append(
+            f"critic.model initialises a critic, but algorithm.adv_estimator={c.algorithm.adv_estimator!r} trains "
+            "none; unset critic.model.hf_checkpoint / init_checkpoint or use adv_estimator=gae"
+        )
     return p
 
 
@@ -185,15 +214,11 @@ def data_parallel_size(c: PPOConfig, megatron: MegatronConfig) -> int:
 # Megatron's parallel_state holds one layout per process; roles with different layouts need per-model process
 # groups, which the trainer does not build yet.
 SHARED_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+_SHORT = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP", "context_parallel_size": "CP"}
 
 
 def _layout_problems(c: PPOConfig) -> list[str]:
-    p: list[str] = []
-    for key in SHARED_LAYOUT_KEYS:
-        values = {role: getattr(get(c, f"{role}.megatron"), key) for role in ROLES}
-        if len(set(values.values())) > 1:
-            listed = ", ".join(f"{role}.megatron.{key}={value}" for role, value in values.items())
-            p.append(f"{listed}: actor, ref and critic must share one parallel layout for now; make them equal")
+    p = _shared_layout_problems(c)
     world = world_size(c)
     m = c.model
     query_groups = m.num_query_groups or m.num_attention_heads
@@ -234,6 +259,11 @@ def _layout_problems(c: PPOConfig) -> list[str]:
             p.append(f"{key}.sequence_parallel=True needs tensor_model_parallel_size > 1; set it to false")
         if c.cluster.device == "cpu" and mg.sequence_parallel:
             p.append(f"{key}.sequence_parallel=True needs Transformer Engine norms (GPU); set it to false on CPU")
+        if c.cluster.device == "cpu" and mg.recompute_granularity is not None and role != "ref":  # ref: eval mode
+            p.append(
+                f"{key}.recompute_granularity={mg.recompute_granularity!r} needs CUDA (Megatron's activation recompute "
+                "saves and restores the CUDA RNG state); leave it unset on CPU"
+            )
         if mg.recompute_method is not None and mg.recompute_granularity != "full":
             p.append(f"{key}.recompute_method={mg.recompute_method!r} only applies with recompute_granularity='full'")
         if mg.recompute_granularity == "full" and (mg.recompute_method is None or mg.recompute_num_layers is None):
@@ -241,6 +271,30 @@ def _layout_problems(c: PPOConfig) -> list[str]:
                 f"{key}.recompute_granularity='full' needs recompute_method (uniform|block) and recompute_num_layers"
             )
     return p
+
+
+def _shared_layout_problems(c: PPOConfig) -> list[str]:
+    """One problem when the roles' TP/PP/CP differ, proposing the nearest shared layout: the role's layout that the
+    fewest keys must change to reach (on a tie the actor's, then the critic's — the trained models)."""
+    layouts = {role: tuple(getattr(get(c, f"{role}.megatron"), key) for key in SHARED_LAYOUT_KEYS) for role in ROLES}
+    if len(set(layouts.values())) == 1:
+        return []
+    differing = [i for i, _ in enumerate(SHARED_LAYOUT_KEYS) if len({layout[i] for layout in layouts.values()}) > 1]
+    listed = ", ".join(
+        f"{role}.megatron.{SHARED_LAYOUT_KEYS[i]}={layouts[role][i]}" for i in differing for role in ROLES
+    )
+    changes = {
+        role: [(other, i) for other in ROLES for i in differing if layouts[other][i] != layouts[role][i]]
+        for role in ("actor", "critic", "ref")
+    }
+    nearest = min(changes, key=lambda role: len(changes[role]))
+    shape = " ".join(f"{_SHORT[key]} {value}" for key, value in zip(SHARED_LAYOUT_KEYS, layouts[nearest], strict=True))
+    fixes = " ".join(f"{other}.megatron.{SHARED_LAYOUT_KEYS[i]}={layouts[nearest][i]}" for other, i in changes[nearest])
+    return [
+        f"{listed}: actor, ref and critic must share one parallel layout for now (Megatron's parallel_state holds one "
+        f"TP/PP/CP layout per process; per-role process groups are not built); the nearest shared layout is the "
+        f"{nearest}'s ({shape}): set {fixes}"
+    ]
 
 
 def _context_parallel_problems(c: PPOConfig) -> list[str]:
@@ -342,7 +396,8 @@ def _kl_problems(c: PPOConfig) -> list[str]:
     if kl.type != "fixed" and not driven:
         p.append(
             f"{prefix}.type={kl.type!r} drives no KL term: enable actor.use_kl_loss or "
-            f"algorithm.use_kl_in_reward and list it in {prefix}.apply_to"
+            f"algorithm.use_kl_in_reward and list it in {prefix}.apply_to, or set {prefix}.type=fixed"
+            + (f" ~{prefix}.stages" if kl.stages else "")
         )
     if kl.band is not None:
         p += _band_problems(f"{prefix}.band", kl.band)
@@ -352,7 +407,7 @@ def _kl_problems(c: PPOConfig) -> list[str]:
         return p
     if not kl.stages:
         return [*p, f"{prefix}.type='staged' needs {prefix}.stages (see configs/kl/staged.yaml)"]
-    guard_names = {f.name for f in dataclasses.fields(GuardsConfig)}
+    guard_names = {f.name for f in dataclasses.fields(GuardsConfig) if f.name != "watch"}  # thresholds only
     names = [s.name for s in kl.stages]
     for name in {n for n in names if names.count(n) > 1}:
         p.append(f"{prefix}.stages: the name {name!r} is used twice; stage names must be unique")

@@ -80,6 +80,9 @@ class Row:
     uid: str
     data_source: str
     source: str  # "path:line" (JSONL, 1-based) or "path:row N" (Parquet, 0-based)
+    # verl's `reward_model.ground_truth` and `extra_info`, when given: what evaluation scores a fresh response with
+    ground_truth: Any = None
+    extra_info: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,8 @@ def parse_row(record: Any, source: str, tokenizer: Tokenizer, config: DataConfig
         uid=_uid(record.get(UID_KEY), tokens.prompt_ids),
         data_source=data_source,
         source=source,
+        ground_truth=_ground_truth(record),
+        extra_info=record.get(EXTRA_INFO_KEY) if isinstance(record.get(EXTRA_INFO_KEY), dict) else None,
     )
     mismatch = tokens.apart_vs_together if config.tokenization_check == "warn" else None
     return ParsedRow(row, scored=scored, builtin_chat=tokens.builtin_chat, mismatch=mismatch)
@@ -251,6 +256,11 @@ def _token_id_tokens(record: dict[str, Any], tokenizer: Tokenizer, config: DataC
         builtin_chat=False,
         apart_vs_together=None,
     )
+
+
+def _ground_truth(record: dict[str, Any]) -> Any:
+    reward_model = record.get(REWARD_MODEL_KEY)
+    return reward_model.get(GROUND_TRUTH_KEY) if isinstance(reward_model, dict) else None
 
 
 def _score(record: dict[str, Any], data_source: str, response: str, scorer: Scorer) -> float:

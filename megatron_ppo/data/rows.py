@@ -2,7 +2,8 @@
 
 What a row may hold and how it is checked is in `parse.py`. A bad row raises `DataError` naming its "path:line"
 (data.on_bad_row=error), or is written with its reason to the rejects file and counted (skip). Over-long rows are
-dropped or truncated (data.overlong_policy) and counted: nothing is left out without a number in the `DataReport`.
+dropped or truncated (data.overlong_policy) and counted, or refused (error): nothing is left out without a number in
+the `DataReport`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from megatron_ppo.data.values import BadRow
 __all__ = ["DataError", "DataReport", "Row", "Tokenizer", "read_rows"]
 
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
-_OPTIONS = ("format", "overlong_policy", "on_bad_row", "tokenization_check")
+_OPTIONS = ("format", "overlong_policy", "prompt_truncation", "on_bad_row", "tokenization_check")
 
 
 @dataclass
@@ -203,13 +204,23 @@ def _decode_json(line: bytes) -> Any:
 
 
 def _fit_length(row: Row, config: DataConfig, report: DataReport) -> Row | None:
-    """Apply data.max_prompt_length / max_response_length (eos included): drop (filter) or cut (truncate) the row.
+    """Apply data.max_prompt_length / max_response_length (eos included): drop (filter) or cut (truncate) the row,
+    or raise a `DataError` naming it (error).
 
-    Truncation keeps the last prompt tokens and the first response tokens, cutting the per-token lists alike."""
+    Truncation keeps the prompt tokens `data.prompt_truncation` names (as verl's `data.truncation` does) and the
+    first response tokens, cutting the per-token lists alike."""
     max_prompt, max_response = config.max_prompt_length, config.max_response_length
     long_prompt, long_response = len(row.prompt_ids) > max_prompt, len(row.response_ids) > max_response
     if not (long_prompt or long_response):
         return row
+    if config.overlong_policy == "error":
+        parts = (("prompt", row.prompt_ids, max_prompt), ("response", row.response_ids, max_response))
+        over = [f"{part} has {len(ids)} tokens > data.max_{part}_length={limit}" for part, ids, limit in parts
+                if len(ids) > limit]  # fmt: skip
+        raise DataError(
+            f"{row.source}: {' and '.join(over)} (data.overlong_policy=error; verl: data.truncation=error); raise the "
+            "limit, or set data.overlong_policy=filter (drop such rows) or truncate"
+        )
     if config.overlong_policy == "filter":
         report.filtered_overlong += 1
         return None
@@ -217,8 +228,22 @@ def _fit_length(row: Row, config: DataConfig, report: DataReport) -> Row | None:
     report.truncated_response += long_response
     return dataclasses.replace(
         row,
-        prompt_ids=row.prompt_ids[len(row.prompt_ids) - max_prompt :] if long_prompt else row.prompt_ids,
+        prompt_ids=truncate_prompt(row.prompt_ids, max_prompt, config.prompt_truncation),
         response_ids=row.response_ids[:max_response],
         token_rewards=None if row.token_rewards is None else row.token_rewards[:max_response],
         behavior_log_probs=None if row.behavior_log_probs is None else row.behavior_log_probs[:max_response],
     )
+
+
+def truncate_prompt(ids: list[int], limit: int, side: str) -> list[int]:
+    """The prompt cut to `limit` tokens as verl's `data.truncation` does (`verl.utils.torch_functional
+    .postprocess_data`): left keeps the last `limit`, right the first `limit`, middle the first ⌊limit/2⌋ and the
+    last ⌈limit/2⌉."""
+    if len(ids) <= limit:
+        return ids
+    if side == "left":
+        return ids[len(ids) - limit :]
+    if side == "right":
+        return ids[:limit]
+    head = limit // 2
+    return ids[:head] + ids[len(ids) - (limit - head) :]

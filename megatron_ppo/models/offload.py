@@ -90,6 +90,10 @@ class HostOffload:
             self.report(f"{phase}: " + "; ".join(_describe(role, kinds) for role, kinds in resident.items()))
         return resident
 
+    def holds(self, role: str, kind: str) -> bool:
+        """Whether `role`'s `kind` is on its device now (not offloaded)."""
+        return kind not in self.roles[role].stashed
+
     def resident_bytes(self, role: str) -> dict[str, int]:
         """Bytes of `role`'s distinct storages of each kind that hold memory on its device now."""
         residency = self.roles[role]

@@ -1,13 +1,26 @@
-"""Stability guards: after each iteration they read its metrics and say what the trainer must do.
+"""Stability guards: after each iteration (and each evaluation) they read the metrics and say what the trainer must do.
 
+Per iteration (`Guards.observe`):
 - Non-finite gradients: the optimizer step is skipped (`optimizer_step`); more than `max_consecutive_skips`
   skipped iterations in a row → `stop`.
-- Gradient-norm spike: a role's largest grad norm in an iteration above `grad_norm_spike_factor` × the median of
-  the last `grad_norm_window` iterations → `lr_backoff` of that role by `lr_backoff_factor`.
-- KL explosion: KL(actor‖ref) per token above `kl_explosion_threshold` → `rollback` to the last good checkpoint
-  with the learning rates × `rollback_lr_factor`, at most `max_rollbacks` times.
-A stage of the KL schedule may override any threshold (its `guards:` mapping). `Guards.observe` changes nothing
-but its own history: the trainer carries out the actions and logs their messages.
+- Gradient norm, per role (measured before clipping): above the absolute `grad_norm_threshold`, or above
+  `grad_norm_spike_factor` × the median of the last `grad_norm_window` iterations → `lr_backoff` of that role by
+  `lr_backoff_factor` (one back-off per role and iteration).
+- KL explosion: KL(actor‖ref) per token above `kl_explosion_threshold` → `rollback` to the last good checkpoint with
+  the learning rates × `rollback_lr_factor`, at most `max_rollbacks` times (all rollbacks count together).
+- Loss explosion: a non-finite loss, or |loss| above `loss_explosion_factor` × its running median (actor: the
+  policy-gradient loss, critic: the value loss) → `rollback`, as for the KL.
+- KL bump: KL per token above `kl_bump_threshold` → `kl_bump`: every active β × `kl_bump_factor`, within the
+  controllers' clamps.
+- Watch: each `watch` rule logs an event when its metric rises above its `max` (once per crossing) and does its
+  action: `warn`, `lr_backoff` (every role, `lr_backoff_factor`) or `kl_bump`.
+Per evaluation (`Guards.observe_evaluation`):
+- Evaluation drop: `eval/reward_mean` below best − `eval_drop_fraction`·|best| → `rollback` to the checkpoint of the
+  best evaluation.
+- Plateau (off unless `plateau_evaluations` > 0): no new best in that many evaluations → `lr_backoff` of every role
+  by `plateau_lr_factor`.
+A stage of the KL schedule may override any numeric threshold (its `guards:` mapping). The guards change nothing
+but their own history: the trainer carries out the actions and logs their messages.
 """
 
 from __future__ import annotations
@@ -20,26 +33,38 @@ from typing import Any, Literal
 
 from megatron_ppo.config.schema import GuardsConfig
 
+ROLE_LOSSES = {"actor": "actor/pg_loss", "critic": "critic/vf_loss"}
+ActionKind = Literal["lr_backoff", "rollback", "kl_bump", "warn", "stop"]
+
 
 @dataclass(frozen=True)
 class GuardAction:
-    """One thing a guard asks for. `lr_backoff`: scale `role`'s learning rate by `lr_factor`; `rollback`: restore
-    the last good checkpoint and scale every learning rate by `lr_factor`, unless `max_rollbacks` were done
-    already; `stop`: end the run with `message`."""
+    """One thing a guard asks for, named by the guard that fired (`guard`, e.g. "grad_norm", "kl_explosion").
 
-    kind: Literal["lr_backoff", "rollback", "stop"]
+    `lr_backoff`: scale `role`'s learning rate (every role's when None) by `factor`; `rollback`: restore a checkpoint
+    (`target`: "latest" good one, or "best_eval") and scale every learning rate by `factor`, unless `max_rollbacks`
+    were done already; `kl_bump`: scale every active KL β by `factor`; `warn`: log only; `stop`: end the run."""
+
+    kind: ActionKind
+    guard: str
     message: str
     role: str | None = None
-    lr_factor: float = 1.0
+    factor: float = 1.0
     max_rollbacks: int = 0
+    target: Literal["latest", "best_eval"] = "latest"
+    value: float = math.nan  # the measured value that fired the guard (logged as `guard/<guard>`)
 
 
 class Guards:
     def __init__(self, config: GuardsConfig) -> None:
         self.base = config
         self.grad_norms: dict[str, list[float]] = {"actor": [], "critic": []}
+        self.losses: dict[str, list[float]] = {"actor": [], "critic": []}
         self.consecutive_skips = 0
         self.rollbacks = 0
+        self.watching: list[str] = []  # watched metrics currently above their max
+        self.best_eval: float | None = None
+        self.evals_since_best = 0
 
     def thresholds(self, overrides: dict[str, float] | None) -> GuardsConfig:
         return dataclasses.replace(self.base, **(overrides or {}))
@@ -51,43 +76,135 @@ class Guards:
         config = self.thresholds(overrides)
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
         if self.consecutive_skips > config.max_consecutive_skips:
-            return [GuardAction("stop", f"{self.consecutive_skips} iterations in a row had non-finite gradients "
-                                        f"(limit guards.max_consecutive_skips={config.max_consecutive_skips}); "
-                                        "lower the learning rate or inspect the data")]  # fmt: skip
+            return [GuardAction("stop", "nonfinite", f"{self.consecutive_skips} iterations in a row had non-finite "
+                                f"gradients (limit guards.max_consecutive_skips={config.max_consecutive_skips}); "
+                                "lower the learning rate or inspect the data")]  # fmt: skip
         actions = []
-        for role, history in self.grad_norms.items():
-            norm = metrics.get(f"{role}/grad_norm_max", float("nan"))
-            if not math.isfinite(norm):
+        if skipped:
+            message = f"non-finite gradient: the optimizer step was skipped ({self.consecutive_skips} in a row)"
+            actions.append(GuardAction("warn", "nonfinite", message, value=self.consecutive_skips))
+        actions += [action for role in self.grad_norms if (action := self._grad_norm(config, role, metrics))]
+        rollback = self._loss_explosion(config, metrics, skipped) or self._kl_explosion(config, metrics)
+        if rollback is not None:
+            actions.append(rollback)
+        kl = metrics.get("kl/mean", math.nan)
+        if config.kl_bump_threshold is not None and math.isfinite(kl) and kl > config.kl_bump_threshold:
+            actions.append(GuardAction("kl_bump", "kl_bump", f"KL {kl:.3g} > guards.kl_bump_threshold="
+                                       f"{config.kl_bump_threshold}: every KL β × {config.kl_bump_factor}",
+                                       factor=config.kl_bump_factor, value=kl))  # fmt: skip
+        return actions + self._watch(config, metrics)
+
+    def _grad_norm(self, config: GuardsConfig, role: str, metrics: dict[str, float]) -> GuardAction | None:
+        norm = metrics.get(f"{role}/grad_norm_max", math.nan)
+        if not math.isfinite(norm):
+            return None
+        history, action = self.grad_norms[role], None
+        if config.grad_norm_threshold is not None and norm > config.grad_norm_threshold:
+            reason = f"> guards.grad_norm_threshold={config.grad_norm_threshold}"
+        elif len(history) >= max(2, config.grad_norm_window // 2) and norm > config.grad_norm_spike_factor * (
+            median := statistics.median(history[-config.grad_norm_window :])
+        ):
+            reason = f"> {config.grad_norm_spike_factor} × median {median:.3g} (guards.grad_norm_spike_factor)"
+        else:
+            reason = None
+        if reason is not None:
+            action = GuardAction("lr_backoff", "grad_norm", f"{role} grad norm {norm:.3g} {reason}: learning rate × "
+                                 f"{config.lr_backoff_factor}", role=role, factor=config.lr_backoff_factor,
+                                 value=norm)  # fmt: skip
+        history.append(norm)
+        del history[: -config.grad_norm_window]
+        return action
+
+    def _loss_explosion(self, config: GuardsConfig, metrics: dict[str, float], skipped: bool) -> GuardAction | None:
+        fired = None
+        for role, key in ROLE_LOSSES.items():
+            if key not in metrics:
                 continue
-            if len(history) >= max(2, config.grad_norm_window // 2):
+            loss, history = abs(metrics[key]), self.losses[role]
+            if not math.isfinite(loss):
+                fired = fired or (role, loss, f"{key} is {metrics[key]}" + (" after a skipped step" if skipped else ""))
+                continue
+            if config.loss_explosion_factor is not None and len(history) >= max(2, config.grad_norm_window // 2):
                 median = statistics.median(history[-config.grad_norm_window :])
-                if norm > config.grad_norm_spike_factor * median:
-                    actions.append(GuardAction(
-                        "lr_backoff", f"{role} grad norm {norm:.3g} > {config.grad_norm_spike_factor} × median "
-                        f"{median:.3g}: learning rate × {config.lr_backoff_factor}", role=role,
-                        lr_factor=config.lr_backoff_factor,
-                    ))  # fmt: skip
-            history.append(norm)
+                if loss > config.loss_explosion_factor * median > 0:
+                    fired = fired or (role, loss, f"|{key}| {loss:.3g} > guards.loss_explosion_factor="
+                                      f"{config.loss_explosion_factor} × median {median:.3g}")  # fmt: skip
+            history.append(loss)
             del history[: -config.grad_norm_window]
-        kl = metrics.get("kl/mean", float("nan"))
-        if math.isfinite(kl) and kl > config.kl_explosion_threshold:
-            actions.append(GuardAction(
-                "rollback", f"KL {kl:.3g} > guards.kl_explosion_threshold={config.kl_explosion_threshold}: roll back",
-                lr_factor=config.rollback_lr_factor, max_rollbacks=config.max_rollbacks,
-            ))  # fmt: skip
+        if fired is None:
+            return None
+        return GuardAction("rollback", "loss_explosion", f"{fired[2]}: roll back", factor=config.rollback_lr_factor,
+                           max_rollbacks=config.max_rollbacks, value=fired[1])  # fmt: skip
+
+    def _kl_explosion(self, config: GuardsConfig, metrics: dict[str, float]) -> GuardAction | None:
+        kl = metrics.get("kl/mean", math.nan)
+        if not (math.isfinite(kl) and kl > config.kl_explosion_threshold):
+            return None
+        return GuardAction("rollback", "kl_explosion", f"KL {kl:.3g} > guards.kl_explosion_threshold="
+                           f"{config.kl_explosion_threshold}: roll back", factor=config.rollback_lr_factor,
+                           max_rollbacks=config.max_rollbacks, value=kl)  # fmt: skip
+
+    def _watch(self, config: GuardsConfig, metrics: dict[str, float]) -> list[GuardAction]:
+        actions = []
+        for rule in config.watch:
+            value = metrics.get(rule.metric, math.nan)
+            if not math.isfinite(value):
+                continue
+            if value <= rule.max:
+                if rule.metric in self.watching:
+                    self.watching.remove(rule.metric)
+                continue
+            if rule.metric in self.watching:
+                continue  # still above: acted on when it crossed
+            self.watching.append(rule.metric)
+            factor = {"warn": 1.0, "lr_backoff": config.lr_backoff_factor, "kl_bump": config.kl_bump_factor}
+            then = {"warn": "watch it", "lr_backoff": f"every learning rate × {factor['lr_backoff']}",
+                    "kl_bump": f"every KL β × {factor['kl_bump']}"}[rule.action]  # fmt: skip
+            actions.append(GuardAction(rule.action, "watch", f"{rule.metric} {value:.3g} > watched max {rule.max}: "
+                                       f"{then}", factor=factor[rule.action], value=value))  # fmt: skip
         return actions
 
+    def observe_evaluation(self, reward: float) -> list[GuardAction]:
+        """The actions an evaluation's mean reward calls for; remembers the best one."""
+        config = self.base
+        if self.best_eval is None or reward > self.best_eval:
+            self.best_eval, self.evals_since_best = reward, 0
+            return []
+        self.evals_since_best += 1
+        floor = self.best_eval - (config.eval_drop_fraction or 0.0) * abs(self.best_eval)
+        if config.eval_drop_fraction is not None and reward < floor:
+            return [GuardAction("rollback", "eval_drop", f"eval/reward_mean {reward:.4g} < best {self.best_eval:.4g}"
+                                f" − guards.eval_drop_fraction={config.eval_drop_fraction}·|best|: roll back to the "
+                                "best evaluation's checkpoint", factor=config.rollback_lr_factor,
+                                max_rollbacks=config.max_rollbacks, target="best_eval", value=reward)]  # fmt: skip
+        if config.plateau_evaluations and self.evals_since_best >= config.plateau_evaluations:
+            self.evals_since_best = 0
+            return [GuardAction("lr_backoff", "plateau", f"no better evaluation than {self.best_eval:.4g} in "
+                                f"{config.plateau_evaluations} evaluations (guards.plateau_evaluations): every "
+                                f"learning rate × {config.plateau_lr_factor}", factor=config.plateau_lr_factor,
+                                value=reward)]  # fmt: skip
+        return []
+
     def state_dict(self) -> dict[str, Any]:
-        return {"grad_norms": {k: list(v) for k, v in self.grad_norms.items()}, "rollbacks": self.rollbacks,
-                "consecutive_skips": self.consecutive_skips}  # fmt: skip
+        return {"grad_norms": {k: list(v) for k, v in self.grad_norms.items()},
+                "losses": {k: list(v) for k, v in self.losses.items()}, "rollbacks": self.rollbacks,
+                "consecutive_skips": self.consecutive_skips, "watching": list(self.watching),
+                "best_eval": self.best_eval, "evals_since_best": self.evals_since_best}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.grad_norms = {k: list(v) for k, v in state["grad_norms"].items()}
+        self.losses = {k: list(v) for k, v in state["losses"].items()}
         self.rollbacks, self.consecutive_skips = state["rollbacks"], state["consecutive_skips"]
+        self.watching = list(state["watching"])
+        self.best_eval, self.evals_since_best = state["best_eval"], state["evals_since_best"]
 
 
-def scale_learning_rate(scheduler: Any, factor: float) -> None:
-    """Scale a Megatron `OptimizerParamScheduler`'s peak and floor learning rates from now on."""
-    scheduler.max_lr *= factor
-    scheduler.min_lr *= factor
+def scale_learning_rate(scheduler: Any, factor: float, floor: float = 0.0) -> float:
+    """Scale a Megatron `OptimizerParamScheduler`'s peak and floor learning rates from now on, never taking the peak
+    below `floor`; returns the factor applied."""
+    applied = max(factor, floor / scheduler.max_lr) if scheduler.max_lr > 0 else factor
+    applied = min(applied, 1.0) if factor <= 1.0 else applied
+    scheduler.max_lr *= applied
+    scheduler.min_lr *= applied
     scheduler.step(0)
+    return applied

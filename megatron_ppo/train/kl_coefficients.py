@@ -87,6 +87,11 @@ class KLCoefficients:
                 controller.update(current_kl, n_steps=batch_rows)
         return out
 
+    def scale(self, factor: float) -> None:
+        """Every active β × `factor`, within each controller's clamps (the KL-bump guard)."""
+        for controller in self.controllers.values():
+            controller.scale(factor)
+
     def state_dict(self) -> dict[str, Any]:
         return {term: c.state_dict() for term, c in self.controllers.items()}
 

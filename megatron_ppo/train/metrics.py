@@ -1,13 +1,17 @@
-"""Metrics: TensorBoard event files and the console, written by global rank 0 only."""
+"""Metrics: TensorBoard event files, the console and (optional) Weights & Biases, written by global rank 0 only."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch.utils.tensorboard import SummaryWriter
+
+from megatron_ppo.config.schema import PPOConfig
 
 CONSOLE_KEYS = (
     "reward/mean",
@@ -25,15 +29,30 @@ def is_logging_rank() -> bool:
 
 
 class MetricsLogger:
-    """Scalars to `log_dir` (TensorBoard) and a one-line summary plus a progress bar with ETA on the console.
+    """Scalars to `log_dir` (TensorBoard) and W&B under the same names, and a one-line summary plus a progress bar
+    with ETA on the console.
 
     The trainer passes its run's own folder, `<trainer.log_dir>/<run id>` (`train/run_start.py`), so event files of
-    two runs never mix; a resumed run appends to its folder, and a step written again wins in `report`."""
+    two runs never mix; a resumed run appends to its folder, and a step written again wins in `report`.
+    W&B (`wandb` in `loggers`): the run is `config.trainer.project_name` / `experiment_name`, its config the resolved
+    config, its id the run id (a resumed run continues it), its files under `log_dir/wandb`; `WANDB_MODE=offline`
+    keeps them there. W&B keeps the first value of a step: the steps a rollback repeats stay as first logged there.
+    Events (`event`) are TensorBoard text and console lines; W&B records them with the console output when
+    `console` is on."""
 
-    def __init__(self, log_dir: str | Path, loggers: list[str], total_steps: int, description: str = "ppo") -> None:
+    def __init__(
+        self,
+        log_dir: str | Path,
+        loggers: list[str],
+        total_steps: int,
+        description: str = "ppo",
+        config: PPOConfig | None = None,
+        run_id: str | None = None,
+    ) -> None:
         self.enabled = is_logging_rank()
         self.console = Console(stderr=True)
         self.writer = SummaryWriter(str(log_dir)) if self.enabled and "tensorboard" in loggers else None
+        self.wandb = _start_wandb(Path(log_dir), config, run_id) if self.enabled and "wandb" in loggers else None
         self.to_console = self.enabled and "console" in loggers
         self.progress = None
         if self.to_console:
@@ -51,6 +70,8 @@ class MetricsLogger:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(dict(metrics), step=step)
         if self.to_console:
             shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
             self.console.log(f"step {step}: {shown}")
@@ -71,3 +92,23 @@ class MetricsLogger:
             self.progress.stop()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _start_wandb(log_dir: Path, config: PPOConfig | None, run_id: str | None) -> Any:
+    """The W&B run for `config` (see `MetricsLogger`)."""
+    if config is None or run_id is None:
+        raise ValueError("the wandb logger needs the run's config and run id (MetricsLogger(config=, run_id=))")
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError(
+            "trainer.logger includes wandb, but wandb is not installed; install the extra (pip install "
+            "'megatron-ppo[wandb]') or drop wandb from trainer.logger"
+        ) from None
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return wandb.init(
+        project=config.trainer.project_name, name=config.trainer.experiment_name, id=run_id, resume="allow",
+        dir=str(log_dir), config=dataclasses.asdict(config),
+    )  # fmt: skip

@@ -3,7 +3,8 @@ metrics, checkpoints (`docs/design.md`, "One PPO iteration"; `PPOTrainer.iterati
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -12,18 +13,21 @@ import torch
 
 from megatron_ppo import algo, checkpoint
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.critic_init import load_critic
 from megatron_ppo.data.rows import Row
-from megatron_ppo.models import RoleModel, build_role_model, copy_weights
+from megatron_ppo.models import build_role_model, copy_weights
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.models.kernels import describe_kernels
 from megatron_ppo.models.offload import HostOffload
 from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.train.batch import build_sampler, collate
+from megatron_ppo.train.evaluation import Evaluator
 from megatron_ppo.train.experience import Experience, compute_advantages, experience_metrics, forward_passes
 from megatron_ppo.train.guards import GuardAction, Guards, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import KLCoefficients
+from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff, micro_batch_keys
 from megatron_ppo.train.metrics import MetricsLogger
-from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
+from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, zero_grads
 from megatron_ppo.train.preemption import (
     JobBudget,
     JobBudgetReached,
@@ -36,13 +40,11 @@ from megatron_ppo.train.run_start import start_run
 from megatron_ppo.train.throughput import phase_timer, throughput_metrics, timing_metrics
 from megatron_ppo.train.update import RoleUpdate, actor_loss, critic_loss, update_role
 
-Evaluate = Callable[[RoleModel], dict[str, float]]
-
 
 class PPOTrainer:
     """Owns the three models, their optimizers and schedules, the KL coefficients, the data order and the logs."""
 
-    def __init__(self, config: PPOConfig, rows: Sequence[Row], pad_id: int, evaluate: Evaluate | None = None) -> None:
+    def __init__(self, config: PPOConfig, rows: Sequence[Row], pad_id: int, evaluate: Evaluator | None = None) -> None:
         self.config, self.rows, self.pad_id, self.evaluate = config, rows, pad_id, evaluate
         trainer, layout = config.trainer, config.actor.megatron
         self.sampler, sampled_rows, grouping = build_sampler(config, rows)
@@ -53,7 +55,9 @@ class PPOTrainer:
             )
         self.total_steps = trainer.total_training_steps or steps_per_epoch * trainer.total_epochs
         self.run = start_run(config)  # before the models are built: a run that may not start refuses at once
-        self.logger = MetricsLogger(self.run.log_dir, trainer.logger, self.total_steps)
+        self.logger = MetricsLogger(
+            self.run.log_dir, trainer.logger, self.total_steps, config=config, run_id=self.run.identity.run_id
+        )
         uses_kl = config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.actor = build_role_model("actor", config.model, layout)
         self.ref = build_role_model("ref", config.model, config.ref.megatron) if uses_kl else None
@@ -66,10 +70,9 @@ class PPOTrainer:
             for model in (self.actor, self.ref):
                 if model is not None:
                     checkpoint.load_weights(model, config.model.init_checkpoint, "actor")
-            if self.critic is not None:
-                checkpoint.load_weights(self.critic, config.model.init_checkpoint, "actor", drop=("output_layer",))
         elif self.ref is not None:  # model.allow_random_init: the reference is the actor's starting point
             copy_weights(self.actor, self.ref)
+        critic_source = load_critic(self.critic, config) if self.critic is not None else None
         self.models = {"actor": self.actor} | ({"critic": self.critic} if self.critic else {})
         self.logger.event(0, "kernels", describe_kernels(config))
         self.optimizers, self.schedulers = {}, {}
@@ -92,11 +95,18 @@ class PPOTrainer:
         self.kl = KLCoefficients(config, self.total_steps)
         self.normalizer = algo.RunningRewardNormalizer() if config.reward.normalize else None
         self.guards = Guards(config.guards)
+        self.memory = OutOfMemoryBackoff(config)
+        self.best_checkpoint: str | None = None  # the checkpoint of the best evaluation (eval-drop rollbacks)
+        self.evaluations: dict[int, dict[str, float]] = {}
+        self.saved: tuple[int, Path] | None = None  # (step, path) of the last save
         self.step = 0
         self.skipped_steps = 0
         self.logger.event(0, "run", f"{trainer.project_name}/{trainer.experiment_name}")
+        if critic_source is not None:
+            self.logger.event(0, "critic", critic_source)
         if grouping:
             self.logger.event(0, "data", grouping)
+        self._describe_evaluation()
         self.history: list[dict[str, float]] = []
 
     # --- state ---------------------------------------------------------------------------------------------------
@@ -109,6 +119,9 @@ class PPOTrainer:
             "schedulers": {role: s.state_dict() for role, s in self.schedulers.items()},
             "normalizer": self.normalizer.state_dict() if self.normalizer else None,
             "guards": self.guards.state_dict(),
+            "memory": self.memory.state_dict(),
+            "best_checkpoint": self.best_checkpoint,
+            "evaluation": self.evaluations.get(self.step),
         }
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
@@ -120,15 +133,20 @@ class PPOTrainer:
         if self.normalizer is not None and state["normalizer"] is not None:
             self.normalizer.load_state_dict(state["normalizer"])
         self.guards.load_state_dict(state["guards"])
+        self.memory.load_state_dict(state["memory"])
+        self.best_checkpoint = state["best_checkpoint"]
 
     def save(self) -> Path:
+        if self.saved is not None and self.saved[0] == self.step:
+            return self.saved[1]  # already saved at this step (a new best evaluation, then save_freq)
         for model in self.models.values():
             sync_parameters(model)  # a distributed-optimizer step may still be gathering weights (CUDA overlap)
         path = checkpoint.save_checkpoint(
             self.config.trainer.default_local_dir, self.step, self.models, self.optimizers, self.trainer_state(),
-            run=self.run.identity, keep=self.config.trainer.max_ckpt_to_keep,
+            run=self.run.identity, keep=self.config.trainer.max_ckpt_to_keep, protect=self.best_checkpoint,
         )  # fmt: skip
         self.logger.event(self.step, "checkpoint", f"saved {path}")
+        self.saved = (self.step, path)
         return path
 
     def resume(self) -> Path | None:
@@ -151,7 +169,9 @@ class PPOTrainer:
             with phase_timer(timings, "experience"):
                 # 2. experience: log-probs of actor and reference, values of the critic (no grad; on every rank)
                 self.offload.enter("experience")
-                passes = forward_passes(config, batch, self.actor, self.ref, self.critic)
+                passes = self._retry_out_of_memory(
+                    "experience", lambda: forward_passes(config, batch, self.actor, self.ref, self.critic)
+                )
                 # 3. advantages: token rewards (clipped score, minus β·KL when the KL is in the reward), GAE or GRPO
                 experience, metrics = compute_advantages(config, batch, passes, self.kl.coef("reward"), self.normalizer)
             metrics |= experience_metrics(config, experience)
@@ -167,7 +187,8 @@ class PPOTrainer:
             self.step += 1
             # 6. KL control: β for the next iteration from this one's KL (stage-aware)
             metrics |= self.kl.step(metrics.get("kl/mean"), config.data.train_batch_size)
-            # 7. guards: back off, roll back or stop on spikes, KL explosions and non-finite steps
+            # 7. guards: back off, roll back, bump β or stop on grad-norm spikes, KL or loss explosions, high KL,
+            #    watched metrics and non-finite steps (out-of-memory errors are retried inside the phases)
             skipped = any(update.skipped for update in updates)
             self._act(self.guards.observe(metrics, skipped, self.kl.guard_overrides))
         # 8. metrics: counters, timings and throughput (MFU from the planner's FLOP count)
@@ -193,42 +214,110 @@ class PPOTrainer:
             make_loss = partial(critic_loss, role_config)
         with phase_timer(timings, f"update_{role}"):
             self.offload.enter(f"{role} update")
-            return update_role(
+            return self._retry_out_of_memory(f"update_{role}", lambda: update_role(
                 role, self.models[role], self.optimizers[role], self.schedulers[role], experience,
                 epochs=role_config.ppo_epochs, mini_batch_size=role_config.ppo_mini_batch_size,
                 micro_batch_size=role_config.ppo_micro_batch_size_per_gpu,
                 max_tokens=role_config.ppo_max_token_len_per_gpu if role_config.use_dynamic_bsz else None,
                 clip_grad=role_config.optim.clip_grad, make_loss=make_loss,
-            )  # fmt: skip
+            ))  # fmt: skip
+
+    def _retry_out_of_memory(self, phase: str, attempt):
+        """`attempt()`, run again with smaller micro-batches while any rank runs out of memory (`memory_backoff.py`)."""
+
+        def free() -> None:
+            for role, model in self.models.items():
+                if self.offload.holds(role, "grads"):  # offloaded gradients hold no memory (and come back zeroed)
+                    zero_grads(model, self.optimizers[role])
+
+        def log(message: str) -> None:  # at the number of the iteration under way
+            self.logger.event(self.step + 1, "guard/out_of_memory", message)
+            self.logger.log(self.step + 1, {"guard/out_of_memory": float(self.memory.retries)})
+
+        return self.memory.run(phase, micro_batch_keys(self.config, phase), attempt, free, log)
 
     def _act(self, actions: list[GuardAction]) -> None:
-        """Carry out what the guards asked for, each with its message in the logs."""
+        """Carry out what the guards asked for, each logged as a `guard/<guard>` event and scalar (the value that
+        fired it) at the step it fired, also when an earlier action rolled the run back."""
+        fired_at = self.step
         for action in actions:
-            self.logger.event(self.step, "guard", action.message)
+            self.logger.event(fired_at, f"guard/{action.guard}", action.message)
+            self.logger.log(fired_at, {f"guard/{action.guard}": action.value if math.isfinite(action.value) else 1.0})
             if action.kind == "stop":
                 raise RuntimeError(action.message)
             if action.kind == "lr_backoff":
-                scale_learning_rate(self.schedulers[action.role], action.lr_factor)
+                for role in [action.role] if action.role else list(self.schedulers):
+                    self._scale_learning_rate(role, action.factor)
+            elif action.kind == "kl_bump":
+                self.kl.scale(action.factor)
             elif action.kind == "rollback":
-                self._roll_back(action.lr_factor, action.max_rollbacks)
+                self._roll_back(action, fired_at)
 
-    def _roll_back(self, lr_factor: float, max_rollbacks: int) -> None:
-        """Restore the last good checkpoint with lower learning rates (the guards keep their own counters)."""
-        guards = self.guards
-        path = checkpoint.latest_of_run(self.config.trainer.default_local_dir, self.run.identity.run_id)
-        if path is None or guards.rollbacks >= max_rollbacks:
+    def _scale_learning_rate(self, role: str, factor: float) -> None:
+        """`role`'s learning rate × `factor`, never below `guards.min_lr_fraction` × its configured rate."""
+        floor = self.config.guards.min_lr_fraction * getattr(self.config, role).optim.lr
+        applied = scale_learning_rate(self.schedulers[role], factor, floor)
+        if applied != factor:
+            self.logger.event(self.step, "guard/lr_floor", f"{role} learning rate held at guards.min_lr_fraction="
+                              f"{self.config.guards.min_lr_fraction} of its configured rate")  # fmt: skip
+
+    def _roll_back(self, action: GuardAction, fired_at: int) -> None:
+        """Restore a checkpoint — the last good one, or the best evaluation's — with lower learning rates. The guards
+        keep their own counters and the out-of-memory back-off its smaller micro-batches."""
+        guards, root = self.guards, self.config.trainer.default_local_dir
+        if action.target == "best_eval":
+            path = Path(self.best_checkpoint) if self.best_checkpoint else None
+        else:
+            path = checkpoint.latest_of_run(root, self.run.identity.run_id)
+        if path is None or guards.rollbacks >= action.max_rollbacks:
             reason = (
-                "no checkpoint of this run yet" if path is None else f"guards.max_rollbacks={max_rollbacks} reached"
-            )
-            self.logger.event(self.step, "guard", f"rollback not possible: {reason}; continuing")
+                "no checkpoint to return to yet" if path is None else f"guards.max_rollbacks={action.max_rollbacks} "
+                "reached"
+            )  # fmt: skip
+            self.logger.event(fired_at, "guard/rollback", f"rollback not possible: {reason}; continuing")
             return
-        counters = guards.state_dict()
+        counters, memory, best = guards.state_dict(), self.memory.state_dict(), self.best_checkpoint
         self.load_trainer_state(checkpoint.load_checkpoint(path, self.models, self.optimizers))
+        self.saved = (self.step, path)
         guards.load_state_dict(counters)
+        self.memory.load_state_dict(memory)
+        self.best_checkpoint = best
         guards.rollbacks += 1
-        for scheduler in self.schedulers.values():
-            scale_learning_rate(scheduler, lr_factor)
-        self.logger.event(self.step, "guard", f"rolled back to {path}, learning rates × {lr_factor}")
+        for role in self.schedulers:
+            self._scale_learning_rate(role, action.factor)
+        self.logger.event(fired_at, "guard/rollback", f"rolled back to {path}, learning rates × {action.factor}; the "
+                          f"run continues from step {self.step}")  # fmt: skip
+        self.logger.log(fired_at, {"guard/rollback": float(guards.rollbacks)})
+
+    # --- evaluation ----------------------------------------------------------------------------------------------
+    def _describe_evaluation(self) -> None:
+        guards, trainer = self.config.guards, self.config.trainer
+        if self.evaluate is None:
+            message = "no evaluation (no data.val_files)"
+        else:
+            message = self.evaluate.describe() + (
+                f"; every {trainer.test_freq} steps" if trainer.test_freq else "; trainer.test_freq=0: never"
+            )
+        watched = guards.eval_drop_fraction is not None or guards.plateau_evaluations
+        if watched and (self.evaluate is None or not self.evaluate.gives_reward or not trainer.test_freq):
+            message += "; the evaluation-drop and plateau guards are off (no evaluated reward)"
+        self.logger.event(0, "evaluation", message)
+
+    def evaluation(self) -> dict[str, float]:
+        """Evaluate the actor now: `eval/*` metrics, logged; the evaluation guards act on `eval/reward_mean`
+        (a new best is saved as a checkpoint first, when the evaluation-drop guard may need to return to it)."""
+        results = {f"eval/{k}": v for k, v in self.evaluate(self.actor, self.ref).items()}
+        self.evaluations[self.step] = results
+        self.logger.log(self.step, results)
+        reward = results.get("eval/reward_mean")
+        if reward is None:
+            return results
+        actions = self.guards.observe_evaluation(reward)
+        new_best = self.guards.evals_since_best == 0 and self.guards.best_eval == reward
+        if new_best and self.config.guards.eval_drop_fraction is not None and self.config.trainer.test_freq:
+            self.best_checkpoint = str(self.save())
+        self._act(actions)
+        return results
 
     # --- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
@@ -244,12 +333,15 @@ class PPOTrainer:
         if self.step >= self.total_steps:
             self.logger.event(self.step, "finished", f"the run already reached its {self.total_steps} steps")
             return
+        if self.evaluate is not None and trainer.val_before_train and self.step == 0:
+            self.evaluation()
         while self.step < self.total_steps:
+            number = self.step + 1  # logged under its own number, even when its guards rolled the run back
             metrics = self.iteration()
+            self.logger.log(number, metrics)
+            self.history.append({"step": float(number), **metrics})
             if self.evaluate is not None and trainer.test_freq and self.step % trainer.test_freq == 0:
-                metrics |= {f"eval/{k}": v for k, v in self.evaluate(self.actor).items()}
-            self.logger.log(self.step, metrics)
-            self.history.append({"step": float(self.step), **metrics})
+                self.history[-1] |= self.evaluation()
             if watch.agreed():
                 path = self.save()
                 self.logger.event(self.step, "preempted", f"signal received; checkpoint {path}, exiting to requeue")
@@ -259,9 +351,10 @@ class PPOTrainer:
                 path = self.save()
                 self.logger.event(self.step, "job budget", f"{reason}; checkpoint {path}, the next job resumes")
                 raise JobBudgetReached(str(path))
-            if trainer.save_freq and self.step % trainer.save_freq == 0 and self.step < self.total_steps:
+            if trainer.save_freq > 0 and self.step % trainer.save_freq == 0 and self.step < self.total_steps:
                 self.save()
-        self.save()
+        if trainer.save_freq >= 0:  # -1: never (verl), but for the preemption and job-budget saves above
+            self.save()
 
     def close(self) -> None:
         self.logger.close()

@@ -13,17 +13,19 @@ from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.config.validate import world_size
 from megatron_ppo.convert import converted_init_checkpoint
+from megatron_ppo.critic_init import converted_critic_checkpoint
 from megatron_ppo.data.rows import read_rows
 from megatron_ppo.data.scoring import build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
 from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
+from megatron_ppo.train.evaluation import ValidationSet
 from megatron_ppo.train.ppo import PPOTrainer
 
 
 @contextmanager
 def distributed_run(config: PPOConfig) -> Iterator[None]:
-    """Check the launch against the config, start the process groups, convert `model.hf_checkpoint` on first use;
-    tear the groups down on the way out."""
+    """Check the launch against the config, start the process groups, convert `model.hf_checkpoint` (and the
+    critic's `critic.model.hf_checkpoint`) on first use; tear the groups down on the way out."""
     env = dist_env_from_environment()
     expected = world_size(config)
     if env.world_size != expected:
@@ -46,6 +48,12 @@ def distributed_run(config: PPOConfig) -> Iterator[None]:
             cache = os.path.join(config.trainer.default_local_dir, "hf_init")
             config.model.init_checkpoint = str(
                 converted_init_checkpoint(config.model.hf_checkpoint, cache, config.model, config.actor.megatron)
+            )
+        critic = config.critic.model
+        if critic.hf_checkpoint and not critic.init_checkpoint:
+            cache = os.path.join(config.trainer.default_local_dir, "hf_init_critic")
+            critic.init_checkpoint = str(
+                converted_critic_checkpoint(critic.hf_checkpoint, cache, config.model, config.critic.megatron)
             )
         yield
     finally:
@@ -70,8 +78,18 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
             config.data.train_files, tokenizer, config.data,
             rejects_path=os.path.join(config.trainer.default_local_dir, "rejects.jsonl"), scorer=scorer,
         )  # fmt: skip
-        trainer = PPOTrainer(config, rows, tokenizer.pad_id)
+        validation = None
+        if config.data.val_files:
+            val_rows, val_report = read_rows(
+                config.data.val_files, tokenizer, config.data,
+                rejects_path=os.path.join(config.trainer.default_local_dir, "val_rejects.jsonl"), scorer=scorer,
+            )  # fmt: skip
+            validation = ValidationSet(val_rows, tokenizer, scorer, config.data.max_response_length,
+                                       config.actor.log_prob_micro_batch_size_per_gpu)  # fmt: skip
+        trainer = PPOTrainer(config, rows, tokenizer.pad_id, evaluate=validation)
         trainer.logger.event(0, "data", report.summary())
+        if validation is not None:
+            trainer.logger.event(0, "data", f"validation: {val_report.summary()}")
         trainer.resume()
         try:
             return trainer.fit()

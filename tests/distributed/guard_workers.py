@@ -18,14 +18,14 @@ def guards_act(rank: int, world_size: int) -> dict[str, Any]:
     optim = OptimConfig(lr=1e-3)
     scheduler = build_scheduler(build_optimizer(actor, optim, MegatronConfig()), optim, total_steps=100)
     guards = Guards(GuardsConfig(grad_norm_spike_factor=5.0, grad_norm_window=4, lr_backoff_factor=0.5,
-                                 kl_explosion_threshold=1.0, max_consecutive_skips=2))  # fmt: skip
+                                 kl_explosion_threshold=1.0, max_consecutive_skips=2, watch=[]))  # fmt: skip
     report: dict[str, Any] = {"events": [], "kinds": []}
 
     def observe(metrics: dict[str, float], skipped: bool, overrides: dict[str, float] | None = None) -> list:
         actions = guards.observe(metrics, skipped, overrides)
         for action in actions:
             if action.kind == "lr_backoff":
-                scale_learning_rate(scheduler, action.lr_factor)
+                scale_learning_rate(scheduler, action.factor)
         report["events"] += [action.message for action in actions]
         return actions
 
@@ -36,7 +36,7 @@ def guards_act(rank: int, world_size: int) -> dict[str, Any]:
     report["lr_after_spike"] = scheduler.max_lr
     report["rollback_before"] = any(action.kind == "rollback" for action in spike)
     explosion = observe({"kl/mean": 0.5}, False, {"kl_explosion_threshold": 0.4, "rollback_lr_factor": 0.25})
-    report["rollback_after_stage_override"] = [(a.kind, a.lr_factor) for a in explosion] == [("rollback", 0.25)]
+    report["rollback_after_stage_override"] = [(a.kind, a.factor) for a in explosion] == [("rollback", 0.25)]
     observe({}, True)
     observe({}, True)
     stop = observe({}, True)

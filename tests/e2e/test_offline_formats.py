@@ -20,6 +20,7 @@ import yaml
 
 from megatron_ppo.data.tokenizer import load_tokenizer
 from megatron_ppo.models.hf_conversion import model_config_from_hf
+from megatron_ppo.report import read_run
 from tests.distributed.harness import free_port
 from tests.e2e.tiny_runs import scalars
 from tests.unit.data_fixtures import GSM8K, INSTRUCTION, tokenizer_dir, verl_row
@@ -76,12 +77,13 @@ def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
                   "tokenizer": str(tokenizer_path)},
         "data": {"train_files": [str(tmp_path / "ids.jsonl"), str(tmp_path / "gsm8k.parquet")],
                  "train_batch_size": ROWS, "max_prompt_length": 256, "max_response_length": 64,
-                 "tokenization_check": "strict"},
-        "actor": {"ppo_mini_batch_size": ROWS, "ppo_micro_batch_size_per_gpu": 8},
+                 "tokenization_check": "strict", "val_files": [str(tmp_path / "gsm8k.parquet")]},
+        "actor": {"ppo_mini_batch_size": ROWS, "ppo_micro_batch_size_per_gpu": 8, "optim": {"lr": 1.0e-3}},
         "critic": {"ppo_mini_batch_size": ROWS, "ppo_micro_batch_size_per_gpu": 8},
         "reward": {"score_fn": "verl"},
-        "trainer": {"total_epochs": 2, "total_training_steps": 2, "default_local_dir": str(tmp_path / "ckpt"),
-                    "log_dir": str(tmp_path / "tb"), "logger": ["console", "tensorboard"]},
+        "trainer": {"total_epochs": 2, "total_training_steps": 2, "test_freq": 2,
+                    "default_local_dir": str(tmp_path / "ckpt"), "log_dir": str(tmp_path / "tb"),
+                    "logger": ["console", "tensorboard"]},
         "cluster": {"gpus_per_node": 1},
     }  # fmt: skip
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
@@ -108,3 +110,11 @@ def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
         assert logged["reward/mean"][step] == pytest.approx(sum(rewards) / ROWS, abs=1e-6)
         assert logged["response_length/mean"][step] == pytest.approx(sum(lengths) / ROWS, abs=1e-6)
         assert math.isfinite(logged["actor/pg_loss"][step]) and math.isfinite(logged["critic/vf_loss"][step])
+    # evaluation on data.val_files (the verl rows: greedy answers scored by verl) before training and at step 2
+    evaluation = [e.message for e in read_run(tmp_path / "tb")[1] if e.tag == "evaluation"]
+    assert evaluation == ["8 validation rows; 8 with a ground truth are answered greedily and scored by "
+                          "verl.utils.reward_score.default_compute_score → "
+                          "eval/reward_mean; every 2 steps"], evaluation  # fmt: skip
+    assert set(logged["eval/reward_mean"]) == {0, 2} and all(0 <= r <= 1 for r in logged["eval/reward_mean"].values())
+    assert logged["eval/kl_mean"][0] == 0.0, "before any update the actor is the reference"
+    assert logged["eval/kl_mean"][2] > 0.0 and logged["eval/log_prob_mean"][2] < 0.0, "two steps at lr 1e-3 move it"

@@ -21,11 +21,10 @@ METRICS = [
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> dict:
-    """One shortened run (TP=2 on 2 processes) that also builds the cached task data the other tests reuse."""
+def tiny(tmp_path_factory, tiny_work) -> dict:
+    """One shortened run (TP=2 on 2 processes), on the shared task cache."""
     root = tmp_path_factory.mktemp("tiny")
-    work = root / "work"
-    common = [f"data.addition.work_dir={work}"]
+    common = [f"data.addition.work_dir={tiny_work}"]
     run(2, [*common, "trainer.total_training_steps=12", f"trainer.default_local_dir={root}/ckpt",
             f"trainer.log_dir={root}/tb"], root / "train.log")  # fmt: skip
     return {"root": root, "common": common, "scalars": scalars(root / "tb"), "log": (root / "train.log").read_text()}

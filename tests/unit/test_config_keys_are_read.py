@@ -16,7 +16,6 @@ from megatron_ppo.config.schema import PPOConfig
 REPO = Path(__file__).resolve().parents[2]
 READ_ELSEWHERE = {
     "actor.clip_ratio": "the default of clip_ratio_low/high, filled in by config.validate.resolve",
-    "data.val_files": "refused by config.validate when set: nothing evaluates on validation files yet",
 }
 
 

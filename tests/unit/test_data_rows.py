@@ -206,6 +206,28 @@ def test_overlong_rows_are_truncated_prompt_on_the_left_response_on_the_right(tm
     assert rows[2].behavior_log_probs == [-1.0, -2.0, -3.0, -4.0]
 
 
+def test_overlong_rows_are_an_error_naming_the_row_and_the_limit(tmp_path: Path) -> None:
+    config = _config(max_prompt_length=4, max_response_length=4, overlong_policy="error")
+    with pytest.raises(DataError, match=r"data\.jsonl:2: prompt has 5 tokens > data\.max_prompt_length=4"):
+        read_rows([_overlong_file(tmp_path)], TOK, config)
+
+
+@pytest.mark.parametrize("side", ["left", "right", "middle"])
+@pytest.mark.parametrize("limit", [1, 4, 5])
+def test_prompt_truncation_keeps_the_tokens_verl_keeps(tmp_path: Path, side: str, limit: int) -> None:
+    import torch
+    from verl.utils.torch_functional import postprocess_data
+
+    prompt = "abcdefghi"  # 9 tokens
+    path = _write_jsonl(tmp_path / "data.jsonl", [json.dumps({"prompt": prompt, "response": "x", "reward": 1})])
+    config = _config(max_prompt_length=limit, overlong_policy="truncate", prompt_truncation=side)
+    rows, report = read_rows([path], TOK, config)
+    ids = torch.tensor([TOK.encode(prompt)])
+    verl_ids, _ = postprocess_data(ids, torch.ones_like(ids), limit, pad_token_id=0, truncation=side)
+    assert rows[0].prompt_ids == verl_ids[0].tolist(), f"{side} truncation to {limit} keeps other tokens than verl"
+    assert report.truncated_prompt == 1
+
+
 def test_chat_prompts_are_rendered_with_the_documented_template(tmp_path: Path) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert render_builtin_chat(messages) == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"

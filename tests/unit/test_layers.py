@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "models": 3,
     "checkpoint": 4,
     "convert": 5,
+    "critic_init": 5,
     "train": 6,
     "tasks": 7,
     "cli": 8,

@@ -51,6 +51,27 @@ def test_the_printed_report_and_the_cli(run_dir: Path, capsys) -> None:
     assert main(["report", str(run_dir)]) == 0 and "rollback" in capsys.readouterr().out
 
 
+def test_guard_events_by_kind_and_the_evaluation_history(tmp_path: Path) -> None:
+    writer = SummaryWriter(str(tmp_path))
+    writer.add_text("guard/grad_norm", "actor grad norm 7.1 > guards.grad_norm_threshold=5.0", 3)
+    writer.add_text("guard/kl_explosion", "KL 0.04 > guards.kl_explosion_threshold=0.03: roll back", 5)
+    writer.add_text("guard/grad_norm", "critic grad norm 9.9 > guards.grad_norm_threshold=5.0", 8)
+    for step, reward in [(0, 0.25), (4, 0.5), (8, 0.4)]:
+        writer.add_scalar("eval/reward_mean", reward, step)
+    writer.add_scalar("eval/accuracy", 0.7, 4)
+    writer.close()
+    console = Console(record=True, width=200)
+    print_report(tmp_path, console)
+    text = console.export_text()
+    by_kind = text[text.index("guard events by kind") : text.index("evaluations")]
+    assert "grad_norm" in by_kind and "3, 8" in by_kind and "critic grad norm 9.9" in by_kind
+    kl_row = next(line for line in by_kind.splitlines() if "kl_explosion" in line)
+    assert [cell.strip() for cell in kl_row.split("│")[1:4]] == ["kl_explosion", "1", "5"], kl_row
+    history = text[text.index("evaluations") :].splitlines()
+    rows = [[cell.strip() for cell in line.split("│")[1:4]] for line in history if "│" in line]
+    assert ["4", "0.7", "0.5"] in rows and ["8", "", "0.4"] in rows, rows
+
+
 def test_a_missing_directory_is_named() -> None:
     with pytest.raises(FileNotFoundError, match="no TensorBoard directory at /nonexistent"):
         read_run("/nonexistent")

@@ -1,13 +1,16 @@
 """The embedded default (data.task=addition): tokenizer → SFT policy → sampled offline dataset → PPO → table.
 
 Every stage caches its product under `data.addition.work_dir` (tokenizer, SFT checkpoint, dataset), so a second
-run goes straight to PPO. The PPO run itself writes checkpoints and TensorBoard logs where `trainer.*` says (under
+run with the same task goes straight to PPO. The cache lives in a folder per task fingerprint (`task_directory`): a run
+with other task settings, seeds or model shape builds its own and never trains on another task's data. The PPO run
+itself writes checkpoints and TensorBoard logs where `trainer.*` says (under
 the rules of `train/run_start.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -32,6 +35,32 @@ from megatron_ppo.train.ppo import PPOTrainer
 MAX_NEW_TOKENS = 4  # three digits and the end marker
 
 
+# Model keys that shape the SFT policy (the others — checkpoints, dtypes, kernels — do not change what is cached).
+SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+              "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization", "activation",
+              "add_bias_linear", "untie_embeddings_and_output_weights")  # fmt: skip
+
+
+def task_fingerprint(config: PPOConfig) -> dict[str, object]:
+    """What the cached tokenizer, SFT policy and dataset depend on, as flat `key: value` pairs."""
+    task = {f"data.addition.{k}": v for k, v in dataclasses.asdict(config.data.addition).items() if k != "work_dir"}
+    model = {f"model.{k}": getattr(config.model, k) for k in SHAPE_KEYS}
+    return {**task, **model, "data.seed": config.data.seed, "trainer.seed": config.trainer.seed}
+
+
+def task_directory(config: PPOConfig) -> Path:
+    """`<data.addition.work_dir>/task-<hash of the fingerprint>`, its `task.json` written by the first run to use it:
+    runs with other task settings, seeds or model shape build their own cache beside it and never read this one."""
+    fingerprint = task_fingerprint(config)
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:10]
+    work = Path(config.data.addition.work_dir) / f"task-{digest}"
+    if is_logging_rank() and not (work / "task.json").is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "task.json").write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
+    barrier()
+    return work
+
+
 def _tokenizer(work: Path, problems: list[AdditionProblem]) -> SentencePieceTokenizer:
     path = work / "tokenizer.model"
     if is_logging_rank() and not path.is_file():
@@ -49,6 +78,22 @@ def score(model: RoleModel, tokenizer: SentencePieceTokenizer, problems: list[Ad
     rewards = [reward(p, tokenizer.decode(tokens) if finished else None)
                for p, (tokens, finished) in zip(problems, responses, strict=True)]  # fmt: skip
     return {"reward_mean": sum(rewards) / len(rewards), "accuracy": sum(r == 1.0 for r in rewards) / len(rewards)}
+
+
+@dataclass
+class HeldOutProblems:
+    """The tiny task's evaluation (`train.evaluation.Evaluator`): greedy answers to the held-out problems, scored by the
+    task's rule reward."""
+
+    tokenizer: SentencePieceTokenizer
+    problems: list[AdditionProblem]
+    gives_reward: bool = True
+
+    def __call__(self, actor: RoleModel, ref: RoleModel | None = None) -> dict[str, float]:
+        return score(actor, self.tokenizer, self.problems)
+
+    def describe(self) -> str:
+        return f"{len(self.problems)} held-out addition problems, answered greedily → eval/reward_mean, eval/accuracy"
 
 
 def _sft_checkpoint(config: PPOConfig, tokenizer, train: list[AdditionProblem], work: Path) -> Path:
@@ -126,7 +171,7 @@ class AdditionTask:
 def prepare_addition_task(config: PPOConfig) -> AdditionTask:
     """Tokenizer, SFT policy and offline dataset (each built once and cached in data.addition.work_dir)."""
     task = config.data.addition
-    work = Path(task.work_dir)
+    work = task_directory(config)
     train, heldout = split_problems(task.num_prompts, task.num_heldout, seed=config.data.seed)
     tokenizer = _tokenizer(work, train + heldout)
     if tokenizer.vocab_size > config.model.vocab_size:
@@ -142,14 +187,15 @@ def prepare_addition_task(config: PPOConfig) -> AdditionTask:
 def train_on_task(config: PPOConfig, task: AdditionTask) -> tuple[PPOTrainer, list[dict[str, float]], dict, dict]:
     """One PPO run from the SFT policy: (trainer, history, held-out scores before, after)."""
     config.model.init_checkpoint = task.sft_checkpoint
-    trainer = PPOTrainer(config, task.rows, task.tokenizer.pad_id,
-                         evaluate=lambda actor: score(actor, task.tokenizer, task.heldout))  # fmt: skip
-    before = score(trainer.actor, task.tokenizer, task.heldout)
-    trainer.logger.log(0, {f"eval/{k}": v for k, v in before.items()})
+    heldout = HeldOutProblems(task.tokenizer, task.heldout)
+    trainer = PPOTrainer(config, task.rows, task.tokenizer.pad_id, evaluate=heldout)
+    evaluated_at_start = config.trainer.val_before_train and trainer.run.resume_from is None  # by fit, at step 0
+    before = None if evaluated_at_start else heldout(trainer.actor)
     trainer.resume()
     try:
         history = trainer.fit()
-        after = score(trainer.actor, task.tokenizer, task.heldout)
+        before = before or {k.removeprefix("eval/"): v for k, v in trainer.evaluations[0].items()}
+        after = heldout(trainer.actor)
     finally:
         trainer.close()
     return trainer, history, before, after

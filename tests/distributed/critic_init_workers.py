@@ -1,0 +1,68 @@
+"""Small random `transformers` reward models (one-label sequence classifiers) and causal LMs, and spawned-rank code
+that initialises our critic from them and reads its values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from megatron.core import parallel_state
+
+from megatron_ppo.config.schema import MegatronConfig, PPOConfig
+from megatron_ppo.convert import hf_model_config, hf_to_mcore
+from megatron_ppo.critic_init import converted_critic_checkpoint, load_critic
+from megatron_ppo.models import build_role_model, run_micro_batches
+from megatron_ppo.parallel import init_distributed
+
+CONFIG = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)  # fmt: skip
+INPUT_IDS = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def save_hf(kind: str, directory: Path, num_labels: int = 1) -> Path:
+    """A random Qwen2 (`kind`: "qwen2", with QKV bias) or Llama sequence classifier of `num_labels` labels, its score
+    drawn large enough that a misplaced head shows, or (num_labels 0) a causal LM."""
+    config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[kind]
+    config = config_class(**CONFIG, num_labels=max(num_labels, 1), initializer_range=0.2)
+    torch.manual_seed(0)
+    if num_labels == 0:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_token_values(hf_dir: str) -> torch.Tensor:
+    """The reward model's score at every token, `[b, s]`: score·h_t (what it pools at the last token)."""
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model.score(model.model(INPUT_IDS).last_hidden_state)[..., 0]
+
+
+def critic_values(
+    rank: int, world_size: int, hf_dir: str, root: str, layout: MegatronConfig, source: str
+) -> tuple[str, torch.Tensor | None]:
+    """Initialise the critic as the trainer does, from `source`: "hf" (critic.model.hf_checkpoint, converted under
+    `layout`), "converted" (that conversion again, as critic.model.init_checkpoint: the cache is found) or "actor"
+    (an actor-only megatron-ppo checkpoint of `hf_dir` as critic.model.init_checkpoint). Returns where the weights
+    came from and, on the reporting rank, the values `[b, s]`."""
+    init_distributed(layout, seed=0)
+    model = hf_model_config(hf_dir)
+    config = PPOConfig(model=model)
+    config.critic.megatron = layout
+    if source == "actor":
+        config.critic.model.init_checkpoint = str(hf_to_mcore(hf_dir, Path(root) / "actor", layout=layout, model=model))
+    else:
+        path = converted_critic_checkpoint(hf_dir, Path(root) / "hf_init_critic", model, layout)
+        config.critic.model.init_checkpoint = str(path)
+    critic = build_role_model("critic", model, layout)
+    described = load_critic(critic, config)
+
+    def values(batch, output):
+        return output.new_zeros(()), {"values": output[..., 0].detach().float()}
+
+    outputs = run_micro_batches(critic, [{"input_ids": INPUT_IDS}], values, forward_only=True)
+    reporting = outputs and parallel_state.get_tensor_model_parallel_rank() == 0
+    return described, outputs[0]["values"] if reporting else None

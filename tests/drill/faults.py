@@ -1,0 +1,123 @@
+"""Fault injection for the drill — test-only: it patches the trainer's functions in the drill's own processes and adds
+no configuration key. Each fault is applied once, in the iteration (or evaluation) of its step, even when a rollback
+runs that step again.
+
+- `nan_gradient`: one NaN in the actor's gradient on the last rank only, before the first optimizer step of the step;
+- `loss_spike`: the actor's loss × 1000 throughout the step (its gradients and its logged loss with it);
+- `out_of_memory`: `torch.OutOfMemoryError` raised on every rank as the actor update starts;
+- `kl_blowup`: every actor optimizer step of the iteration at 100 × the learning rate;
+- `eval_drop`: the evaluation after the step scores 0.5 lower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import megatron_ppo.tasks.addition.recipe as recipe_module
+import megatron_ppo.train.ppo as ppo_module
+import megatron_ppo.train.update as update_module
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    step: int  # the iteration it is injected in (eval_drop: the evaluation after that iteration)
+    guards: tuple[str, ...]  # the guards that must answer it, the one that repairs it first
+    fires_at: int  # the step at which they must fire
+
+
+def schedule(nan: int, spike: int, oom: int, blowup: int, drop: int) -> list[Fault]:
+    return [
+        Fault("nan_gradient", nan, ("nonfinite",), nan),
+        Fault("loss_spike", spike, ("loss_explosion", "grad_norm"), spike),
+        Fault("out_of_memory", oom, ("out_of_memory",), oom),
+        # the KL is measured in the next iteration's experience
+        Fault("kl_blowup", blowup, ("kl_explosion", "kl_bump", "watch"), blowup + 1),
+        Fault("eval_drop", drop, ("eval_drop",), drop),
+    ]
+
+
+@dataclass
+class Injector:
+    faults: list[Fault]
+    step: int = 0  # the iteration under way (or just finished, during its evaluation)
+    role: str | None = None
+    model: Any = None
+    done: set[str] = field(default_factory=set)
+    applied: set[str] = field(default_factory=set)
+
+    def due(self, name: str) -> bool:
+        fault = next(f for f in self.faults if f.name == name)
+        return fault.step == self.step and name not in self.done
+
+    def mark(self, name: str) -> None:
+        self.applied.add(name)
+
+    def actor_gradients(self) -> list[torch.Tensor]:
+        return [p.main_grad for chunk in self.model.chunks for p in chunk.parameters() if p.requires_grad]
+
+
+def install(injector: Injector) -> None:
+    """Patch the trainer's iteration, the role update, the optimizer step and the task's scoring."""
+    iteration, update_role, actor_loss = ppo_module.PPOTrainer.iteration, ppo_module.update_role, ppo_module.actor_loss
+    optimizer_step, score = update_module.optimizer_step, recipe_module.score
+    last_rank = int(os.environ.get("WORLD_SIZE", "1")) - 1
+
+    def drilled_iteration(trainer: ppo_module.PPOTrainer) -> dict[str, float]:
+        injector.step, injector.applied = trainer.step + 1, set()
+        try:
+            return iteration(trainer)
+        finally:
+            injector.done |= injector.applied
+
+    def drilled_update_role(role: str, model: Any, *args: Any, **kwargs: Any) -> Any:
+        injector.role, injector.model = role, model
+        if role == "actor" and injector.due("out_of_memory"):
+            injector.mark("out_of_memory")
+            injector.done.add("out_of_memory")  # the retry must run clean
+            raise torch.OutOfMemoryError("drill: injected out-of-memory error")
+        return update_role(role, model, *args, **kwargs)
+
+    def drilled_optimizer_step(optimizer: Any, clip_grad: float) -> Any:
+        if injector.role != "actor":
+            return optimizer_step(optimizer, clip_grad)
+        if injector.due("nan_gradient") and "nan_gradient" not in injector.applied:
+            injector.mark("nan_gradient")
+            if int(os.environ.get("RANK", "0")) == last_rank:
+                injector.actor_gradients()[0].view(-1)[0] = float("nan")
+        if injector.due("kl_blowup"):
+            injector.mark("kl_blowup")
+            for group in optimizer.param_groups:
+                group["lr"] *= 100.0  # the schedule sets it again at its next step
+        return optimizer_step(optimizer, clip_grad)
+
+    def drilled_actor_loss(*args: Any, **kwargs: Any) -> Any:
+        loss_fn = actor_loss(*args, **kwargs)
+
+        def spiked(batch: Any, logits: torch.Tensor) -> Any:
+            loss, parts = loss_fn(batch, logits)
+            if injector.due("loss_spike"):
+                injector.mark("loss_spike")
+                pg = parts["actor/pg_loss"]
+                loss, parts = loss * 1000.0, {**parts, "actor/pg_loss": dataclasses.replace(pg, value=pg.value * 1000)}
+            return loss, parts
+
+        return spiked
+
+    def drilled_score(*args: Any, **kwargs: Any) -> dict[str, float]:
+        result = score(*args, **kwargs)
+        if injector.due("eval_drop"):
+            injector.done.add("eval_drop")
+            result = {**result, "reward_mean": result["reward_mean"] - 0.5}
+        return result
+
+    ppo_module.PPOTrainer.iteration = drilled_iteration
+    ppo_module.update_role = drilled_update_role
+    ppo_module.actor_loss = drilled_actor_loss
+    update_module.optimizer_step = drilled_optimizer_step
+    recipe_module.score = drilled_score
