@@ -5,7 +5,9 @@
         vocabulary 151,936, bf16; 64 rows × 1024 and × 4096 tokens, micro-batch 4, one epoch of actor and critic)
         through the trainer's own `PPOTrainer.iteration()`: tokens/s, MFU of the iteration and of its bare
         forward/backward passes, their ratio, peak memory beside the planner's prediction;
-    (c) log-probs of the same weights, GPU bf16 against CPU fp32 (a subprocess with the GPUs hidden).
+    (c) log-probs of the same weights, GPU bf16 against CPU fp32 (a subprocess with the GPUs hidden);
+    (d) the (b) iteration at its first length with host offload off and on: peak memory beside the planner's
+        (`bench/offload_check.py`).
 It prints one table, writes JSON (`--out`), names the path that ran (Transformer Engine or local + SDPA) and exits
 1 when a part failed. `--dry-run` runs every part's code on the CPU with a tiny model in a minute or two (CI).
 
@@ -31,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench.offload_check import check_offload
+from bench.offload_check import table_lines as offload_table_lines
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024**3
@@ -397,6 +402,7 @@ def table(results: dict[str, Any]) -> str:
                      f"mean |Δ| {c['mean_abs_diff']:.3f} nats")  # fmt: skip
     else:
         lines.append(f"(c) log-probs                       FAILED {c.get('error', '')[:300]}")
+    lines += offload_table_lines(results["d_offload"])
     return "\n".join(lines)
 
 
@@ -420,12 +426,13 @@ def run(plan: Plan, out_path: Path, work: Path) -> int:
         results["b_ppo_iteration"].append(part["b"])
         gc.collect()  # the trainer of this length, before the next one is built
     _part(results, "c_logprobs", lambda: check_logprobs(plan, work))
+    _part(results, "d_offload", lambda: check_offload(plan, work))
     destroy_distributed()
     print(table(results), flush=True)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=2, default=str))
     print(f"results: {out_path}")
-    parts = [results["a_tiny_recipe"], *results["b_ppo_iteration"], results["c_logprobs"]]
+    parts = [results["a_tiny_recipe"], *results["b_ppo_iteration"], results["c_logprobs"], results["d_offload"]]
     return 0 if all(p.get("ok") for p in parts) else 1
 
 

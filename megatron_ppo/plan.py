@@ -4,13 +4,16 @@ bubble, whether it fits, the nearest layout that does, and a FLOP-based step-tim
 Memory model (bytes per parameter on a GPU holding N / (TP·PP) of them; see docs/planner.md for the sources):
     weights      2 (bf16/fp16) or 4 (fp32)
     gradients    4 (Megatron DDP reduces gradients in fp32)
-    optimizer    12 (fp32 master weights + Adam m and v), divided by DP with the distributed optimizer
+    optimizer    12 (fp32 master weights + Adam m and v; 8 when the weights are fp32 already), divided by DP with
+                 the distributed optimizer
     activations  per layer s·b·h·(34 + 5·a·s/h) / TP bytes (Korthikanti et al. 2022, sequence parallel),
                  34·s·b·h / TP with selective recompute, 2·s·b·h with full recompute; the first pipeline stage
                  keeps min(PP, micro-batches) micro-batches in flight (1F1B); plus fp32 log-probs of the output
     reserved     3 GiB per GPU (CUDA context, NCCL buffers, allocator fragmentation)
-Roles share the GPUs. A role with `param_offload` / `optimizer_offload` keeps those on the host outside its own
-phase, so the peak is the largest of the three phases: experience (three forwards), critic update, actor update.
+Roles share the GPUs. Each phase of an iteration (`PHASE_NEEDS`: experience, critic update, actor update, between
+iterations) needs some kinds of each role's state on the GPU; a role keeps those plus every kind whose offload
+switch (`param_offload`, `grad_offload`, `optimizer_offload`) is off, and the rest waits in host memory
+(`resident_kinds`, which `megatron_ppo.models.offload` also moves by). The peak is the largest phase.
 
 Mixture of experts (`model.num_experts` > 0): the routed experts' weights, gradients and optimizer states are split
 by EP × expert-TP × PP (the optimizer further by the expert-data-parallel size world / (ETP·EP·PP)); everything
@@ -28,7 +31,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
+from megatron_ppo.config.schema import ROLES, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate, world_size
 
 GIB = 1024**3
@@ -48,6 +51,28 @@ MFU_ANCHORS = {
     "h100-80gb": "anchors: Megatron-LM pretraining 42-47 % (7-70B, H100), verl actor update 31-40 %",
     "a100-80gb": "anchor: Megatron-LM pretraining 44 % (175B, 1024 A100)",
 }
+
+
+OFFLOAD_KINDS = ("params", "grads", "optimizer")
+# What each phase needs on the GPU, role by role. Between iterations every role's weights and optimizer states are
+# resident: checkpoints, rollbacks and evaluation read them (gradients are zeroed before each update, so none).
+PHASE_NEEDS: dict[str, dict[str, frozenset[str]]] = {
+    "experience": {role: frozenset({"params"}) for role in ROLES},
+    "critic update": {"critic": frozenset(OFFLOAD_KINDS)},
+    "actor update": {"actor": frozenset(OFFLOAD_KINDS)},
+    "between iterations": {role: frozenset({"params", "optimizer"}) for role in ROLES},
+}
+
+
+def offload_switches(layout: MegatronConfig) -> dict[str, bool]:
+    """kind → whether the role moves it to host memory in the phases that do not need it."""
+    return {"params": layout.param_offload, "grads": layout.grad_offload, "optimizer": layout.optimizer_offload}
+
+
+def resident_kinds(phase: str, role: str, layout: MegatronConfig) -> frozenset[str]:
+    """The kinds of `role`'s state on the GPU during `phase`: what the phase needs, plus each kind not offloaded."""
+    kept = {kind for kind, offloaded in offload_switches(layout).items() if not offloaded}
+    return PHASE_NEEDS[phase].get(role, frozenset()) | kept
 
 
 def parameter_count(model: ModelConfig) -> int:
@@ -103,8 +128,7 @@ class RolePlan:
     grads_gib: float
     optimizer_gib: float
     activations_gib: float
-    param_offload: bool
-    optimizer_offload: bool
+    layout: MegatronConfig  # its offload switches
     active_params: int = 0  # per token (mixture of experts: the top-k experts only)
     expert_params_per_gpu: int = 0
 
@@ -191,7 +215,9 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
     weight_bytes = 4 if config.model.params_dtype == "fp32" else 2
     trained = role != "ref"
     grads = 4 * per_gpu if trained else 0
-    optimizer = 12 * (dense_per_gpu / (dp if layout.use_distributed_optimizer else 1) + experts_optimizer)
+    # Adam m and v in fp32, plus fp32 main weights unless the weights are fp32 already (then they are the main ones)
+    optimizer_bytes = 8 if config.model.params_dtype == "fp32" else 12
+    optimizer = optimizer_bytes * (dense_per_gpu / (dp if layout.use_distributed_optimizer else 1) + experts_optimizer)
     optimizer = optimizer if trained else 0
     if role == "ref":
         micro = config.ref.log_prob_micro_batch_size_per_gpu or 1
@@ -205,39 +231,34 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
         grads_gib=grads / GIB,
         optimizer_gib=optimizer / GIB,
         activations_gib=_activations_gib(config, layout, micro, train=trained),
-        param_offload=layout.param_offload,
-        optimizer_offload=layout.optimizer_offload,
+        layout=layout,
         active_params=active_parameter_count(m) - head_swap,
         expert_params_per_gpu=experts_per_gpu,
     )
 
 
-def _resident(plan: RolePlan, active: bool, with_training_state: bool = True) -> float:
-    """GiB a role holds on the GPU during a phase in which it is (or is not) the one computing. With
-    `param_offload` an idle role's weights and gradients wait on the host; with `optimizer_offload` the optimizer
-    states stay on the host and the step runs there (Megatron's hybrid CPU optimizer)."""
-    if not active and plan.param_offload:
-        return 0.0
-    gib = plan.weights_gib
-    if with_training_state:
-        gib += plan.grads_gib + (0.0 if plan.optimizer_offload else plan.optimizer_gib)
-    return gib
+def resident_gib(plan: RolePlan, phase: str) -> float:
+    """GiB of the role's state on the GPU during `phase` (`resident_kinds`), activations aside."""
+    sizes = {"params": plan.weights_gib, "grads": plan.grads_gib, "optimizer": plan.optimizer_gib}
+    return sum(sizes[kind] for kind in resident_kinds(phase, plan.role, plan.layout))
+
+
+def phase_gib(config: PPOConfig, roles: dict[str, RolePlan]) -> dict[str, float]:
+    """Per-GPU GiB of each phase: the resident state of every role, the activations of the phase's computation
+    (the largest forward of the three roles in the experience; the trained role's in its update; none between
+    iterations) and the reserved GiB."""
+    forward = max(_activations_gib(config, getattr(config, r).megatron, 1, train=False) for r in roles)
+    activations = {"experience": forward, "critic update": roles["critic"].activations_gib,
+                   "actor update": roles["actor"].activations_gib, "between iterations": 0.0}  # fmt: skip
+    return {
+        phase: sum(resident_gib(r, phase) for r in roles.values()) + activations[phase] + RESERVED_GIB
+        for phase in PHASE_NEEDS
+    }
 
 
 def plan(config: PPOConfig, recipe: str = "") -> Plan:
     roles = {role: plan_role(config, role) for role in ("actor", "critic", "ref")}
-    forward_activations = max(_activations_gib(config, getattr(config, r).megatron, 1, train=False) for r in roles)
-    phases = {
-        # every role runs a forward pass: all weights are on the GPU, idle training state may be on the host
-        "experience": sum(
-            _resident(r, True, False) + _resident(r, False) - _resident(r, False, False) for r in roles.values()
-        )
-        + forward_activations,
-        "critic update": sum(_resident(r, r.role == "critic") for r in roles.values())
-        + roles["critic"].activations_gib,
-        "actor update": sum(_resident(r, r.role == "actor") for r in roles.values()) + roles["actor"].activations_gib,
-    }
-    phases = {k: v + RESERVED_GIB for k, v in phases.items()}
+    phases = phase_gib(config, roles)
     peak = max(phases.values())
     budget = config.cluster.gpu_memory_gib * (1 - MARGIN)
     layout = config.actor.megatron
@@ -365,7 +386,7 @@ def suggest(config: PPOConfig) -> tuple[MegatronConfig, Plan] | None:
         layout = dataclasses.replace(
             config.actor.megatron, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=None, sequence_parallel=tp > 1 and config.cluster.device == "cuda",
-            use_distributed_optimizer=True, param_offload=offload, optimizer_offload=offload,
+            use_distributed_optimizer=True, param_offload=offload, grad_offload=offload, optimizer_offload=offload,
             expert_model_parallel_size=ep,
         )  # fmt: skip
         candidate = copy_with_layout(config, layout)
@@ -389,15 +410,18 @@ def _expert_parallel_sizes(model: ModelConfig, world: int) -> tuple[int, ...]:
 
 
 def copy_with_layout(config: PPOConfig, layout: MegatronConfig) -> PPOConfig:
+    """`config` with `layout` for every role (the frozen reference offloads only its weights)."""
     out = dataclasses.replace(config)
     for role in ("actor", "critic", "ref"):
-        setattr(out, role, dataclasses.replace(getattr(config, role), megatron=dataclasses.replace(layout)))
+        role_layout = dataclasses.replace(layout)
+        if role == "ref":
+            role_layout = dataclasses.replace(layout, grad_offload=False, optimizer_offload=False)
+        setattr(out, role, dataclasses.replace(getattr(config, role), megatron=role_layout))
     return out
 
 
 def _offload_text(role: RolePlan) -> str:
-    parts = [name for name, on in (("params", role.param_offload), ("optimizer", role.optimizer_offload)) if on]
-    return "+".join(parts) or "no"
+    return "+".join(kind for kind, on in offload_switches(role.layout).items() if on) or "no"
 
 
 def _moe_lines(result: Plan, config: PPOConfig) -> list[str]:

@@ -105,8 +105,11 @@ class MegatronConfig:
     recompute_granularity: str | None = choice(None, (None, "full", "selective"))
     recompute_method: str | None = choice(None, (None, "uniform", "block"))
     recompute_num_layers: int | None = ranged(None, AT_LEAST_ONE)
+    # Host offload between phases (verl's switches; megatron_ppo.models.offload): outside the phases that need
+    # them, the role's weights / gradients / optimizer states wait in (pinned) host memory.
     param_offload: bool = False
     optimizer_offload: bool = False
+    grad_offload: bool = False
 
 
 @dataclass

@@ -58,6 +58,8 @@ def validate(config: PPOConfig) -> list[str]:
     problems += _model_problems(config)
     problems += _layout_problems(config)
     problems += _moe_problems(config)
+    problems += _offload_problems(config)
+    problems += _context_parallel_problems(config)
     problems += _batch_problems(config)
     problems += _kl_problems(config)
     problems += _reward_problems(config)
@@ -265,8 +267,6 @@ def _layout_problems(c: PPOConfig) -> list[str]:
             p.append(f"{key}.sequence_parallel=True needs tensor_model_parallel_size > 1; set it to false")
         if c.cluster.device == "cpu" and mg.sequence_parallel:
             p.append(f"{key}.sequence_parallel=True needs Transformer Engine norms (GPU); set it to false on CPU")
-        if c.cluster.device == "cpu" and cp > 1:
-            p.append(f"{key}.context_parallel_size={cp} needs Transformer Engine attention (GPU); use 1 on CPU")
         if c.cluster.device == "cpu" and mg.recompute_granularity is not None and role != "ref":  # ref: eval mode
             p.append(
                 f"{key}.recompute_granularity={mg.recompute_granularity!r} needs CUDA (Megatron's activation recompute "
@@ -379,6 +379,43 @@ def _moe_problems(c: PPOConfig) -> list[str]:
                      "micro-batches on every expert-parallel rank; use fixed micro-batches, or the alltoall "
                      "dispatcher on GPU")  # fmt: skip
     return p
+
+
+def _context_parallel_problems(c: PPOConfig) -> list[str]:
+    """CP > 1 runs only where Transformer Engine's attention passes keys and values around the CP ring (Megatron's
+    local and our SDPA attention see only this rank's tokens), and only with losses that add up over tokens. (The
+    roles share one CP size, checked with the layout.)"""
+    cp = c.actor.megatron.context_parallel_size
+    if cp <= 1:
+        return []
+    setting = f"actor.megatron.context_parallel_size={cp}"
+    p: list[str] = []
+    if c.cluster.device == "cpu":
+        p.append(f"{setting} needs Transformer Engine attention (GPU); use 1 on CPU")
+    elif importlib.util.find_spec("transformer_engine") is None:
+        p.append(f"{setting} needs Transformer Engine's attention, which exchanges keys and values between the CP "
+                 "ranks (the local attention would attend within each rank's chunks only); Transformer Engine is "
+                 "not installed here: install the gpu extra, or use 1")  # fmt: skip
+    if c.model.transformer_impl == "local":
+        p.append(f"{setting} needs model.transformer_impl='transformer_engine' or 'auto', not 'local'")
+    for role in ("actor", "critic"):
+        if get(c, role).loss_agg_mode == "seq-mean-token-mean":
+            p.append(f"{setting}: {role}.loss_agg_mode='seq-mean-token-mean' divides by each row's token count, "
+                     "which no CP rank sees whole; use token-mean or seq-mean-token-sum(-norm), or CP 1")  # fmt: skip
+    if c.actor.behavior_is_cap is not None and c.actor.behavior_is_level == "sequence":
+        p.append(f"{setting}: actor.behavior_is_level='sequence' multiplies ratios over whole rows, which no CP rank "
+                 "sees whole; use 'token', or CP 1")  # fmt: skip
+    return p
+
+
+def _offload_problems(c: PPOConfig) -> list[str]:
+    """The frozen reference has no gradients and no optimizer: only its weights can be offloaded."""
+    ref = c.ref.megatron
+    return [
+        f"ref.megatron.{key}=true: the reference has no {what}; use ref.megatron.param_offload for its weights"
+        for key, what in (("grad_offload", "gradients"), ("optimizer_offload", "optimizer states"))
+        if getattr(ref, key)
+    ]
 
 
 def _divisors(n: int) -> list[int]:

@@ -9,7 +9,12 @@ Loss normalisation: `loss_fn` must return the micro-batch's share of the mini-ba
 counts and multiplied by the data-parallel size (as `megatron_ppo.algo.agg_loss(..., dp_size=DP,
 batch_num_tokens=N_global)` does). Megatron divides each micro-batch loss by the number of micro-batches and
 multiplies it by the context-parallel size, and its DDP averages gradients over DP×CP ranks; this module
-multiplies by the number of micro-batches, so the gradient is exactly ∇(Σ_global / N_global).
+multiplies by the number of micro-batches, so the gradient is exactly ∇(Σ_global / N_global) — with context
+parallelism too, where the CP factor balances DDP's division by CP (`megatron_ppo.models.context_parallel`).
+
+Context parallelism (CP > 1): the model and `loss_fn` see this CP rank's load-balanced tokens of every per-token
+tensor of the micro-batch; tensors `[b, s_local, ...]` that `loss_fn` returns in its results (per-token outputs of
+a forward-only pass) come back gathered over the CP group as full rows `[b, W, ...]`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_ppo.models.context_parallel import gather_per_token, padded_width, split_micro_batch
 from megatron_ppo.models.gpt import RoleModel, unwrap
 from megatron_ppo.models.moe import expert_parallel_shapes, pad_tokens, routing_padding_mask
 from megatron_ppo.parallel.device import module_device, to_device
@@ -49,7 +55,11 @@ def run_micro_batches(
     MoE layers with the allgather dispatcher at EP > 1: tokens are padded to the expert-parallel group's shape
     (`models.moe`) and the last stage's output cut back to the micro-batch's before `loss_fn`."""
     num_micro_batches = len(micro_batches)
+    cp_size = parallel_state.get_context_parallel_world_size()
+    sp_tp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
     seq_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
+    if cp_size > 1:
+        seq_length = padded_width(seq_length, cp_size, sp_tp)
     micro_batch_size = max(batch["input_ids"].shape[0] for batch in micro_batches)
     device = module_device(model.chunks[0], f"the {model.role} model")
     # MoE with the allgather dispatcher: one token count per micro-batch across the expert-parallel ranks
@@ -60,6 +70,8 @@ def run_micro_batches(
     def forward_step(data_iterator, chunk):
         index, batch = next(data_iterator)
         batch = to_device(batch, device, f"the {model.role} model's forward")
+        if cp_size > 1:
+            batch = split_micro_batch(batch, cp_size, parallel_state.get_context_parallel_rank(), sp_tp)
         input_ids = batch["input_ids"]
         position_ids = batch.get("position_ids")
         if position_ids is None:
@@ -92,9 +104,21 @@ def run_micro_batches(
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
-    return list(results) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else []
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return []
+    if cp_size > 1:
+        group = parallel_state.get_context_parallel_group()
+        widths = [batch["input_ids"].shape[1] for batch in micro_batches]
+        results = [
+            {k: gather_per_token(v, w, group) if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
+             for k, v in result.items()}
+            for result, w in zip(results, widths, strict=True)
+        ]  # fmt: skip
+    return list(results)
 
 
 def _scaled_loss(loss_fn: LossFn, batch: MicroBatch, num_micro_batches: int, output: torch.Tensor):
+    """`loss_fn`'s loss × the number of micro-batches (undoing Megatron's division); Megatron's × CP stays: DDP
+    divides it out again (module docstring)."""
     loss, metrics = loss_fn(batch, output)
     return loss * num_micro_batches, metrics

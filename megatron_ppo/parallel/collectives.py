@@ -47,13 +47,15 @@ def data_parallel_share(num_items: int) -> list[int]:
     )
 
 
-def gather_data_parallel(obj: Any) -> list[Any]:
-    """Every data-parallel rank's `obj`, in data-parallel rank order."""
-    world = parallel_state.get_data_parallel_world_size()
+def gather_data_parallel(obj: Any, with_context_parallel: bool = False) -> list[Any]:
+    """Every data-parallel rank's `obj`, in data-parallel rank order (with `with_context_parallel`, every rank of
+    the DP×CP group: each CP rank holds part of every sequence)."""
+    world = parallel_state.get_data_parallel_world_size(with_context_parallel=with_context_parallel)
     if world == 1:
         return [obj]
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, obj, group=parallel_state.get_data_parallel_group())
+    group = parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
 

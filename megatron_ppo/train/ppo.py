@@ -18,6 +18,7 @@ from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, copy_weights
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.models.kernels import describe_kernels
+from megatron_ppo.models.offload import HostOffload
 from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.train.batch import build_sampler, collate
 from megatron_ppo.train.evaluation import Evaluator
@@ -85,6 +86,12 @@ class PPOTrainer:
             self.schedulers[role] = build_scheduler(
                 self.optimizers[role], role_config.optim, self.total_steps * minibatches[role]
             )
+        # host offload between phases: each role's weights, gradients, optimizer states by its megatron.*_offload
+        self.offload = HostOffload(
+            {role: (model, self.optimizers.get(role), getattr(config, role).megatron)
+             for role, model in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)) if model},
+            report=lambda line: self.logger.event(self.step, "offload", line),
+        )  # fmt: skip
         self.kl = KLCoefficients(config, self.total_steps)
         self.normalizer = algo.RunningRewardNormalizer() if config.reward.normalize else None
         self.guards = Guards(config.guards)
@@ -161,6 +168,7 @@ class PPOTrainer:
             batch = to_device(collate(rows, self.pad_id), current_device(), "the PPO batch")
             with phase_timer(timings, "experience"):
                 # 2. experience: log-probs of actor and reference, values of the critic (no grad; on every rank)
+                self.offload.enter("experience")
                 passes = self._retry_out_of_memory(
                     "experience", lambda: forward_passes(config, batch, self.actor, self.ref, self.critic)
                 )
@@ -175,6 +183,7 @@ class PPOTrainer:
             for update in updates:
                 metrics |= update.metrics
                 self.skipped_steps += update.skipped
+            self.offload.enter("between iterations")  # checkpoints, rollbacks, evaluation read weights and optimizers
             self.step += 1
             # 6. KL control: β for the next iteration from this one's KL (stage-aware)
             metrics |= self.kl.step(metrics.get("kl/mean"), config.data.train_batch_size)
@@ -204,6 +213,7 @@ class PPOTrainer:
         else:
             make_loss = partial(critic_loss, role_config)
         with phase_timer(timings, f"update_{role}"):
+            self.offload.enter(f"{role} update")
             return self._retry_out_of_memory(f"update_{role}", lambda: update_role(
                 role, self.models[role], self.optimizers[role], self.schedulers[role], experience,
                 epochs=role_config.ppo_epochs, mini_batch_size=role_config.ppo_mini_batch_size,
@@ -217,7 +227,8 @@ class PPOTrainer:
 
         def free() -> None:
             for role, model in self.models.items():
-                zero_grads(model, self.optimizers[role])
+                if self.offload.holds(role, "grads"):  # offloaded gradients hold no memory (and come back zeroed)
+                    zero_grads(model, self.optimizers[role])
 
         def log(message: str) -> None:  # at the number of the iteration under way
             self.logger.event(self.step + 1, "guard/out_of_memory", message)

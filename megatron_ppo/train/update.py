@@ -129,9 +129,10 @@ def critic_loss(config: CriticConfig, counts: dict[str, float]) -> LossFn:
 
 
 def reduce_parts(outputs: list[dict[str, MetricPart]]) -> Metrics:
-    """Mini-batch values from the micro-batch parts of every data-parallel replica."""
+    """Mini-batch values from the micro-batch parts of every data-parallel replica (and context-parallel rank: each
+    holds its tokens' share of every sequence)."""
     parts: dict[str, list[MetricPart]] = defaultdict(list)
-    for replica in gather_data_parallel(outputs):
+    for replica in gather_data_parallel(outputs, with_context_parallel=True):
         for output in replica:
             for key, part in output.items():
                 parts[key].append(part)

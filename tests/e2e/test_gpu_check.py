@@ -20,9 +20,15 @@ def test_gpu_check_dry_run_runs_every_part_and_writes_its_table(tmp_path: Path) 
     )  # fmt: skip
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     report = json.loads(out.read_text())
-    parts = [report["a_tiny_recipe"], *report["b_ppo_iteration"], report["c_logprobs"]]
+    parts = [report["a_tiny_recipe"], *report["b_ppo_iteration"], report["c_logprobs"], report["d_offload"]]
     assert all(part["ok"] for part in parts), parts
+    offload = report["d_offload"]
+    assert set(offload["on"]["resident_gib"]) == set(offload["off"]["resident_gib"]) == {
+        "experience", "critic update", "actor update", "between iterations"}  # fmt: skip
+    assert offload["on"]["resident_gib"]["actor update"] < offload["off"]["resident_gib"]["actor update"]
+    assert offload["on"]["planned_peak_gib"] < offload["off"]["planned_peak_gib"]
     assert [b["seq"] for b in report["b_ppo_iteration"]] == [32, 64]
     assert all(b["mfu_iteration"] > 0 and b["iteration_over_bare"] > 0 for b in report["b_ppo_iteration"])
     assert "scaled_dot_product_attention" in report["kernels"], "the table must say which attention path ran"
     assert "(b) PPO iteration" in result.stdout and "(c) log-probs bf16 vs CPU fp32" in result.stdout
+    assert "(d) host offload" in result.stdout

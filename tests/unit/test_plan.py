@@ -59,12 +59,17 @@ UNSHARDED = [
 ]
 
 
-def test_70b_without_model_parallelism_on_one_node_is_flagged_with_a_fitting_layout() -> None:
-    config = load_config(REPO / "recipes" / "llama3.1-70b.yaml", ["cluster.nodes=1", *UNSHARDED])
+def test_70b_without_model_parallelism_on_four_nodes_is_flagged_with_a_fitting_layout() -> None:
+    """32 H100s hold 70B only split 32 ways with every idle state on the host (Adam's 16 bytes per parameter stay
+    on the GPU in the role's own update and between iterations); one node holds it in no layout."""
+    config = load_config(REPO / "recipes" / "llama3.1-70b.yaml", ["cluster.nodes=4", *UNSHARDED])
     result = plan(config)
     assert not result.fits and result.peak_gib > 500
     layout, fitting = suggest(config)
-    assert fitting.fits and layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size > 1
+    assert fitting.fits and layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size == 32
+    assert layout.param_offload and layout.grad_offload and layout.optimizer_offload
+    one_node = load_config(REPO / "recipes" / "llama3.1-70b.yaml", ["cluster.nodes=1", *UNSHARDED])
+    assert suggest(one_node) is None
 
 
 def test_more_memory_per_parameter_with_a_replicated_optimizer() -> None:
@@ -179,13 +184,16 @@ def _with_ep(ep: int, *more: str) -> list[str]:
     return [*(f"{r}.megatron.expert_model_parallel_size={ep}" for r in ("actor", "critic", "ref")), *more]
 
 
+ONE_NODE = ["cluster.nodes=1", *_with_ep(8)]  # the arithmetic below is written for 8 GPUs
+
+
 def test_expert_parallelism_shards_the_experts_and_their_optimizer_states_only() -> None:
     """EP 8 → 4: each GPU holds twice the expert weights, the same dense ones; the experts' optimizer states are
     sharded by expert DP = world / (ETP·EP·PP) (8 / 4 = 2), the dense ones by DP 8."""
-    config = load_config(MOE_RECIPE)
+    config = load_config(MOE_RECIPE, ONE_NODE)
     m = config.model
     experts, dense = expert_parameter_count(m), parameter_count(m) - expert_parameter_count(m)
-    by_ep = {ep: plan(load_config(MOE_RECIPE, _with_ep(ep))).roles["actor"] for ep in (4, 8)}
+    by_ep = {ep: plan(load_config(MOE_RECIPE, [*ONE_NODE, *_with_ep(ep)])).roles["actor"] for ep in (4, 8)}
     for ep, role in by_ep.items():
         assert role.expert_params_per_gpu == experts // ep
         assert role.params_per_gpu == dense + experts // ep
@@ -197,7 +205,7 @@ def test_the_all_to_all_is_in_the_step_time_and_crosses_nodes_slower() -> None:
     """Per GPU and iteration: 27 passes (3 forwards, 2 × 4 epochs × 3 with full recompute) × T·L/world tokens ×
     k copies × 2h bytes × 2 (dispatch, combine) × 7/8 leaving the GPU at EP 8; none at EP 1. The same EP 8 over 2
     nodes of 4 GPUs runs at the InfiniBand bandwidth."""
-    config = load_config(MOE_RECIPE)
+    config = load_config(MOE_RECIPE, ONE_NODE)
     m, d = config.model, config.data
     tokens = d.train_batch_size * (d.max_prompt_length + d.max_response_length)
     expected_gb = 27 * tokens * m.num_layers / 8 * m.num_experts_per_tok * 2 * m.hidden_size * 2 * 7 / 8 / 1e9
@@ -205,10 +213,10 @@ def test_the_all_to_all_is_in_the_step_time_and_crosses_nodes_slower() -> None:
     ep8 = plan(config)
     assert ep8.all_to_all_gb_per_gpu == pytest.approx(expected_gb)
     assert ep8.all_to_all_s == pytest.approx(expected_gb / within)
-    ep1 = plan(load_config(MOE_RECIPE, _with_ep(1)))
+    ep1 = plan(load_config(MOE_RECIPE, [*ONE_NODE, *_with_ep(1)]))
     assert ep1.all_to_all_gb_per_gpu == 0 and ep1.all_to_all_s == 0
     assert ep8.step_time_s - ep8.all_to_all_s == pytest.approx(ep1.step_time_s)
-    spread = plan(load_config(MOE_RECIPE, ["cluster.gpus_per_node=4", "cluster.nodes=2"]))
+    spread = plan(load_config(MOE_RECIPE, [*ONE_NODE, "cluster.gpus_per_node=4", "cluster.nodes=2"]))
     assert spread.all_to_all_s == pytest.approx(expected_gb / across)
 
 
@@ -218,3 +226,23 @@ def test_moe_without_offload_on_one_node_is_flagged_with_a_fitting_expert_parall
     assert not plan(config).fits
     layout, fitting = suggest(config)
     assert fitting.fits and not fitting.problems and layout.expert_model_parallel_size > 1, fitting.layout
+
+
+def test_each_phase_counts_what_the_offload_switches_leave_on_the_gpu() -> None:
+    """With everything offloaded a role's update holds only that role's state and activations; a switch turned
+    off adds that kind of the idle role to every phase that does not need it, and nothing to the others."""
+    from megatron_ppo.plan import RESERVED_GIB
+
+    recipe = REPO / "recipes" / "qwen2.5-32b-1node.yaml"
+    offloaded = plan(load_config(recipe))
+    actor, critic, ref = (offloaded.roles[r] for r in ("actor", "critic", "ref"))
+    assert offloaded.phases_gib["actor update"] == pytest.approx(
+        actor.weights_gib + actor.grads_gib + actor.optimizer_gib + actor.activations_gib + RESERVED_GIB
+    )
+    resting = sum(r.weights_gib + r.optimizer_gib for r in (actor, critic, ref)) + RESERVED_GIB
+    assert offloaded.phases_gib["between iterations"] == pytest.approx(resting)
+    kept = plan(load_config(recipe, ["critic.megatron.grad_offload=false"]))
+    added = {phase: kept.phases_gib[phase] - gib for phase, gib in offloaded.phases_gib.items()}
+    grads = critic.grads_gib
+    expected = {"experience": grads, "critic update": 0.0, "actor update": grads, "between iterations": grads}
+    assert added == pytest.approx(expected)

@@ -1,0 +1,91 @@
+"""Part (d) of the GPU check: the 1.5B-shaped PPO iteration of part (b) with host offload off and on (every role's
+weights, gradients and optimizer states that a phase does not need wait in pinned host memory): peak GPU memory
+beside the planner's peak for each, the bytes each phase keeps resident, and what the transfers cost in time."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GIB = 1024**3
+
+
+def _offloaded(config):
+    """`config` with all three switches on for actor and critic and the reference's weights offloaded."""
+    from megatron_ppo.config.validate import validate
+
+    config = dataclasses.replace(config)
+    for role in ("actor", "critic", "ref"):
+        role_config = dataclasses.replace(getattr(config, role))
+        trained = role != "ref"
+        role_config.megatron = dataclasses.replace(
+            role_config.megatron, param_offload=True, grad_offload=trained, optimizer_offload=trained
+        )
+        setattr(config, role, role_config)
+    problems = validate(config)
+    if problems:
+        raise RuntimeError(f"the offload check's config is invalid: {problems}")
+    return config
+
+
+def _measure(config, rows: list, timed) -> dict[str, Any]:
+    """Two iterations (the first warms kernels and creates the optimizer states); peak memory of the second."""
+    from megatron_ppo import plan as planner
+    from megatron_ppo.train.ppo import PPOTrainer
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    trainer = PPOTrainer(config, rows, pad_id=0)
+    resident: dict[str, float] = {}
+    enter = trainer.offload.enter
+
+    def enter_and_count(phase: str) -> dict[str, dict[str, int]]:
+        placed = enter(phase)
+        resident[phase] = sum(sum(kinds.values()) for kinds in placed.values()) / GIB
+        return placed
+
+    trainer.offload.enter = enter_and_count
+    try:
+        timed(trainer.iteration)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        seconds = timed(trainer.iteration)
+    finally:
+        trainer.close()
+    result = planner.plan(config)
+    out = {"iteration_s": seconds, "resident_gib": resident, "planned_peak_gib": result.peak_gib,
+           "planned_phases_gib": result.phases_gib}  # fmt: skip
+    if torch.cuda.is_available():
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+    del trainer
+    gc.collect()
+    return out
+
+
+def check_offload(plan, work: Path) -> dict[str, Any]:
+    """(d): the first sequence length of (b), offload off then on."""
+    from bench.gpu_check import _timed, ppo_config, synthetic_rows
+
+    seq = plan.seq_lengths[0]
+    base = ppo_config(plan, seq, work / "offload_off")
+    rows = synthetic_rows(plan, seq, seed=seq)
+    off = _measure(base, rows, _timed)
+    on = _measure(_offloaded(ppo_config(plan, seq, work / "offload_on")), rows, _timed)
+    return {"seq": seq, "rows": plan.rows, "off": off, "on": on, "ok": True}
+
+
+def table_lines(d: dict[str, Any]) -> list[str]:
+    if not d.get("ok"):
+        return [f"(d) host offload                    FAILED {d.get('error', '')[:300]}"]
+    lines = [f"(d) host offload, {d['rows']} rows × {d['seq']}   peak GiB  planned GiB  iter s  resident GiB by phase"]
+    for name in ("off", "on"):
+        run = d[name]
+        phases = ", ".join(f"{phase} {gib:.1f}" for phase, gib in run["resident_gib"].items())
+        lines.append(f"    offload {name:<26}{run.get('peak_allocated_gib', float('nan')):8.1f} "
+                     f"{run['planned_peak_gib']:12.1f} {run['iteration_s']:7.2f}  {phases}")  # fmt: skip
+    return lines

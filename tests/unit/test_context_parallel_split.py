@@ -1,0 +1,56 @@
+"""The context-parallel split of a micro-batch and its inverse (pure tensor arithmetic)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ppo.models.context_parallel import chunk_positions, merge_chunks, padded_width, split_micro_batch
+
+
+def _batch(width: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(width)
+    return {
+        "input_ids": torch.randint(1, 50, (3, width), generator=generator),
+        "position_ids": torch.arange(width).expand(3, width).clone(),
+        "loss_mask": (torch.rand(3, width, generator=generator) > 0.3).float(),
+        "logits": torch.randn(3, width, 7, generator=generator),
+        "lengths": torch.tensor([width, width - 1, 2]),
+    }
+
+
+@pytest.mark.parametrize(("cp", "width"), [(2, 8), (2, 11), (4, 13), (4, 16)])
+def test_split_then_merge_gives_back_every_token_and_keeps_positions(cp: int, width: int) -> None:
+    batch = _batch(width)
+    parts = [split_micro_batch(batch, cp, rank) for rank in range(cp)]
+    full = padded_width(width, cp)
+    assert full % (2 * cp) == 0 and full - width < 2 * cp
+    for rank, part in enumerate(parts):
+        assert part["input_ids"].shape == (3, full // cp)
+        assert torch.equal(part["position_ids"][0], chunk_positions(full, cp, rank)), "positions must travel along"
+        assert torch.equal(part["lengths"], batch["lengths"]), "per-row tensors stay whole"
+    for key in ("input_ids", "position_ids", "loss_mask", "logits"):
+        assert torch.equal(merge_chunks([part[key] for part in parts], width), batch[key]), key
+    padding = torch.cat([part["loss_mask"] for part in parts], dim=1).sum() - batch["loss_mask"].sum()
+    assert padding == 0, "padded tokens must be outside the loss mask"
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_each_rank_gets_the_same_causal_attention_work(cp: int) -> None:
+    """Rank r holds chunks r and 2·CP − 1 − r: the keys its queries see, Σ (position + 1), are equal on all ranks."""
+    width = 64
+    work = [int((chunk_positions(width, cp, rank) + 1).sum()) for rank in range(cp)]
+    assert len(set(work)) == 1, work
+    covered = torch.cat([chunk_positions(width, cp, rank) for rank in range(cp)]).sort().values
+    assert torch.equal(covered, torch.arange(width))
+
+
+def test_sequence_parallel_pads_for_the_tensor_parallel_split_too() -> None:
+    assert padded_width(13, cp_size=2, tp_for_sequence_parallel=4) == 16
+    assert padded_width(17, cp_size=2, tp_for_sequence_parallel=4) == 32
+
+
+def test_an_explicit_attention_mask_is_refused() -> None:
+    batch = _batch(8) | {"attention_mask": torch.ones(3, 1, 8, 8, dtype=torch.bool)}
+    with pytest.raises(ValueError, match="causal attention"):
+        split_micro_batch(batch, 2, 0)
