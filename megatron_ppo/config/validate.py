@@ -398,6 +398,9 @@ def _context_parallel_problems(c: PPOConfig) -> list[str]:
                  "not installed here: install the gpu extra, or use 1")  # fmt: skip
     if c.model.transformer_impl == "local":
         p.append(f"{setting} needs model.transformer_impl='transformer_engine' or 'auto', not 'local'")
+    if c.model.num_experts:
+        p.append(f"{setting} with mixture-of-experts layers is not built: the CP split of each row and the routers' "
+                 "padding mask are not combined; use CP 1")  # fmt: skip
     for role in ("actor", "critic"):
         if get(c, role).loss_agg_mode == "seq-mean-token-mean":
             p.append(f"{setting}: {role}.loss_agg_mode='seq-mean-token-mean' divides by each row's token count, "
