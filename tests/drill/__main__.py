@@ -36,8 +36,9 @@ SHORT = [
 # short loss history (the loss spike comes early) and a loss explosion at 100 × its median (a × 1000 loss gives
 # ~1000 ×; the large-learning-rate step itself moves its later mini-batches' loss ~15 ×), the KL bump and the KL
 # watch above any KL a healthy run reaches here (≤ 1 nat) but below a blow-up's (≥ 5).
+# A drill is always a new run: continuing a finished one would inject nothing.
 GUARDS = ["guards.grad_norm_window=4", "guards.loss_explosion_factor=100", "guards.kl_bump_threshold=2.0",
-          "guards.watch=[{metric: kl/mean, max: 2.0, action: warn}]"]  # fmt: skip
+          "guards.watch=[{metric: kl/mean, max: 2.0, action: warn}]", "trainer.resume_mode=disable"]  # fmt: skip
 MIN_GAIN = 0.15
 
 
