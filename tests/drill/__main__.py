@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from megatron_ppo.config import load_config
+from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.tasks import addition
 from tests.drill.faults import Injector, install, schedule
 from tests.drill.readback import check, drill_table
@@ -50,7 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(args.recipe, [*GUARDS, *(SHORT if args.short else []), *overrides])
     faults = SCHEDULES["short" if args.short else "full"]
     install(Injector(faults))
-    summary = addition.run(config)
+    try:
+        summary = addition.run(config)
+    except ConfigError as error:  # as the CLI reports it: the message, no traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if os.environ.get("RANK", "0") != "0":
         return 0
     rows, problems = check(config.trainer.log_dir, faults)
