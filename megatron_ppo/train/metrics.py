@@ -74,7 +74,8 @@ class MetricsLogger:
             self.wandb.log(dict(metrics), step=step)
         if self.to_console:
             shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
-            self.console.log(f"step {step}: {shown}")
+            if shown:  # a guard's or an evaluation's scalars alone have their own event line
+                self.console.log(f"step {step}: {shown}")
             self.progress.update(self.task, completed=step)
 
     def event(self, step: int, tag: str, message: str) -> None:
