@@ -340,7 +340,8 @@ class PPOTrainer:
             metrics = self.iteration()
             self.logger.log(number, metrics)
             self.history.append({"step": float(number), **metrics})
-            if self.evaluate is not None and trainer.test_freq and self.step % trainer.test_freq == 0:
+            completed = self.step == number  # else a guard rolled the run back to a checkpoint: nothing new
+            if completed and self.evaluate is not None and trainer.test_freq and self.step % trainer.test_freq == 0:
                 self.history[-1] |= self.evaluation()
             if watch.agreed():
                 path = self.save()
@@ -351,7 +352,8 @@ class PPOTrainer:
                 path = self.save()
                 self.logger.event(self.step, "job budget", f"{reason}; checkpoint {path}, the next job resumes")
                 raise JobBudgetReached(str(path))
-            if trainer.save_freq > 0 and self.step % trainer.save_freq == 0 and self.step < self.total_steps:
+            periodic = trainer.save_freq > 0 and self.step % trainer.save_freq == 0
+            if self.step == number and periodic and self.step < self.total_steps:  # (an evaluation may roll back)
                 self.save()
         if trainer.save_freq >= 0:  # -1: never (verl), but for the preemption and job-budget saves above
             self.save()
