@@ -200,10 +200,9 @@ class Guards:
 
 
 def scale_learning_rate(scheduler: Any, factor: float, floor: float = 0.0) -> float:
-    """Scale a Megatron `OptimizerParamScheduler`'s peak and floor learning rates from now on, never taking the peak
-    below `floor`; returns the factor applied."""
-    applied = max(factor, floor / scheduler.max_lr) if scheduler.max_lr > 0 else factor
-    applied = min(applied, 1.0) if factor <= 1.0 else applied
+    """Scale a Megatron `OptimizerParamScheduler`'s peak and floor learning rates from now on by a back-off `factor`
+    ≤ 1, never taking the peak below `floor` (nor raising it); returns the factor applied."""
+    applied = min(1.0, max(factor, floor / scheduler.max_lr if scheduler.max_lr > 0 else 0.0))
     scheduler.max_lr *= applied
     scheduler.min_lr *= applied
     scheduler.step(0)
