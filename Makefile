@@ -1,24 +1,50 @@
 # megatron-ppo — the commands a user runs. `make test` is what CI runs (see .ci/run).
-PYTHON ?= python3.11
+# Python 3.12: PYTHON=..., else the first 3.12 found on PATH or in pyenv's versions.
+PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(wildcard /usr/bin/python3.12),\
+            $(shell $(p) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && echo $(p))))
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+LOCK   := requirements/lock.txt
+FLOOR  := $(VENV)/megatron-core-floor
+PYTEST := $(PY) -m pytest -q --durations=25
+# torchrun --standalone: a free port per launch, so two jobs on one machine (two `make train`, or one beside the suite) never collide.
+TORCHRUN = OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone
 
-.PHONY: setup test lint validate bench train compare-kl drill plan submit report gpu-check
+.PHONY: setup test test-fast test-floor lint lock validate bench train compare-kl drill plan submit report gpu-check
 
 setup: $(STAMP)
 
-# torch first, pinned: the CPU wheel on disk, so no dependency ever pulls a CUDA build.
-$(STAMP): pyproject.toml
+# torch first, from the lock, so no dependency ever resolves a second torch; then the package and its test extra,
+# every version held to the lock.
+$(STAMP): pyproject.toml $(LOCK)
+	@test -n "$(PYTHON)" || { echo "no Python 3.12 found: make setup PYTHON=/path/to/python3.12" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c $(LOCK) torch
+	$(PY) -m pip install --quiet -c $(LOCK) -e '.[test,plot]'
 	$(PY) -c "import importlib.util, sys; sys.exit('PyPI apex is installed: it breaks megatron-core layer specs; pip uninstall apex' if importlib.util.find_spec('apex') else 0)"
 	touch $(STAMP)
 
+# The whole suite (what CI runs), the inner loop without e2e and Slurm, and the floor leg: the tests marked `floor`
+# against the oldest megatron-core the package admits, installed beside the main environment (nothing else moves).
 test: setup
-	$(PY) -m pytest -q
+	$(PYTEST)
+
+test-fast: setup
+	$(PYTEST) -m "not e2e and not slurm"
+
+$(FLOOR)/.installed: requirements/floor.txt $(STAMP)
+	rm -rf $(FLOOR)
+	$(PY) -m pip install --quiet --no-deps --target $(FLOOR) -r requirements/floor.txt
+	touch $@
+
+test-floor: $(FLOOR)/.installed
+	PYTHONPATH=$(CURDIR)/$(FLOOR) $(PYTEST) -m floor -p no:cacheprovider
+
+# Rewrite the lock from the environment after changing a range in pyproject.toml (pip install -U ... first).
+lock: setup
+	{ sed -n '1,3p' $(LOCK); $(PY) -m pip freeze --exclude-editable | grep -v '^megatron-ppo'; } > $(LOCK).new && mv $(LOCK).new $(LOCK)
 
 lint: setup
 	$(VENV)/bin/ruff check megatron_ppo tests bench slurm
@@ -29,18 +55,18 @@ NPROC  ?= 2
 
 # The main job: the tiny recipe end to end on CPU (data, SFT, offline PPO, evaluation table).
 train: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node $(NPROC) --master_port 29650 -m megatron_ppo train $(RECIPE) $(OVERRIDES)
+	$(TORCHRUN) --nproc_per_node $(NPROC) -m megatron_ppo train $(RECIPE) $(OVERRIDES)
 
 # The tiny recipe with the KL term off, fixed, adaptive and staged: one table side by side.
 compare-kl: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node $(NPROC) --master_port 29651 -m megatron_ppo compare-kl $(RECIPE) $(OVERRIDES)
+	$(TORCHRUN) --nproc_per_node $(NPROC) -m megatron_ppo compare-kl $(RECIPE) $(OVERRIDES)
 
 # The fault drill: the tiny recipe with a NaN gradient, a gradient spike, an out-of-memory error, a KL blow-up and an
 # evaluation drop injected (test-only patches, tests/drill); prints where each guard fired. A new folder per drill.
 DRILL_STAMP := $(shell date -u +%Y%m%d-%H%M%S)
 DRILL_DIR ?= outputs/drill/$(DRILL_STAMP)
 drill: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node $(NPROC) --master_port 29652 -m tests.drill $(RECIPE) trainer.default_local_dir=$(DRILL_DIR)/checkpoints trainer.log_dir=$(DRILL_DIR)/tensorboard $(OVERRIDES)
+	$(TORCHRUN) --nproc_per_node $(NPROC) -m tests.drill $(RECIPE) trainer.default_local_dir=$(DRILL_DIR)/checkpoints trainer.log_dir=$(DRILL_DIR)/tensorboard $(OVERRIDES)
 
 # Layout check, per-GPU memory and step-time estimate before any job (exit 1 when it does not fit).
 plan: setup
@@ -60,10 +86,10 @@ validate: setup
 
 # Benchmarks print ratios measured side by side in one run (not timed tests).
 bench: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29655 -m bench.bench_logprobs
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 1 --master_port 29656 -m bench.bench_actor_step
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29657 -m bench.bench_ppo_step
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 1 --master_port 29658 -m bench.bench_logprob_chunks
+	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_logprobs
+	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_actor_step
+	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_ppo_step
+	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_logprob_chunks
 
 # The GPU check (one CUDA GPU, no network, ~8 min on an H100/H200): the tiny recipe on CUDA, a 1.5B-shaped PPO
 # iteration (tokens/s, MFU, peak memory against the planner), GPU bf16 against CPU fp32 log-probs; one table and

@@ -17,7 +17,10 @@
      None selects its torch path;
   6. runs the backward of every custom autograd Function under the same mode: the autograd engine does not carry
      a torch-function mode into backward, where Megatron's gathers allocate with `device=torch.cuda.current_device()`
-     (the MoE dispatcher's backward does, at EP > 1).
+     (the MoE dispatcher's backward does, at EP > 1);
+  7. answers `torch.cuda.current_stream()` with a host stand-in whose waits do nothing: megatron-core >= 0.19's
+     `_ParamAndGradBucketGroup.start_grad_sync` always asks for the current stream (to wait on CUDA-graph events)
+     before every gradient reduction, which raises "Found no NVIDIA driver" without CUDA.
 Sequence parallelism and context parallelism need Transformer Engine and stay off on CPU (config validation); so
 does the alltoall MoE dispatcher, which creates a CUDA stream (allgather on CPU).
 """
@@ -105,6 +108,22 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(saved)
 
 
+class _HostStream:
+    """`torch.cuda.Stream`'s ordering calls for a process without CUDA, where every operation is already ordered."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
 def _communicate_shapes_unbatched(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
     """`P2PCommunicator._communicate_shapes` through `_p2p_ops` (even ranks send first; two process groups keep
     the two directions apart at PP=2)."""
@@ -148,6 +167,7 @@ def enable_cpu_compat(hide_gpus: bool = False) -> bool:
         P2PCommunicator._communicate_shapes = _communicate_shapes_unbatched
         torch.cuda.current_device = lambda: 0
         torch.cuda.synchronize = lambda device=None: None
+        torch.cuda.current_stream = lambda device=None: _HOST_STREAM
         _ACTIVE_MODE = _CpuDeviceMode()
         _ACTIVE_MODE.__enter__()
         _define_missing_te_gemm()

@@ -9,7 +9,7 @@ shape `[rows, max_len]`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NotRequired, TypedDict, TypeVar
+from typing import NotRequired, TypedDict
 
 import torch
 
@@ -38,9 +38,6 @@ class Batch(TypedDict):
     token_level_scores: torch.Tensor  # [R, W] float: the row's token rewards at their label positions, else 0
     group: torch.Tensor  # [R] long: dense GRPO group ids of the rows' uids
     behavior_log_prob: NotRequired[torch.Tensor]  # [R, W] float: the behaviour policy's log-probs, when rows have them
-
-
-AnyBatch = TypeVar("AnyBatch", bound=dict)
 
 
 def collate(rows: Sequence[Row], pad_id: int) -> Batch:
@@ -109,7 +106,7 @@ def build_sampler(config: PPOConfig, rows: Sequence[Row]) -> tuple[EpochSampler 
     return sampler, len(grouping.groups) * grouping.group_size, line
 
 
-def select(batch: AnyBatch, indices: Sequence[int]) -> AnyBatch:
+def select[AnyBatch: dict](batch: AnyBatch, indices: Sequence[int]) -> AnyBatch:
     """The rows `indices` of `batch`, token tensors trimmed to the longest of those rows."""
     index = torch.as_tensor(list(indices), dtype=torch.long)
     width = int(batch["lengths"][index].max())
@@ -120,7 +117,7 @@ def select(batch: AnyBatch, indices: Sequence[int]) -> AnyBatch:
     return out
 
 
-def replica_micro_batches(
+def replica_micro_batches[AnyBatch: dict](
     batch: AnyBatch, micro_batch_size: int | None, max_tokens: int | None = None
 ) -> tuple[list[int], list[list[int]], list[AnyBatch]]:
     """This data-parallel replica's rows of `batch` cut into micro-batches: fixed-size ones, or token-budget ones

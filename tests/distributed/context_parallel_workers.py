@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
 from megatron.core.transformer import TransformerConfig
-from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_ppo.algo import LOSS_AGG_MODES
 from megatron_ppo.config.schema import MegatronConfig
@@ -17,6 +16,7 @@ from megatron_ppo.models import vocab_parallel_log_probs
 from megatron_ppo.models.context_parallel import merge_chunks, split_micro_batch
 from megatron_ppo.models.schedule import _scaled_loss
 from megatron_ppo.parallel import init_distributed
+from megatron_ppo.parallel.megatron_compat import get_batch_on_this_cp_rank
 from megatron_ppo.train.batch import select
 from megatron_ppo.train.update import actor_loss, critic_loss, mini_batch_counts
 from tests.distributed.workers import MODEL, experience, ppo_config
@@ -28,32 +28,22 @@ MICRO_BATCHES = 2
 DP = 1
 
 
-class _Ranks:
-    """The two questions Megatron's `get_batch_on_this_cp_rank` asks of its `cp_group`."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def split_agrees_with_megatron(rank: int, world_size: int) -> list[str]:
-    """Our split of a micro-batch whose width divides into 2·CP chunks against Megatron's, for CP 2 and 4."""
+    """Our split of a micro-batch whose width divides into 2·CP chunks against Megatron's, for CP 2 and 4: four
+    gloo ranks, real CP groups of 2 ({0, 1}, {2, 3}) and of 4, each rank checking its own chunk."""
     init_distributed(MegatronConfig(), seed=0)
+    groups = {2: [torch.distributed.new_group(ranks) for ranks in ([0, 1], [2, 3])][rank // 2],
+              4: torch.distributed.group.WORLD}  # fmt: skip
     generator = torch.Generator().manual_seed(0)
     problems = []
-    for cp in (2, 4):
+    for cp, cp_group in groups.items():
         batch = {"input_ids": torch.randint(0, 100, (3, 8 * cp), generator=generator),
                  "loss_mask": torch.rand(3, 8 * cp, generator=generator),
                  "logits": torch.randn(3, 8 * cp, 5, generator=generator)}  # fmt: skip
-        for cp_rank in range(cp):
-            ours = split_micro_batch(batch, cp, cp_rank)
-            theirs = get_batch_on_this_cp_rank({k: v.clone() for k, v in batch.items()}, cp_group=_Ranks(cp, cp_rank))
-            problems += [f"CP {cp} rank {cp_rank}: {key}" for key in batch if not torch.equal(ours[key], theirs[key])]
+        cp_rank = torch.distributed.get_rank(cp_group)
+        ours = split_micro_batch(batch, cp, cp_rank)
+        theirs = get_batch_on_this_cp_rank({k: v.clone() for k, v in batch.items()}, cp_group=cp_group)
+        problems += [f"CP {cp} rank {cp_rank}: {key}" for key in batch if not torch.equal(ours[key], theirs[key])]
     return problems
 
 

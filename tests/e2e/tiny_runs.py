@@ -15,7 +15,6 @@ import psutil
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_ppo.report import find_runs
-from tests.distributed.harness import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
@@ -30,7 +29,7 @@ SHORT = [
 
 def command(nproc: int, overrides: list[str], recipe: Path = RECIPE) -> list[str]:
     torchrun = Path(sys.executable).with_name("torchrun")
-    return [str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={free_port()}", "-m", "megatron_ppo", "train",
+    return [str(torchrun), f"--nproc_per_node={nproc}", "--standalone", "-m", "megatron_ppo", "train",
             str(recipe), *SHORT, f"cluster.gpus_per_node={nproc}", *overrides]  # fmt: skip
 
 

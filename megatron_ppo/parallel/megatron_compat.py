@@ -1,0 +1,21 @@
+"""Differences between the megatron-core releases the package admits (0.16.1 to 0.19.x), each bent once here,
+named by the release it follows. Device stand-ins (Megatron on a machine without CUDA) are `cpu_compat`'s job."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import megatron.core
+from megatron.core import utils as megatron_utils
+
+MEGATRON_CORE_VERSION: str = megatron.core.__version__
+
+
+def get_batch_on_this_cp_rank(batch: dict[str, Any], cp_group: Any) -> dict[str, Any]:
+    """Megatron's load-balanced context-parallel slice of `batch`. megatron-core 0.18 added a positional
+    `is_hybrid_cp` (before `cp_group`); plain context parallelism passes False."""
+    function = megatron_utils.get_batch_on_this_cp_rank
+    if "is_hybrid_cp" in inspect.signature(function).parameters:
+        return function(batch, False, cp_group=cp_group)
+    return function(batch, cp_group=cp_group)

@@ -1,0 +1,37 @@
+"""Markers by directory, so `pytest -m` can pick a tier without each test naming its own:
+
+    unit         tests/unit, tests/parity: one process, seconds each
+    distributed  tests/distributed: gloo process groups through Megatron (2–4 CPU processes)
+    e2e          tests/e2e: the real CLI under torchrun (the tiny recipe and its variants)
+    slurm        tests/slurm: jobs on a real single-node Slurm
+    floor        the set also run on the oldest megatron-core the package admits (`make test-floor`)
+
+`make test-fast` runs everything but e2e and slurm; `make test` runs all of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TIERS = {"unit": "unit", "parity": "unit", "distributed": "distributed", "e2e": "e2e", "slurm": "slurm", "drill": "e2e"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in (
+        ("unit", "one process, no process group"),
+        ("distributed", "gloo process groups through Megatron"),
+        ("e2e", "the real CLI under torchrun"),
+        ("slurm", "jobs on a real single-node Slurm"),
+        ("floor", "also run against the oldest megatron-core the package admits"),
+    ):
+        config.addinivalue_line("markers", f"{name}: {text}")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests_root = Path(__file__).parent
+    for item in items:
+        parts = Path(item.path).relative_to(tests_root).parts
+        tier = TIERS.get(parts[0]) if len(parts) > 1 else None
+        if tier is not None:
+            item.add_marker(tier)
