@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q --durations=25
 # torchrun --standalone: a free port per launch, so two jobs on one machine (two `make train`, or one beside the suite) never collide.
 TORCHRUN = OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone
 
-.PHONY: setup test test-fast test-floor lint lock validate bench train compare-kl drill plan submit report gpu-check
+.PHONY: setup test test-fast test-floor lint lock gpu-wheels validate bench train compare-kl drill plan submit report gpu-check
 
 setup: $(STAMP)
 
@@ -40,6 +40,7 @@ $(FLOOR)/.installed: requirements/floor.txt $(STAMP)
 	touch $@
 
 test-floor: $(FLOOR)/.installed
+	PYTHONPATH=$(CURDIR)/$(FLOOR) $(PY) -c "import megatron.core as m, sys; v = open('requirements/floor.txt').read().split('megatron-core==')[1].split()[0]; sys.exit(0 if m.__version__ == v else f'floor leg imports megatron-core {m.__version__}, not {v}')"
 	PYTHONPATH=$(CURDIR)/$(FLOOR) $(PYTEST) -m floor -p no:cacheprovider
 
 # Rewrite the lock from the environment after changing a range in pyproject.toml (pip install -U ... first).
@@ -94,8 +95,13 @@ bench: setup
 # The GPU check (one CUDA GPU, no network, ~8 min on an H100/H200): the tiny recipe on CUDA, a 1.5B-shaped PPO
 # iteration (tokens/s, MFU, peak memory against the planner), GPU bf16 against CPU fp32 log-probs; one table and
 # outputs/gpu_check.json. `make gpu-check DRY_RUN=1` runs it on the CPU with a tiny model (CI does).
-# Works without `make setup` on a bare machine: wheels in .whl/ (../shared/gpu/fetch-wheels.sh .whl) are installed
-# once into .whl/site and put on PYTHONPATH with the source tree (see NOTES-gpu.md).
+# Works without `make setup` on a bare CUDA machine (Python 3.12 and PyTorch, no network): `make gpu-wheels` here
+# fetches what it lacks at the lock's versions into .whl/; there they are installed once into .whl/site and put on
+# PYTHONPATH with the source tree.
+WHEELS ?= .whl
+gpu-wheels:
+	bash bench/gpu_wheels.sh $(WHEELS)
+
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then \

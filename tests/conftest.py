@@ -4,7 +4,8 @@
     distributed  tests/distributed: gloo process groups through Megatron (2–4 CPU processes)
     e2e          tests/e2e: the real CLI under torchrun (the tiny recipe and its variants)
     slurm        tests/slurm: jobs on a real single-node Slurm
-    floor        the set also run on the oldest megatron-core the package admits (`make test-floor`)
+    floor        the set also run on the oldest megatron-core the package admits (`make test-floor`): every unit
+                 test, and the distributed and e2e tests that mark themselves
 
 `make test-fast` runs everything but e2e and slurm; `make test` runs all of it."""
 
@@ -28,6 +29,15 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
 
 
+def pytest_report_header() -> str:
+    import megatron.core
+    import torch
+
+    return (
+        f"megatron-core {megatron.core.__version__} ({Path(megatron.core.__file__).parent}), torch {torch.__version__}"
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests_root = Path(__file__).parent
     for item in items:
@@ -35,3 +45,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = TIERS.get(parts[0]) if len(parts) > 1 else None
         if tier is not None:
             item.add_marker(tier)
+        if tier == "unit":
+            item.add_marker("floor")

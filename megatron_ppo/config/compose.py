@@ -30,7 +30,8 @@ from megatron_ppo.config.verl_keys import VERL_ALIASES, Override, alias, expand_
 
 __all__ = ["VERL_ALIASES", "build_config", "compose_file", "load_config", "parse_override"]
 
-CONFIG_DIR = Path(os.environ.get("MEGATRON_PPO_CONFIG_DIR", Path(__file__).resolve().parents[2] / "configs"))
+# `megatron_ppo/configs` is a link to the repository's `configs/` in the source tree and the copied folder in a wheel.
+CONFIG_DIR = Path(os.environ.get("MEGATRON_PPO_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
 
 
 def load_config(recipe: str | Path, overrides: Sequence[str] = ()) -> PPOConfig:

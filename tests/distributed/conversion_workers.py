@@ -53,32 +53,9 @@ def save_hf_model(kind: str, directory: Path, tied: bool, rope: dict | None = No
     return directory
 
 
-def convert(rank: int, world_size: int, hf_dir: str, out_dir: str) -> str:
-    init_distributed(MegatronConfig(), seed=0)
-    return str(hf_to_mcore(hf_dir, out_dir))
-
-
 def logit_difference(rank: int, world_size: int, hf_dir: str, megatron_dir: str, layout: MegatronConfig):
     init_distributed(layout, seed=0)
     return verify(hf_dir, megatron_dir, layout)
-
-
-def round_trip(rank: int, world_size: int, hf_dir: str, megatron_dir: str, out_dir: str) -> float:
-    init_distributed(MegatronConfig(), seed=0)
-    mcore_to_hf(megatron_dir, hf_dir, out_dir)
-    input_ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
-    return float((hf_logits(out_dir, input_ids) - hf_logits(hf_dir, input_ids)).abs().max())
-
-
-def convert_at(rank: int, world_size: int, hf_dir: str, out_dir: str, layout: MegatronConfig) -> str:
-    init_distributed(layout, seed=0)
-    return str(hf_to_mcore(hf_dir, out_dir, layout=layout))
-
-
-def shard_reads(rank: int, world_size: int, hf_dir: str, layout: MegatronConfig) -> tuple[int, int]:
-    """(bytes this rank read from the safetensors, parameters this rank holds) when converting under `layout`."""
-    init_distributed(layout, seed=0)
-    return _reads(hf_dir, layout)
 
 
 def _reads(hf_dir: str, layout: MegatronConfig) -> tuple[int, int]:
@@ -88,8 +65,26 @@ def _reads(hf_dir: str, layout: MegatronConfig) -> tuple[int, int]:
     return read, sum(p.numel() for chunk in shard.chunks for p in chunk.parameters())
 
 
-def moe_in_one_process(rank: int, world_size: int, hf_dir: str, root: str) -> dict:
-    """A Qwen3-MoE checkpoint in one process: converted, its largest logit difference from `transformers`, the
+def dense_under_layouts(
+    rank: int, world_size: int, hf_dir: str, whole_dir: str, root: str, layouts: dict[str, MegatronConfig]
+) -> dict:
+    """Under each layout in turn (one process group, re-laid out): the one-process conversion's logit difference
+    from `transformers` at this layout, a conversion under this layout and what this rank reads for it; then, at
+    TP 1 PP 1 (data parallel over the same ranks), each of those conversions' logit difference. A difference is
+    None on a rank without the last pipeline stage."""
+    at, reads, converted = {}, {}, {}
+    for name, layout in layouts.items():
+        init_distributed(layout, seed=0)
+        at[name] = verify(hf_dir, whole_dir, layout)
+        converted[name] = str(hf_to_mcore(hf_dir, f"{root}/megatron-{name}", layout=layout))
+        reads[name] = _reads(hf_dir, layout)
+    init_distributed(MegatronConfig(), seed=0)
+    return {"at": at, "reads": reads,
+            "converted": {name: verify(hf_dir, out, MegatronConfig()) for name, out in converted.items()}}  # fmt: skip
+
+
+def in_one_process(rank: int, world_size: int, hf_dir: str, root: str) -> dict:
+    """A checkpoint (dense or MoE) in one process: converted, its largest logit difference from `transformers`, the
     largest after the way back to Hugging Face, and (bytes read, parameters held)."""
     init_distributed(MegatronConfig(), seed=0)
     megatron_dir = str(hf_to_mcore(hf_dir, f"{root}/megatron"))

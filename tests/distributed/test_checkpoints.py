@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.distributed import checkpoint_workers
 from tests.distributed.harness import run_distributed
+
+# Also run against the oldest megatron-core admitted (`make test-floor`).
+pytestmark = pytest.mark.floor
 
 
 def test_resume_skips_unfinished_and_broken_checkpoints(tmp_path) -> None:

@@ -37,51 +37,52 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def converted(request, tmp_path_factory) -> dict:
+    """Two multi-process runs per model: one process (convert, verify, the way back, what a whole conversion
+    reads), then two processes re-laid out through TP 2 and PP 2 (verify the one-process conversion there, convert
+    there, and verify those conversions back at TP 1)."""
     kind, tied, rope = MODELS[request.param]
     root = tmp_path_factory.mktemp(request.param)
     hf_dir = conversion_workers.save_hf_model(kind, root / "hf", tied, rope)
-    megatron_dir = run_distributed(conversion_workers.convert, 1, str(hf_dir), str(root / "megatron"))[0]
-    return {"name": request.param, "hf": str(hf_dir), "megatron": megatron_dir, "root": root}
+    single = run_distributed(conversion_workers.in_one_process, 1, str(hf_dir), str(root))[0]
+    parallel = {name: LAYOUTS[name][1] for name in ("tp2", "pp2")}
+    ranks = run_distributed(conversion_workers.dense_under_layouts, 2, str(hf_dir), single["megatron"], str(root),
+                            parallel)  # fmt: skip
+    return {"name": request.param, "hf": str(hf_dir), "megatron": single["megatron"], "root": root,
+            "single": single, "ranks": ranks}  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_converted_logits_equal_transformers(converted, layout: str) -> None:
-    world, megatron_layout = LAYOUTS[layout]
-    reports = run_distributed(
-        conversion_workers.logit_difference, world, converted["hf"], converted["megatron"], megatron_layout
-    )
-    differences = [d for d in reports if d is not None]
+    if layout == "tp1":
+        differences = [converted["single"]["difference"]]
+    else:
+        differences = [report["at"][layout] for report in converted["ranks"] if report["at"][layout] is not None]
     assert differences, "no rank held the last pipeline stage"
     assert max(differences) < 1e-4, f"{converted['name']} at {layout}: logits differ by {max(differences):.2e}"
 
 
 def test_megatron_to_hf_round_trip_gives_the_same_logits(converted) -> None:
-    difference = run_distributed(
-        conversion_workers.round_trip, 1, converted["hf"], converted["megatron"], str(converted["root"] / "back")
-    )[0]
+    difference = converted["single"]["round_trip"]
     assert difference < 1e-5, f"{converted['name']}: HF → Megatron → HF logits differ by {difference:.2e}"
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_converting_under_a_parallel_layout_gives_the_same_model(converted, layout: str) -> None:
-    world, megatron_layout = LAYOUTS[layout]
-    out = str(converted["root"] / f"megatron-{layout}")
-    run_distributed(conversion_workers.convert_at, world, converted["hf"], out, megatron_layout)
-    (difference,) = run_distributed(conversion_workers.logit_difference, 1, converted["hf"], out, MegatronConfig())
-    assert difference < 1e-4, f"{converted['name']} converted at {layout}: logits differ by {difference:.2e}"
+    for report in converted["ranks"]:  # verified at TP 1 PP 1: every rank holds the whole model
+        difference = report["converted"][layout]
+        assert difference < 1e-4, f"{converted['name']} converted at {layout}: logits differ by {difference:.2e}"
 
 
 def test_each_rank_reads_and_holds_only_its_share(converted) -> None:
     hf_dir = Path(converted["hf"])
     with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:
         total = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())  # noqa: SIM118
-    whole = run_distributed(conversion_workers.shard_reads, 1, str(hf_dir), MegatronConfig())[0]
-    stages = run_distributed(conversion_workers.shard_reads, 2, str(hf_dir), LAYOUTS["pp2"][1])
-    tensor_parallel = run_distributed(conversion_workers.shard_reads, 2, str(hf_dir), LAYOUTS["tp2"][1])
+    whole = converted["single"]["reads"]
     assert whole[0] == total
-    for read, params in stages:
+    for report in converted["ranks"]:
+        read, params = report["reads"]["pp2"]
         assert read < 0.7 * total and params < 0.7 * whole[1], (read, params, total, whole)
-    for read, params in tensor_parallel:  # each TP rank reads only its rows or columns of the split weights
+        read, params = report["reads"]["tp2"]  # each TP rank reads only its rows or columns of the split weights
         assert read < 0.6 * total and params < 0.6 * whole[1], (read, params, total, whole)
 
 
@@ -161,7 +162,7 @@ def moe(tmp_path_factory) -> dict:
     through `MOE_LAYOUTS` (convert under each, verify each conversion under another layout)."""
     root = tmp_path_factory.mktemp("qwen3-moe")
     hf_dir = conversion_workers.save_hf_model("qwen3_moe", root / "hf", False)
-    single = run_distributed(conversion_workers.moe_in_one_process, 1, str(hf_dir), str(root))[0]
+    single = run_distributed(conversion_workers.in_one_process, 1, str(hf_dir), str(root))[0]
     ranks = run_distributed(
         conversion_workers.moe_under_layouts, 2, str(hf_dir), single["megatron"], str(root), MOE_LAYOUTS
     )

@@ -23,41 +23,61 @@ LAYOUTS = {
 }
 
 
+# The layouts the floor leg (`make test-floor`, the oldest megatron-core admitted) also runs.
+FLOOR_LAYOUTS = {"tp2", "pp2"}
+
+
+def layouts(names) -> list:
+    return [pytest.param(name, marks=[pytest.mark.floor] if name in FLOOR_LAYOUTS else []) for name in names]
+
+
+def _selected_layouts(request: pytest.FixtureRequest) -> list[str]:
+    wanted = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and callspec is not None and "name" in callspec.params:
+            wanted.add(callspec.params["name"])
+    return [name for name in LAYOUTS if name in wanted]
+
+
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory) -> dict:
+def parity(request, tmp_path_factory) -> dict:
+    """Every selected layout's update against the single-process reference, each layout launched once (only the
+    layouts some selected test asks for: `-m floor` runs two)."""
+    names = _selected_layouts(request)
     workdir = tmp_path_factory.mktemp("parity")
     run_distributed(workers.reference, 1, str(workdir))
-    reports = {name: run_distributed(workers.parallel_layout, world, str(workdir), name, layout)
-               for name, (world, layout) in LAYOUTS.items()}  # fmt: skip
-    weights = run_distributed(workers.compare_updated_weights, 1, str(workdir), list(LAYOUTS))[0]
+    reports = {name: run_distributed(workers.parallel_layout, LAYOUTS[name][0], str(workdir), name, LAYOUTS[name][1])
+               for name in names}  # fmt: skip
+    weights = run_distributed(workers.compare_updated_weights, 1, str(workdir), names)[0]
     return {"reports": reports, "weights": weights, "workdir": Path(workdir)}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", layouts(LAYOUTS))
 def test_experience_matches_single_process_on_every_rank(parity, name: str) -> None:
     for report in parity["reports"][name]:
         for key in ("old_log_prob", "ref_log_prob", "values"):
             assert report[key] < 1e-5, f"{name}: {key} differs from TP=1 by {report[key]:.2e}"
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", layouts(LAYOUTS))
 def test_update_metrics_match_single_process_on_every_rank(parity, name: str) -> None:
     required = {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss"}
     assert_update_metrics_match(parity["reports"][name], name, required)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", layouts(LAYOUTS))
 def test_grad_norm_and_updated_weights_match_single_process(parity, name: str) -> None:
     assert_grad_norms_and_weights_match(parity, name)
 
 
-@pytest.mark.parametrize("name", ["pp2", "pp2-vpp2", "tp2-pp2"])
+@pytest.mark.parametrize("name", layouts(["pp2", "pp2-vpp2", "tp2-pp2"]))
 def test_value_head_lives_only_on_the_last_stage(parity, name: str) -> None:
     for report in parity["reports"][name]:
         assert report["value_head_on_this_rank"] == report["last_stage"]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", layouts(LAYOUTS))
 def test_reference_model_is_frozen_through_training(parity, name: str) -> None:
     for report in parity["reports"][name]:
         assert report["ref_has_no_grad"], f"{name}: a reference parameter requires grad"

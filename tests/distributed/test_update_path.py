@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from tests.distributed import update_workers
 from tests.distributed.harness import run_distributed
+
+# Also run against the oldest megatron-core admitted (`make test-floor`).
+pytestmark = pytest.mark.floor
 
 
 def test_gradient_does_not_depend_on_the_micro_batch_cut_in_any_mode() -> None:

@@ -1,9 +1,11 @@
-"""The tiny recipe end to end through the real CLI, judged by its TensorBoard logs; resume after SIGKILL; and the
-same first steps under TP=1, TP=2 and PP=2."""
+"""The tiny recipe end to end through the real CLI, judged by its TensorBoard logs; resume after SIGKILL and after a
+preemption signal; resume across a change of layout; the same first steps under TP=1, TP=2 and PP=2. Nine launches
+share one task cache and one uninterrupted reference run."""
 
 from __future__ import annotations
 
 import math
+import shutil
 import signal
 from pathlib import Path
 
@@ -67,88 +69,104 @@ COMPARED = ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "critic/vf_los
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny, tmp_path_factory) -> dict[str, dict[int, float]]:
+    """The reference: six steps at TP=2, never stopped."""
     directory = tmp_path_factory.mktemp("uninterrupted")
     run(2, [*tiny["common"], *SIX_STEPS, f"trainer.default_local_dir={directory}/ckpt",
             f"trainer.log_dir={directory}/tb"], directory / "train.log")  # fmt: skip
     return scalars(directory / "tb")
 
 
-def _assert_same_after(resumed, uninterrupted, first_step: int, tags=COMPARED, rel_tol=1e-6, abs_tol=1e-6) -> None:
+@pytest.fixture(scope="module")
+def killed_at_step_2(tiny, tmp_path_factory) -> Path:
+    """The same run at TP=2, SIGKILLed (workers included) as soon as `latest` names `step_2`: its checkpoint folder,
+    which each test that resumes it copies first."""
+    directory = tmp_path_factory.mktemp("killed")
+    run_and_kill_after_checkpoint(2, [*tiny["common"], *SIX_STEPS, f"trainer.default_local_dir={directory}/ckpt",
+                                      f"trainer.log_dir={directory}/tb"], directory / "ckpt", 2,
+                                  directory / "killed.log")  # fmt: skip
+    return directory / "ckpt"
+
+
+def _assert_same_after(resumed, uninterrupted, steps, tags=COMPARED, rel_tol=1e-6, abs_tol=1e-6) -> None:
     for tag in tags:
-        for step in range(first_step, 7):
+        for step in steps:
             assert math.isclose(resumed[tag][step], uninterrupted[tag][step], rel_tol=rel_tol, abs_tol=abs_tol), (
                 f"{tag} at step {step}: resumed {resumed[tag][step]} vs uninterrupted {uninterrupted[tag][step]}"
             )
 
 
-def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tiny, uninterrupted, tmp_path: Path) -> None:
-    common = [*tiny["common"], *SIX_STEPS]
-    killed = [*common, f"trainer.default_local_dir={tmp_path}/b/ckpt"]
-    run_and_kill_after_checkpoint(2, [*killed, f"trainer.log_dir={tmp_path}/b/tb0"], tmp_path / "b" / "ckpt", 2,
-                                  tmp_path / "b0.log")  # fmt: skip
-    run(2, [*killed, f"trainer.log_dir={tmp_path}/b/tb1"], tmp_path / "b1.log")
-    assert "resumed from" in (tmp_path / "b1.log").read_text()
-    _assert_same_after(scalars(tmp_path / "b" / "tb1"), uninterrupted, first_step=3)
-
-
-def test_preemption_signal_checkpoints_exits_for_requeue_and_resumes_exactly(tiny, uninterrupted, tmp_path) -> None:
-    preempted = [*tiny["common"], *SIX_STEPS, "trainer.save_freq=0", f"trainer.default_local_dir={tmp_path}/ckpt"]
-    status = run_and_signal_after_step(2, [*preempted, f"trainer.log_dir={tmp_path}/tb0"], 2, signal.SIGUSR1,
-                                       tmp_path / "c0.log")  # fmt: skip
-    log = (tmp_path / "c0.log").read_text()
+def test_resume_after_sigkill_then_a_preemption_signal_reproduces_the_uninterrupted_run(
+    tiny, uninterrupted, killed_at_step_2, tmp_path: Path
+) -> None:
+    """One run in three jobs: killed after its step-2 checkpoint; resumed, then preempted (SIGUSR1 to the training
+    processes, as Slurm sends it) after step 3 with the regular saves off, so the checkpoint it leaves is the
+    preemption's own and the job exits 75 for the requeue; resumed again to the end. Same layout and processes as
+    the uninterrupted run, so every step after each resume equals it to float precision."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(killed_at_step_2, ckpt)
+    common = [*tiny["common"], *SIX_STEPS, f"trainer.default_local_dir={ckpt}"]
+    status = run_and_signal_after_step(2, [*common, "trainer.save_freq=0", f"trainer.log_dir={tmp_path}/tb1"], 3,
+                                       signal.SIGUSR1, tmp_path / "b.log")  # fmt: skip
+    log = (tmp_path / "b.log").read_text()
+    assert "resumed from" in log and "step_2" in log, log[-3000:]
     assert status != 0 and "exiting with 75" in log, f"exit {status}; log tail:\n{log[-3000:]}"
-    saved_step = int((tmp_path / "ckpt" / "latest").read_text().strip().removeprefix("step_"))
-    assert 2 <= saved_step < 6, f"the preemption checkpoint is at step {saved_step}"
-    run(2, [*preempted, f"trainer.log_dir={tmp_path}/tb1"], tmp_path / "c1.log")
-    _assert_same_after(scalars(tmp_path / "tb1"), uninterrupted, first_step=saved_step + 1)
+    saved_step = int((ckpt / "latest").read_text().strip().removeprefix("step_"))
+    assert 3 <= saved_step < 6, f"the preemption checkpoint is at step {saved_step}"
+    resumed_once = scalars(tmp_path / "tb1")
+    _assert_same_after(resumed_once, uninterrupted, steps=range(3, saved_step + 1))
+    run(2, [*common, f"trainer.log_dir={tmp_path}/tb2"], tmp_path / "c.log")
+    assert f"step_{saved_step}" in (tmp_path / "c.log").read_text()
+    _assert_same_after(scalars(tmp_path / "tb2"), uninterrupted, steps=range(saved_step + 1, 7))
 
 
 TP1 = [f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")]
-# A changed layout changes the floating-point order of the reductions, not the computation.
-ACROSS_LAYOUTS = ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "critic/vf_loss", "kl/coef", "kl/mean")
+PP2 = [f"{r}.megatron.{k}" for r in ("actor", "ref", "critic")
+       for k in ("tensor_model_parallel_size=1", "pipeline_model_parallel_size=2")]  # fmt: skip
+# Another layout changes the floating-point order of the reductions, not the computation: the same step under TP=1,
+# TP=2 or PP=2 agrees to ~1e-5 relative. Training amplifies that difference from step to step (measured: kl/mean
+# 0.4351 against 0.4315 four steps after a change of layout on one machine, equal on another), so a comparison after
+# a change of layout is tight only where nothing has been trained under the other layout yet: the first steps, and
+# the first step after a resume (its weights, optimizer states and schedules are the checkpoint's, exactly).
+ACROSS_LAYOUTS = ("actor/pg_loss", "actor/ppo_kl", "critic/vf_loss", "actor/entropy", "kl/mean", "kl/coef",
+                  "critic/values_mean", "reward/mean")  # fmt: skip
+LAYOUT_TOLERANCE = {"rel_tol": 1e-4, "abs_tol": 1e-5}
 
 
-@pytest.mark.parametrize("start, then", [("tp2", "tp1"), ("tp1", "tp2")])
-def test_resume_across_a_changed_layout_continues_the_run(tiny, uninterrupted, tmp_path: Path, start, then) -> None:
-    """Saved at TP=2 on 2 processes, resumed at TP=1 on 1 process (and the reverse), optimizer states included:
-    Megatron reshards the checkpoint, and the metrics after the resume follow the uninterrupted TP=2 run."""
-    layouts = {"tp2": (2, []), "tp1": (1, TP1)}
-    common = [*tiny["common"], *SIX_STEPS, f"trainer.default_local_dir={tmp_path}/ckpt"]
-    nproc, layout = layouts[start]
-    run(nproc, [*common, *layout, "trainer.exit_interval=2", f"trainer.log_dir={tmp_path}/tb0"], tmp_path / "a.log")
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_2"
-    nproc, layout = layouts[then]
-    run(nproc, [*common, *layout, f"trainer.log_dir={tmp_path}/tb1"], tmp_path / "b.log")
+def _assert_same_step_across_layouts(ours, reference, steps) -> None:
+    """ACROSS_LAYOUTS to ~1e-4; the clip fraction, a count of tokens past the clip boundary, within two in a
+    thousand (one token may sit on the boundary)."""
+    _assert_same_after(ours, reference, steps=steps, tags=ACROSS_LAYOUTS, **LAYOUT_TOLERANCE)
+    _assert_same_after(ours, reference, steps=steps, tags=("actor/pg_clipfrac",), rel_tol=0, abs_tol=2e-3)
+
+
+def test_resume_at_tp1_from_a_tp2_checkpoint_continues_the_run(tiny, uninterrupted, killed_at_step_2, tmp_path) -> None:
+    """Saved at TP=2 on 2 processes, resumed at TP=1 on 1 process, optimizer states included: Megatron reshards the
+    checkpoint; the first step after it equals the uninterrupted TP=2 run's, and the run goes on to its end."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(killed_at_step_2, ckpt)
+    run(1, [*tiny["common"], *SIX_STEPS, *TP1, f"trainer.default_local_dir={ckpt}", f"trainer.log_dir={tmp_path}/tb"],
+        tmp_path / "b.log")  # fmt: skip
     assert "resumed from" in (tmp_path / "b.log").read_text()
-    _assert_same_after(scalars(tmp_path / "tb1"), uninterrupted, first_step=3, tags=ACROSS_LAYOUTS, rel_tol=1e-3,
-                       abs_tol=2e-3)  # fmt: skip
+    resumed = scalars(tmp_path / "tb")
+    _assert_same_step_across_layouts(resumed, uninterrupted, steps=[3])
+    assert sorted(resumed["actor/pg_loss"]) == [3, 4, 5, 6]
 
 
-def _two_steps(tiny, nproc: int, layout: list[str], directory: Path) -> dict[str, dict[int, float]]:
-    run(nproc, [*tiny["common"], *layout, "trainer.total_training_steps=2", "trainer.test_freq=0",
-                f"trainer.default_local_dir={directory}/ckpt", f"trainer.log_dir={directory}/tb"],
-        directory / "train.log")  # fmt: skip
-    return scalars(directory / "tb")
+def test_tp1_first_steps_then_a_resume_at_tp2_follow_the_tp2_run(tiny, uninterrupted, tmp_path: Path) -> None:
+    """Two steps at TP=1 on 1 process (the job stops at trainer.exit_interval=2) agree with the TP=2 run's first two
+    steps; the run resumed at TP=2 on 2 processes then agrees with it at its first step."""
+    common = [*tiny["common"], *SIX_STEPS, f"trainer.default_local_dir={tmp_path}/ckpt"]
+    run(1, [*common, *TP1, "trainer.exit_interval=2", f"trainer.log_dir={tmp_path}/tb0"], tmp_path / "a.log")
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_2"
+    _assert_same_step_across_layouts(scalars(tmp_path / "tb0"), uninterrupted, steps=[1, 2])
+    run(2, [*common, f"trainer.log_dir={tmp_path}/tb1"], tmp_path / "b.log")
+    assert "resumed from" in (tmp_path / "b.log").read_text()
+    resumed = scalars(tmp_path / "tb1")
+    _assert_same_step_across_layouts(resumed, uninterrupted, steps=[3])
+    assert sorted(resumed["actor/pg_loss"]) == [3, 4, 5, 6]
 
 
-@pytest.fixture(scope="module")
-def two_steps_tp2(tiny, tmp_path_factory) -> dict[str, dict[int, float]]:
-    return _two_steps(tiny, 2, [], tmp_path_factory.mktemp("tp2"))
-
-
-LAYOUTS = {
-    "tp1": (1, TP1),
-    "pp2": (2, [f"{r}.megatron.{k}" for r in ("actor", "ref", "critic")
-                for k in ("tensor_model_parallel_size=1", "pipeline_model_parallel_size=2")]),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_first_steps_agree_with_the_tp2_run(tiny, two_steps_tp2, tmp_path: Path, name: str) -> None:
-    nproc, layout = LAYOUTS[name]
-    ours, reference = _two_steps(tiny, nproc, layout, tmp_path), two_steps_tp2
-    for tag in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "kl/mean", "critic/values_mean"):
-        for step in (1, 2):
-            assert math.isclose(ours[tag][step], reference[tag][step], rel_tol=1e-4, abs_tol=1e-5), (
-                f"{name}: {tag} at step {step} is {ours[tag][step]}, TP=2 gave {reference[tag][step]}"
-            )
+def test_pp2_first_steps_agree_with_the_tp2_run(tiny, uninterrupted, tmp_path: Path) -> None:
+    run(2, [*tiny["common"], *SIX_STEPS, *PP2, "trainer.exit_interval=2", f"trainer.default_local_dir={tmp_path}/ckpt",
+            f"trainer.log_dir={tmp_path}/tb"], tmp_path / "train.log")  # fmt: skip
+    _assert_same_step_across_layouts(scalars(tmp_path / "tb"), uninterrupted, steps=[1, 2])

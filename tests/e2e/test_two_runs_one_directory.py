@@ -55,6 +55,7 @@ def first_run(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.mark.floor
 def test_a_second_new_run_in_the_directory_is_refused_and_changes_nothing(first_run: Path) -> None:
     ckpt = first_run / "ckpt"
     before = sorted(p.name for p in ckpt.iterdir())
