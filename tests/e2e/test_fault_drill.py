@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed.harness import free_port
 from tests.drill.__main__ import SCHEDULES
 from tests.drill.readback import check
 from tests.e2e.tiny_runs import RECIPE, REPO, scalars
@@ -18,7 +17,7 @@ from tests.e2e.tiny_runs import RECIPE, REPO, scalars
 
 def test_every_guard_fires_at_its_fault_and_the_run_recovers(tiny_work: Path, tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "tests.drill", str(RECIPE),
+    command = [str(torchrun), "--nproc_per_node=2", "--standalone", "-m", "tests.drill", str(RECIPE),
                "--short", f"data.addition.work_dir={tiny_work}", f"trainer.default_local_dir={tmp_path}/ckpt",
                f"trainer.log_dir={tmp_path}/tb"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

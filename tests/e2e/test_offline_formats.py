@@ -21,7 +21,6 @@ import yaml
 from megatron_ppo.data.tokenizer import load_tokenizer
 from megatron_ppo.models.hf_conversion import model_config_from_hf
 from megatron_ppo.report import read_run
-from tests.distributed.harness import free_port
 from tests.e2e.tiny_runs import scalars
 from tests.unit.data_fixtures import GSM8K, INSTRUCTION, tokenizer_dir, verl_row
 
@@ -91,7 +90,7 @@ def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
     log = tmp_path / "train.log"
     with log.open("w") as out:
         result = subprocess.run(
-            [str(torchrun), "--nproc_per_node=1", f"--master_port={free_port()}", "-m", "megatron_ppo", "train",
+            [str(torchrun), "--nproc_per_node=1", "--standalone", "-m", "megatron_ppo", "train",
              str(tmp_path / "recipe.yaml")],
             cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, stdout=out,
             stderr=subprocess.STDOUT, timeout=600, check=False,

@@ -20,7 +20,6 @@ import yaml
 from megatron_ppo.config import load_config
 from megatron_ppo.report import read_run
 from tests.distributed import conversion_workers, critic_init_workers
-from tests.distributed.harness import free_port
 from tests.e2e.tiny_runs import scalars
 from tests.e2e.wandb_files import read_wandb_run
 
@@ -34,7 +33,7 @@ def _train(recipe: Path, overrides: list[str], log: Path) -> str:
            "WANDB_SILENT": "true"}  # fmt: skip
     with log.open("w") as out:
         result = subprocess.run(
-            [str(torchrun), "--nproc_per_node=1", f"--master_port={free_port()}", "-m", "megatron_ppo", "train",
+            [str(torchrun), "--nproc_per_node=1", "--standalone", "-m", "megatron_ppo", "train",
              str(recipe), *overrides],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600, check=False,
         )  # fmt: skip

@@ -118,7 +118,7 @@ def test_a_failing_job_ends_failed_with_the_error_in_its_log(cluster: LocalSlurm
 
 def test_preemption_checkpoints_requeues_and_resumes(cluster: LocalSlurm, runs: Path, first_job) -> None:
     logs, out = runs / "logs", runs / "preempted"
-    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=30"]
+    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=10"]
     (job_id,) = submit(cluster, logs, overrides)
     wait_for_line(logs, job_id, " step 2: reward")
     subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)
@@ -130,8 +130,8 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster: LocalSlurm, runs: 
     assert f"requeueing job {job_id}" in log
     requeued = log.split("(restart 1)")[1]
     assert "resumed from" in requeued and logged_steps(requeued)[0] == int(saved.group(1)) + 1, log[-3000:]
-    assert (out / "ckpt" / "latest").read_text().strip() == "step_30"
-    assert sorted(scalars(out / "tb")["actor/pg_loss"]) == list(range(1, 31))  # no step lost, none repeated
+    assert (out / "ckpt" / "latest").read_text().strip() == "step_10"
+    assert sorted(scalars(out / "tb")["actor/pg_loss"]) == list(range(1, 11))  # no step lost, none repeated
 
 
 def test_a_chain_of_two_jobs_continues_where_the_first_stopped(cluster: LocalSlurm, runs: Path, first_job) -> None:
