@@ -8,7 +8,9 @@ Memory model (bytes per parameter on a GPU holding N / (TP·PP) of them; see doc
                  the distributed optimizer
     activations  per layer s·b·h·(34 + 5·a·s/h) / TP bytes (Korthikanti et al. 2022, sequence parallel),
                  34·s·b·h / TP with selective recompute, 2·s·b·h with full recompute; the first pipeline stage
-                 keeps min(PP, micro-batches) micro-batches in flight (1F1B); plus fp32 log-probs of the output
+                 keeps min(PP, micro-batches) micro-batches in flight (1F1B); plus fp32 log-probs of the output;
+                 b = a micro-batch's rows at full length (`micro_batch_rows`: with use_dynamic_bsz, as many as the
+                 token budget holds)
     reserved     3 GiB per GPU (CUDA context, NCCL buffers, allocator fragmentation)
 Roles share the GPUs. Each phase of an iteration (`PHASE_NEEDS`: experience, critic update, actor update, between
 iterations) needs some kinds of each role's state on the GPU; a role keeps those plus every kind whose offload
@@ -145,6 +147,25 @@ class Plan:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
 
+def micro_batch_rows(config: PPOConfig, role: str, train: bool) -> int:
+    """Full-length rows (the longest prompt and response) in one micro-batch of `role`'s update (`train`) or
+    experience forward: the configured size, or with `use_dynamic_bsz` as many as the token budget holds,
+    ppo_max_token_len_per_gpu // (max_prompt_length + max_response_length) (the reference follows the actor's
+    setting, as the experience does)."""
+    owner = config.critic if role == "critic" else config.actor
+    if owner.use_dynamic_bsz:
+        return max(
+            1, owner.ppo_max_token_len_per_gpu // (config.data.max_prompt_length + config.data.max_response_length)
+        )
+    if train:
+        size = getattr(config, role).ppo_micro_batch_size_per_gpu
+    else:
+        size = {"actor": config.actor.log_prob_micro_batch_size_per_gpu,
+                "ref": config.ref.log_prob_micro_batch_size_per_gpu,
+                "critic": config.critic.forward_micro_batch_size_per_gpu}[role]  # fmt: skip
+    return size or 1
+
+
 def _activations_gib(config: PPOConfig, layout: MegatronConfig, micro_batch: int, train: bool) -> float:
     m = config.model
     s, h, tp, pp = config.data.max_prompt_length + config.data.max_response_length, m.hidden_size, \
@@ -210,10 +231,7 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
     optimizer_bytes = 8 if config.model.params_dtype == "fp32" else 12
     optimizer = optimizer_bytes * (dense_per_gpu / (dp if layout.use_distributed_optimizer else 1) + experts_optimizer)
     optimizer = optimizer if trained else 0
-    if role == "ref":
-        micro = config.ref.log_prob_micro_batch_size_per_gpu or 1
-    else:
-        micro = getattr(config, role).ppo_micro_batch_size_per_gpu or 1
+    micro = micro_batch_rows(config, role, train=trained)
     return RolePlan(
         role=role,
         params=params,
@@ -236,9 +254,12 @@ def resident_gib(plan: RolePlan, phase: str) -> float:
 
 def phase_gib(config: PPOConfig, roles: dict[str, RolePlan]) -> dict[str, float]:
     """Per-GPU GiB of each phase: the resident state of every role, the activations of the phase's computation
-    (the largest forward of the three roles in the experience; the trained role's in its update; none between
-    iterations) and the reserved GiB."""
-    forward = max(_activations_gib(config, getattr(config, r).megatron, 1, train=False) for r in roles)
+    (the largest forward of the three roles, each at its micro-batch (`micro_batch_rows`), in the experience; the
+    trained role's in its update; none between iterations) and the reserved GiB."""
+    forward = max(
+        _activations_gib(config, getattr(config, r).megatron, micro_batch_rows(config, r, train=False), train=False)
+        for r in roles
+    )
     activations = {"experience": forward, "critic update": roles["critic"].activations_gib,
                    "actor update": roles["actor"].activations_gib, "between iterations": 0.0}  # fmt: skip
     return {
@@ -255,9 +276,7 @@ def plan(config: PPOConfig, recipe: str = "") -> Plan:
     layout = config.actor.megatron
     pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size or 1
     dp = max(1, world_size(config) // (layout.tensor_model_parallel_size * pp * layout.context_parallel_size))
-    micro_batches = max(
-        1, config.actor.ppo_mini_batch_size // dp // max(1, config.actor.ppo_micro_batch_size_per_gpu or 1)
-    )
+    micro_batches = max(1, config.actor.ppo_mini_batch_size // dp // micro_batch_rows(config, "actor", train=True))
     bubble = (pp - 1) / (vpp * micro_batches + pp - 1)
     all_to_all_gb, all_to_all_s = all_to_all_estimate(config)
     step_time, tokens_per_gpu = step_time_estimate(config, roles, bubble, all_to_all_s)
