@@ -43,8 +43,8 @@ WRITEUPS: dict[str, tuple[object, str]] = {
     "critic.use_dynamic_bsz": (True, "B"),
     "actor.ppo_max_token_len_per_gpu": (16384, "B"),
     "critic.ppo_max_token_len_per_gpu": (16384, "B"),
-    "actor.ppo_micro_batch_size_per_gpu": (None, "B's token budget cuts the micro-batches"),
-    "critic.ppo_micro_batch_size_per_gpu": (None, "B's token budget cuts the micro-batches"),
+    "actor.ppo_micro_batch_size_per_gpu": (2, "A, for the evaluation only: B's token budget cuts the rest"),
+    "critic.ppo_micro_batch_size_per_gpu": (2, "A, for the evaluation only: B's token budget cuts the rest"),
     "trainer.save_freq": (10, "neither: B's every 5 epochs saves only at the end of a 1-epoch run"),
     "algorithm.kl_ctrl.type": ("staged", "A's staged thresholds"),
 }
