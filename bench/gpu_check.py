@@ -130,13 +130,12 @@ def check_tiny_recipe(plan: Plan, work: Path) -> dict[str, Any]:
 
 # --- (b) the PPO iteration at a 1.5B shape ---------------------------------------------------------------------
 def gpu_type_and_memory() -> tuple[str, float]:
+    from megatron_ppo.config.gpus import GPU_SPECS, gpu_type_named
+
     if not torch.cuda.is_available():
-        return "cpu", 8.0
-    name = torch.cuda.get_device_name()
+        return "cpu", GPU_SPECS["cpu"].memory_gib
     memory = torch.cuda.get_device_properties(0).total_memory / GIB
-    kind = next((k for k, tag in (("h200-141gb", "H200"), ("h100-80gb", "H100"), ("a100-80gb", "A100")) if tag in name),
-                "h100-80gb")  # fmt: skip
-    return kind, memory
+    return gpu_type_named(torch.cuda.get_device_name()), memory
 
 
 def ppo_config(plan: Plan, seq: int, work: Path):
@@ -237,6 +236,7 @@ def bare_passes(trainer, plan: Plan, seq: int) -> None:
 
 def check_ppo_iteration(plan: Plan, seq: int, work: Path) -> dict[str, Any]:
     from megatron_ppo import plan as planner
+    from megatron_ppo.config.gpus import gpu_spec
     from megatron_ppo.train.ppo import PPOTrainer
     from megatron_ppo.train.throughput import throughput_metrics
 
@@ -258,7 +258,7 @@ def check_ppo_iteration(plan: Plan, seq: int, work: Path) -> dict[str, Any]:
     roles = ("actor", "ref", "critic")
     iteration = throughput_metrics(config, roles, lengths, {"iteration": iteration_s, **_all_phases(iteration_s)})
     bare = throughput_metrics(config, roles, lengths, {"iteration": bare_s, **_all_phases(bare_s)})
-    peak = planner.PEAK_TFLOPS[config.cluster.gpu_type]
+    peak = gpu_spec(config.cluster.gpu_type).peak_bf16_tflops
     out = {
         "seq": seq, "rows": plan.rows, "build_models_s": build_s, "first_iteration_s": warmup_s,
         "iteration_s": iteration_s, "bare_passes_s": bare_s, "tokens_per_s": plan.rows * seq / iteration_s,

@@ -8,7 +8,9 @@ Memory model (bytes per parameter on a GPU holding N / (TP·PP) of them; see doc
                  the distributed optimizer
     activations  per layer s·b·h·(34 + 5·a·s/h) / TP bytes (Korthikanti et al. 2022, sequence parallel),
                  34·s·b·h / TP with selective recompute, 2·s·b·h with full recompute; the first pipeline stage
-                 keeps min(PP, micro-batches) micro-batches in flight (1F1B); plus fp32 log-probs of the output
+                 keeps min(PP, micro-batches) micro-batches in flight (1F1B); plus fp32 log-probs of the output;
+                 b = a micro-batch's rows at full length (`micro_batch_rows`: with use_dynamic_bsz, as many as the
+                 token budget holds)
     reserved     3 GiB per GPU (CUDA context, NCCL buffers, allocator fragmentation)
 Roles share the GPUs. Each phase of an iteration (`PHASE_NEEDS`: experience, critic update, actor update, between
 iterations) needs some kinds of each role's state on the GPU; a role keeps those plus every kind whose offload
@@ -31,28 +33,13 @@ import json
 import math
 from dataclasses import dataclass
 
-from megatron_ppo.config.schema import ROLES, MegatronConfig, ModelConfig, PPOConfig
+from megatron_ppo.config.gpus import gpu_spec
+from megatron_ppo.config.schema import ROLES, ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate, world_size
 
 GIB = 1024**3
 RESERVED_GIB = 3.0
 MARGIN = 0.10  # keep 10 % of the GPU free
-PEAK_TFLOPS = {"h100-80gb": 989.0, "h200-141gb": 989.0, "a100-80gb": 312.0, "cpu": 1.0}  # dense bf16 tensor-core peak
-# MFU of PPO's training and experience passes, calibrated in docs/planner.md ("Calibration"): Megatron-LM pretraining
-# reaches 42–47 % on H100 and 44 % on A100; verl's Megatron actor update measures 31–40 %. RL passes (short,
-# variable-length micro-batches; three models per iteration) keep about 0.8 of the pretraining MFU.
-ASSUMED_MFU = {"h100-80gb": 0.35, "a100-80gb": 0.35, "cpu": 0.1}
-# Bandwidth (GB/s per GPU) assumed for the MoE token all-to-all: (within a node over NVLink, across nodes over
-# InfiniBand). Assumptions, about half the links' unidirectional peaks (H100 NVLink 450, A100 300; one 400 or
-# 200 Gb/s NIC per GPU), as all-to-all of small messages reaches; not calibrated against a run.
-ALL_TO_ALL_GBPS = {"h100-80gb": (200.0, 40.0), "h200-141gb": (200.0, 40.0), "a100-80gb": (120.0, 20.0),
-                   "cpu": (1.0, 1.0)}  # fmt: skip
-MFU_ANCHORS = {
-    "h100-80gb": "anchors: Megatron-LM pretraining 42-47 % (7-70B, H100), verl actor update 31-40 %",
-    "a100-80gb": "anchor: Megatron-LM pretraining 44 % (175B, 1024 A100)",
-}
-
-
 OFFLOAD_KINDS = ("params", "grads", "optimizer")
 # What each phase needs on the GPU, role by role. Between iterations every role's weights and optimizer states are
 # resident: checkpoints, rollbacks and evaluation read them (gradients are zeroed before each update, so none).
@@ -62,6 +49,12 @@ PHASE_NEEDS: dict[str, dict[str, frozenset[str]]] = {
     "actor update": {"actor": frozenset(OFFLOAD_KINDS)},
     "between iterations": {role: frozenset({"params", "optimizer"}) for role in ROLES},
 }
+
+
+def gpu_memory_gib(cluster: ClusterConfig) -> float:
+    """GiB of one GPU that the plan may fill (before the margin): `cluster.gpu_memory_gib` when set, else the GPU
+    type's memory (`config/gpus.py`)."""
+    return gpu_spec(cluster.gpu_type).memory_gib if cluster.gpu_memory_gib is None else cluster.gpu_memory_gib
 
 
 def offload_switches(layout: MegatronConfig) -> dict[str, bool]:
@@ -154,6 +147,25 @@ class Plan:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
 
+def micro_batch_rows(config: PPOConfig, role: str, train: bool) -> int:
+    """Full-length rows (the longest prompt and response) in one micro-batch of `role`'s update (`train`) or
+    experience forward: the configured size, or with `use_dynamic_bsz` as many as the token budget holds,
+    ppo_max_token_len_per_gpu // (max_prompt_length + max_response_length) (the reference follows the actor's
+    setting, as the experience does)."""
+    owner = config.critic if role == "critic" else config.actor
+    if owner.use_dynamic_bsz:
+        return max(
+            1, owner.ppo_max_token_len_per_gpu // (config.data.max_prompt_length + config.data.max_response_length)
+        )
+    if train:
+        size = getattr(config, role).ppo_micro_batch_size_per_gpu
+    else:
+        size = {"actor": config.actor.log_prob_micro_batch_size_per_gpu,
+                "ref": config.ref.log_prob_micro_batch_size_per_gpu,
+                "critic": config.critic.forward_micro_batch_size_per_gpu}[role]  # fmt: skip
+    return size or 1
+
+
 def _activations_gib(config: PPOConfig, layout: MegatronConfig, micro_batch: int, train: bool) -> float:
     m = config.model
     s, h, tp, pp = config.data.max_prompt_length + config.data.max_response_length, m.hidden_size, \
@@ -219,10 +231,7 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
     optimizer_bytes = 8 if config.model.params_dtype == "fp32" else 12
     optimizer = optimizer_bytes * (dense_per_gpu / (dp if layout.use_distributed_optimizer else 1) + experts_optimizer)
     optimizer = optimizer if trained else 0
-    if role == "ref":
-        micro = config.ref.log_prob_micro_batch_size_per_gpu or 1
-    else:
-        micro = getattr(config, role).ppo_micro_batch_size_per_gpu or 1
+    micro = micro_batch_rows(config, role, train=trained)
     return RolePlan(
         role=role,
         params=params,
@@ -245,9 +254,12 @@ def resident_gib(plan: RolePlan, phase: str) -> float:
 
 def phase_gib(config: PPOConfig, roles: dict[str, RolePlan]) -> dict[str, float]:
     """Per-GPU GiB of each phase: the resident state of every role, the activations of the phase's computation
-    (the largest forward of the three roles in the experience; the trained role's in its update; none between
-    iterations) and the reserved GiB."""
-    forward = max(_activations_gib(config, getattr(config, r).megatron, 1, train=False) for r in roles)
+    (the largest forward of the three roles, each at its micro-batch (`micro_batch_rows`), in the experience; the
+    trained role's in its update; none between iterations) and the reserved GiB."""
+    forward = max(
+        _activations_gib(config, getattr(config, r).megatron, micro_batch_rows(config, r, train=False), train=False)
+        for r in roles
+    )
     activations = {"experience": forward, "critic update": roles["critic"].activations_gib,
                    "actor update": roles["actor"].activations_gib, "between iterations": 0.0}  # fmt: skip
     return {
@@ -260,13 +272,11 @@ def plan(config: PPOConfig, recipe: str = "") -> Plan:
     roles = {role: plan_role(config, role) for role in ("actor", "critic", "ref")}
     phases = phase_gib(config, roles)
     peak = max(phases.values())
-    budget = config.cluster.gpu_memory_gib * (1 - MARGIN)
+    budget = gpu_memory_gib(config.cluster) * (1 - MARGIN)
     layout = config.actor.megatron
     pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size or 1
     dp = max(1, world_size(config) // (layout.tensor_model_parallel_size * pp * layout.context_parallel_size))
-    micro_batches = max(
-        1, config.actor.ppo_mini_batch_size // dp // max(1, config.actor.ppo_micro_batch_size_per_gpu or 1)
-    )
+    micro_batches = max(1, config.actor.ppo_mini_batch_size // dp // micro_batch_rows(config, "actor", train=True))
     bubble = (pp - 1) / (vpp * micro_batches + pp - 1)
     all_to_all_gb, all_to_all_s = all_to_all_estimate(config)
     step_time, tokens_per_gpu = step_time_estimate(config, roles, bubble, all_to_all_s)
@@ -299,8 +309,8 @@ def _expert_layout_text(config: PPOConfig, layout: MegatronConfig) -> str:
 
 
 def all_to_all_estimate(config: PPOConfig) -> tuple[float, float]:
-    """(GB each GPU sends in the MoE token all-to-all in one iteration, seconds at `ALL_TO_ALL_GBPS`); (0, 0) for a
-    dense model or EP = 1. Per MoE layer, each token's bf16 hidden state (2h bytes) goes to its k experts and the
+    """(GB each GPU sends in the MoE token all-to-all in one iteration, seconds at the GPU's `all_to_all_gb_s`); (0, 0)
+    for a dense model or EP = 1. Per MoE layer, each token's bf16 hidden state (2h bytes) goes to its k experts and the
     results come back (dispatch + combine), and under uniform routing (EP − 1)/EP of the copies leave the GPU; the
     token-layers spread evenly over the world (DP, CP and sequence-parallel TP split the tokens, PP the layers):
         bytes per GPU per pass = T·L / world · k · 2h · 2 · (EP − 1)/EP,   T = train_batch_size · (prompt + response)
@@ -312,7 +322,7 @@ def all_to_all_estimate(config: PPOConfig) -> tuple[float, float]:
     if not m.num_experts:
         return 0.0, 0.0
     tokens = config.data.train_batch_size * (config.data.max_prompt_length + config.data.max_response_length)
-    within, across = ALL_TO_ALL_GBPS.get(config.cluster.gpu_type, ALL_TO_ALL_GBPS["h100-80gb"])
+    within, across = gpu_spec(config.cluster.gpu_type).all_to_all_gb_s
     gb = seconds = 0.0
     for role in ("actor", "critic", "ref"):
         role_config = getattr(config, role)
@@ -367,9 +377,8 @@ def step_time_estimate(
     params = {role: flop_parameter_count(config.model, role) for role in roles}
     flops = sum(iteration_flops(config, params, tokens, tokens * seq).values())
     gpus = world_size(config)
-    peak = PEAK_TFLOPS.get(config.cluster.gpu_type, 989.0) * 1e12
-    mfu = ASSUMED_MFU.get(config.cluster.gpu_type, 0.35)
-    seconds = flops / (gpus * peak * mfu) / (1 - bubble) + communication_s
+    spec = gpu_spec(config.cluster.gpu_type)
+    seconds = flops / (gpus * spec.peak_bf16_tflops * 1e12 * spec.assumed_mfu) / (1 - bubble) + communication_s
     return seconds, tokens / seconds / gpus
 
 
@@ -430,7 +439,7 @@ def _moe_lines(result: Plan, config: PPOConfig) -> list[str]:
     if not m.num_experts:
         return []
     actor = result.roles["actor"]
-    within, across = ALL_TO_ALL_GBPS.get(config.cluster.gpu_type, ALL_TO_ALL_GBPS["h100-80gb"])
+    within, across = gpu_spec(config.cluster.gpu_type).all_to_all_gb_s
     return [
         f"  MoE: {m.num_experts} experts, top-{m.num_experts_per_tok}: {actor.active_params / 1e9:.2f}B of "
         f"{actor.params / 1e9:.2f}B parameters active per token; {actor.expert_params_per_gpu / 1e9:.2f}B expert "
@@ -459,10 +468,9 @@ def format_plan(result: Plan, config: PPOConfig) -> str:
     lines.append(
         f"peak {result.peak_gib:.1f} GiB of {result.budget_gib:.1f} GiB usable ({MARGIN:.0%} margin): {verdict}"
     )
+    spec = gpu_spec(config.cluster.gpu_type)
     lines.append(f"pipeline bubble {result.bubble_fraction:.1%}; estimated step {result.step_time_s:.1f} s, "
-                 f"{result.tokens_per_s_per_gpu:,.0f} tokens/s per GPU at MFU "
-                 f"{ASSUMED_MFU.get(config.cluster.gpu_type, 0.35):.0%}")  # fmt: skip
-    if config.cluster.gpu_type in MFU_ANCHORS:
-        lines.append(f"  ({MFU_ANCHORS[config.cluster.gpu_type]}; see docs/planner.md)")
+                 f"{result.tokens_per_s_per_gpu:,.0f} tokens/s per GPU at MFU {spec.assumed_mfu:.0%}")  # fmt: skip
+    lines.append(f"  ({spec.mfu_anchor}; see docs/planner.md)")
     lines += [f"problem: {p}" for p in result.problems]
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from megatron_ppo.config.fields import (
     choice,
     ranged,
 )
+from megatron_ppo.config.gpus import GPU_SPECS
 
 BETA = Range(lambda v: 0 <= v < 1, "in [0, 1)")
 CLIP_GRAD = Range(lambda v: v >= 0, "≥ 0 (0 turns clipping off)")
@@ -388,8 +389,8 @@ class ClusterConfig:
     nodes: int = ranged(1, AT_LEAST_ONE)
     gpus_per_node: int = ranged(1, AT_LEAST_ONE)  # processes per node on CPU
     device: str = choice("cuda", ("cuda", "cpu"))
-    gpu_type: str = "h100-80gb"
-    gpu_memory_gib: float = ranged(80.0, POSITIVE)
+    gpu_type: str = choice("h100-80gb", tuple(GPU_SPECS))  # its peak, memory and assumed MFU: config/gpus.py
+    gpu_memory_gib: float | None = ranged(None, POSITIVE)  # None: the GPU type's memory; set it to plan for less
     partition: str | None = None
     account: str | None = None
     time_limit: str = "04:00:00"

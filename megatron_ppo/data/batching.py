@@ -24,14 +24,37 @@ def fixed_micro_batches(lengths: Sequence[int], micro_batch_size: int) -> list[l
     return [list(range(start, min(start + micro_batch_size, n))) for start in range(0, n, micro_batch_size)]
 
 
-def dynamic_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+def dynamic_micro_batches(lengths: Sequence[int], max_tokens: int, count: int | None = None) -> list[list[int]]:
     """Token-budget micro-batches: every micro-batch's padded size is ≤ `max_tokens`.
 
     Next-fit decreasing: indices sorted by length, longest first (ties by index), are taken in turn into the open
     micro-batch while (rows + 1) × its first (longest) length fits, else a new one is opened. Rows of similar length
     so share a micro-batch, which keeps padding low on skewed length distributions. Deterministic; every index
     appears exactly once; micro-batches come longest first, each in that sorted order.
+
+    With `count` (at least the packing's own number): exactly `count` micro-batches, made by halving the one of
+    largest padded size (of those with two rows or more; the first on a tie) until there are that many — each half
+    stays within the budget. Pipeline schedules and expert all-to-alls need a given count (`train/batch.py`).
     """
+    micro_batches = _packed(lengths, max_tokens)
+    if count is None:
+        return micro_batches
+    if not len(micro_batches) <= count <= len(lengths):
+        raise ValueError(
+            f"cannot cut {len(lengths)} rows into {count} micro-batches within max_tokens={max_tokens} (the budget "
+            f"packs them into {len(micro_batches)}); the count is the largest on any data-parallel rank, a multiple "
+            "of PP with virtual stages: give each rank more rows (ppo_mini_batch_size) or use fewer pipeline stages"
+        )
+    while len(micro_batches) < count:
+        padded = [len(mb) * lengths[mb[0]] if len(mb) > 1 else -1 for mb in micro_batches]
+        widest = padded.index(max(padded))
+        half = len(micro_batches[widest]) // 2
+        micro_batches[widest : widest + 1] = [micro_batches[widest][:half], micro_batches[widest][half:]]
+    return micro_batches
+
+
+def _packed(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """The next-fit decreasing packing of `dynamic_micro_batches`."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be ≥ 1, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))

@@ -47,6 +47,21 @@ def data_parallel_share(num_items: int) -> list[int]:
     )
 
 
+def dynamic_micro_batch_count(own: int) -> int:
+    """The number of token-budget micro-batches every rank of this data-parallel group runs, given this rank's own
+    packing's `own`: the largest over the group (each MoE layer's token all-to-all is a collective across data-parallel
+    replicas, so they must run the same number of forward passes), rounded up to a multiple of PP under the
+    interleaved schedule with virtual stages (Megatron's `microbatch_group_size_per_vp_stage`, PP by default).
+    verl's `rearrange_micro_batches` does the same (`same_micro_num_in_dp`, `num_batches_divided_by`)."""
+    count = torch.tensor([own], device="cuda" if torch.cuda.is_available() else "cpu")
+    if parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    group = parallel_state.get_pipeline_model_parallel_world_size()
+    if (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+        return -(-int(count.item()) // group) * group
+    return int(count.item())
+
+
 def gather_data_parallel(obj: Any, with_context_parallel: bool = False) -> list[Any]:
     """Every data-parallel rank's `obj`, in data-parallel rank order (with `with_context_parallel`, every rank of
     the DP×CP group: each CP rank holds part of every sequence)."""

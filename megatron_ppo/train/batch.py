@@ -23,7 +23,7 @@ from megatron_ppo.data.batching import (
     group_rows,
 )
 from megatron_ppo.data.rows import Row
-from megatron_ppo.parallel.collectives import data_parallel_share
+from megatron_ppo.parallel.collectives import data_parallel_share, dynamic_micro_batch_count
 
 
 class Batch(TypedDict):
@@ -121,12 +121,13 @@ def replica_micro_batches[AnyBatch: dict](
     batch: AnyBatch, micro_batch_size: int | None, max_tokens: int | None = None
 ) -> tuple[list[int], list[list[int]], list[AnyBatch]]:
     """This data-parallel replica's rows of `batch` cut into micro-batches: fixed-size ones, or token-budget ones
-    when `max_tokens` is given. Returns (the replica's row indices, the groups as positions in them, the
-    micro-batches)."""
+    when `max_tokens` is given, as many on every replica (`collectives.dynamic_micro_batch_count`). Returns (the
+    replica's row indices, the groups as positions in them, the micro-batches)."""
     share = data_parallel_share(batch["input_ids"].shape[0])
     lengths = batch["lengths"][share].tolist()
     if max_tokens is not None:
-        groups = dynamic_micro_batches(lengths, max_tokens)
+        own = len(dynamic_micro_batches(lengths, max_tokens))
+        groups = dynamic_micro_batches(lengths, max_tokens, count=dynamic_micro_batch_count(own))
     else:
         groups = fixed_micro_batches(lengths, micro_batch_size)
     return share, groups, [select(batch, [share[i] for i in group]) for group in groups]

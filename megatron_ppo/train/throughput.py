@@ -6,8 +6,7 @@
 
 FLOPs come from `megatron_ppo.plan.iteration_flops` (the same function the planner's step-time estimate uses),
 over the batch's real tokens: Σ row lengths, with attention by Σ (row length)². The peak is the dense bf16
-tensor-core peak of `cluster.gpu_type` (`plan.PEAK_TFLOPS`); for a GPU type without a known peak only
-`perf/tflops_per_gpu` is reported.
+tensor-core peak of `cluster.gpu_type` (`config/gpus.py`).
 
 The trainer calls, once per iteration, after timing its phases on the host:
 
@@ -26,10 +25,11 @@ from contextlib import contextmanager
 
 import torch
 
+from megatron_ppo.config.gpus import gpu_spec
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.config.validate import world_size
 from megatron_ppo.parallel.device import on_cuda
-from megatron_ppo.plan import PEAK_TFLOPS, flop_parameter_count, iteration_flops
+from megatron_ppo.plan import flop_parameter_count, iteration_flops
 
 PHASES = ("experience", "update_actor", "update_critic")
 
@@ -46,12 +46,11 @@ def throughput_metrics(
     gpus = world_size(config)
     ran = {phase: flops[phase] for phase in PHASES if phase in flops and phase in timings}
     out = {"perf/tflops_per_gpu": sum(ran.values()) / (timings["iteration"] * gpus) / 1e12}
-    peak = PEAK_TFLOPS.get(config.cluster.gpu_type)
-    if peak is not None:
-        for role in ("actor", "critic"):
-            phase = f"update_{role}"
-            if phase in ran and timings[phase] > 0:
-                out[f"perf/mfu/{role}"] = ran[phase] / (timings[phase] * gpus * peak * 1e12)
+    peak = gpu_spec(config.cluster.gpu_type).peak_bf16_tflops
+    for role in ("actor", "critic"):
+        phase = f"update_{role}"
+        if phase in ran and timings[phase] > 0:
+            out[f"perf/mfu/{role}"] = ran[phase] / (timings[phase] * gpus * peak * 1e12)
     return out
 
 

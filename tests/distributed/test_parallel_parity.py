@@ -1,6 +1,7 @@
 """Actor and critic under TP, PP, TP×PP, PP with virtual stages, and DP, against the same weights at TP=1 PP=1,
 through the trainer's own experience and update path (`forward_passes`, `update_role`, `actor_loss`,
-`critic_loss`)."""
+`critic_loss`); and with token-budget micro-batches (use_dynamic_bsz) under virtual stages and DP, where each
+replica's own packing gives an odd count that the interleaved schedule refuses unless it is evened out."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ LAYOUTS = {
     "pp2-vpp2": (2, MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
     "dp2-distopt": (2, MegatronConfig(use_distributed_optimizer=True)),
     "tp2-pp2": (4, MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+    "pp2-vpp2-dp2-dynamic": (4, MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
 }
+# Token budgets (use_dynamic_bsz): the replicas' rows (6–12 tokens) pack into 3 and 4 micro-batches of ≤ 18 tokens;
+# both replicas must run 4 (the largest count, a multiple of PP under virtual stages: 3 is refused by Megatron).
+MAX_TOKENS = {"pp2-vpp2-dp2-dynamic": 18}
 
 
 # The layouts the floor leg (`make test-floor`, the oldest megatron-core admitted) also runs.
@@ -47,7 +52,8 @@ def parity(request, tmp_path_factory) -> dict:
     names = _selected_layouts(request)
     workdir = tmp_path_factory.mktemp("parity")
     run_distributed(workers.reference, 1, str(workdir))
-    reports = {name: run_distributed(workers.parallel_layout, LAYOUTS[name][0], str(workdir), name, LAYOUTS[name][1])
+    reports = {name: run_distributed(workers.parallel_layout, LAYOUTS[name][0], str(workdir), name, LAYOUTS[name][1],
+                                     workers.MODEL, MAX_TOKENS.get(name))
                for name in names}  # fmt: skip
     weights = run_distributed(workers.compare_updated_weights, 1, str(workdir), names)[0]
     return {"reports": reports, "weights": weights, "workdir": Path(workdir)}

@@ -140,7 +140,8 @@ def _experience_and_update(config: PPOConfig, actor, ref, critic) -> dict[str, A
         role_config = getattr(config, role)
         update = update_role(
             role, model, optimizer, build_scheduler(optimizer, OPTIM, total_steps=1), exp, epochs=1,
-            mini_batch_size=ROWS, micro_batch_size=role_config.ppo_micro_batch_size_per_gpu, max_tokens=None,
+            mini_batch_size=ROWS, micro_batch_size=role_config.ppo_micro_batch_size_per_gpu,
+            max_tokens=role_config.ppo_max_token_len_per_gpu if role_config.use_dynamic_bsz else None,
             clip_grad=OPTIM.clip_grad, make_loss=make_loss,
         )  # fmt: skip
         out[f"{role}_metrics"] = update.metrics
@@ -164,10 +165,17 @@ def reference(rank: int, world_size: int, workdir: str, model: ModelConfig = MOD
 
 
 def parallel_layout(
-    rank: int, world_size: int, workdir: str, name: str, layout: MegatronConfig, model: ModelConfig = MODEL
+    rank: int,
+    world_size: int,
+    workdir: str,
+    name: str,
+    layout: MegatronConfig,
+    model: ModelConfig = MODEL,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Load the reference weights into `layout`, repeat experience and update; report differences from the
-    reference (every rank holds the experience and the metrics)."""
+    """Load the reference weights into `layout`, repeat experience and update (in token-budget micro-batches of
+    `max_tokens` when given); report differences from the reference (every rank holds the experience and the
+    metrics)."""
     workdir = Path(workdir)
     init_distributed(layout, seed=SEED + 1)  # a different seed: every weight must come from the checkpoint
     actor, critic = _build(layout, model)
@@ -177,7 +185,11 @@ def parallel_layout(
     load(critic, workdir / "initial" / "critic")
     frozen_before = weights(ref)
     expected = torch.load(workdir / "reference.pt")
-    ours = _experience_and_update(ppo_config(layout, model), actor, ref, critic)
+    config = ppo_config(layout, model)
+    if max_tokens is not None:
+        for role in (config.actor, config.critic):
+            role.use_dynamic_bsz, role.ppo_max_token_len_per_gpu = True, max_tokens
+    ours = _experience_and_update(config, actor, ref, critic)
     report: dict[str, Any] = {
         "actor_grad_norm": (ours["actor_grad_norm"], expected["actor_grad_norm"]),
         "critic_grad_norm": (ours["critic_grad_norm"], expected["critic_grad_norm"]),

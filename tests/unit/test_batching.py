@@ -159,3 +159,22 @@ def test_grpo_sampling_refuses_singleton_data_and_a_batch_that_would_split_group
     batch = sampler.next_batch(6)
     assert len(batch) == 6 and {i // 3 for i in batch[:3]} != {i // 3 for i in batch[3:]}
     assert all(len({i // 3 for i in batch[k : k + 3]}) == 1 for k in (0, 3)), f"groups split: {batch}"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_dynamic_micro_batches_cut_to_a_given_count_stay_in_budget(seed: int) -> None:
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 300) for _ in range(rng.randint(8, 60))]
+    packed = dynamic_micro_batches(lengths, 1024)
+    for count in sorted({len(packed), len(packed) + 1, -(-len(packed) // 4) * 4, len(lengths)}):
+        micro_batches = dynamic_micro_batches(lengths, 1024, count=count)
+        assert len(micro_batches) == count and all(micro_batches)
+        assert all(len(mb) * max(lengths[i] for i in mb) <= 1024 for mb in micro_batches)
+        assert sorted(i for mb in micro_batches for i in mb) == list(range(len(lengths)))
+
+
+def test_a_count_beyond_the_rows_or_below_the_packing_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"cannot cut 3 rows into 4 micro-batches"):
+        dynamic_micro_batches([10, 20, 30], 100, count=4)
+    with pytest.raises(ValueError, match=r"cannot cut 3 rows into 1 micro-batches .*packs them into 2"):
+        dynamic_micro_batches([10, 20, 30], 40, count=1)

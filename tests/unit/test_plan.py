@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ppo.config import load_config
+from megatron_ppo.config.gpus import GPU_SPECS
 from megatron_ppo.plan import (
-    ALL_TO_ALL_GBPS,
     active_parameter_count,
     expert_parameter_count,
     parameter_count,
@@ -209,7 +209,7 @@ def test_the_all_to_all_is_in_the_step_time_and_crosses_nodes_slower() -> None:
     m, d = config.model, config.data
     tokens = d.train_batch_size * (d.max_prompt_length + d.max_response_length)
     expected_gb = 27 * tokens * m.num_layers / 8 * m.num_experts_per_tok * 2 * m.hidden_size * 2 * 7 / 8 / 1e9
-    within, across = ALL_TO_ALL_GBPS["h100-80gb"]
+    within, across = GPU_SPECS["h100-80gb"].all_to_all_gb_s
     ep8 = plan(config)
     assert ep8.all_to_all_gb_per_gpu == pytest.approx(expected_gb)
     assert ep8.all_to_all_s == pytest.approx(expected_gb / within)

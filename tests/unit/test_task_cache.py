@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from megatron_ppo.config.compose import load_config
-from megatron_ppo.tasks.addition.recipe import task_directory
+from megatron_ppo.config.schema import ModelConfig
+from megatron_ppo.tasks.addition.recipe import NOT_IN_FINGERPRINT, task_directory
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
 
@@ -24,3 +26,30 @@ def test_same_task_same_cache_other_task_its_own(tmp_path: Path) -> None:
               directory("model.hidden_size=64", "model.num_attention_heads=2")}  # fmt: skip
     assert first not in others and len(others) == 3
     assert json.loads((directory("trainer.seed=2") / "task.json").read_text())["trainer.seed"] == 2
+
+
+def _changed(value: object, choices: tuple | None) -> object:
+    """Another value of a model key's type (not necessarily a valid one: the cache key does not validate)."""
+    if choices:
+        return next(c for c in choices if c != value)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value * 2 + 1
+    return 7 if value is None else f"{value}-other"
+
+
+def test_every_model_key_outside_the_exclusions_changes_the_cache(tmp_path: Path) -> None:
+    config = load_config(TINY, [f"data.addition.work_dir={tmp_path}"])
+    first = task_directory(config)
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    assert set(NOT_IN_FINGERPRINT) <= set(fields), "an exclusion names no model key"
+    for name, field in fields.items():
+        value = _changed(getattr(config.model, name), field.metadata.get("choices"))
+        other = task_directory(dataclasses.replace(config, model=dataclasses.replace(config.model, **{name: value})))
+        if name in NOT_IN_FINGERPRINT:
+            assert other == first, f"model.{name} is excluded ({NOT_IN_FINGERPRINT[name]}) but changed the cache"
+        else:
+            assert other != first, (
+                f"model.{name}={value!r} reused the cache of model.{name}={getattr(config.model, name)!r}"
+            )

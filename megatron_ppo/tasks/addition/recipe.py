@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from megatron_ppo import checkpoint
-from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.config.schema import ModelConfig, PPOConfig
 from megatron_ppo.data.rows import Row, read_rows
 from megatron_ppo.data.tokenizer import SentencePieceTokenizer, train_char_tokenizer
 from megatron_ppo.models import RoleModel, build_role_model
@@ -35,16 +35,24 @@ from megatron_ppo.train.ppo import PPOTrainer
 MAX_NEW_TOKENS = 4  # three digits and the end marker
 
 
-# Model keys that shape the SFT policy (the others — checkpoints, dtypes, kernels — do not change what is cached).
-SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-              "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization", "activation",
-              "add_bias_linear", "untie_embeddings_and_output_weights")  # fmt: skip
+# Model keys that cannot change the cached tokenizer, SFT policy or dataset; every other model key is in the
+# fingerprint (derived from the schema, so a new key is covered unless it is added here with its reason).
+NOT_IN_FINGERPRINT = {
+    "name": "a label",
+    "hf_checkpoint": "the task makes its own initial policy (SFT)",
+    "init_checkpoint": "the task makes its own initial policy (SFT) and sets this to it for PPO",
+    "allow_random_init": "the task makes its own initial policy (SFT)",
+    "tokenizer": "the task trains its own character tokenizer",
+    "logprob_chunk_tokens": "how many tokens a log-prob chunk holds: memory, not the numbers",
+    "moe_token_dispatcher": "how tokens reach the experts: communication, not the numbers",
+}
+MODEL_KEYS_IN_FINGERPRINT = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in NOT_IN_FINGERPRINT)
 
 
 def task_fingerprint(config: PPOConfig) -> dict[str, object]:
     """What the cached tokenizer, SFT policy and dataset depend on, as flat `key: value` pairs."""
     task = {f"data.addition.{k}": v for k, v in dataclasses.asdict(config.data.addition).items() if k != "work_dir"}
-    model = {f"model.{k}": getattr(config.model, k) for k in SHAPE_KEYS}
+    model = {f"model.{k}": getattr(config.model, k) for k in MODEL_KEYS_IN_FINGERPRINT}
     return {**task, **model, "data.seed": config.data.seed, "trainer.seed": config.trainer.seed}
 
 
