@@ -38,7 +38,18 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, res
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
     """fn(rank, world_size, *args) on `world_size` spawned processes (one thread each, a fresh port); returns the
-    results by rank, or raises with the first failing rank's traceback."""
+    results by rank, or raises with the first failing rank's traceback. A port taken by another process between
+    `free_port()` and the rendezvous (two suites on one machine) is tried again on another port, twice at most."""
+    for attempt in range(3):
+        try:
+            return _launch(fn, world_size, args, timeout_s)
+        except AssertionError as error:
+            if "EADDRINUSE" not in str(error) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch(fn: Callable, world_size: int, args: tuple, timeout_s: float) -> list[Any]:
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()

@@ -68,9 +68,11 @@ def test_megatron_to_hf_round_trip_gives_the_same_logits(converted) -> None:
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_converting_under_a_parallel_layout_gives_the_same_model(converted, layout: str) -> None:
-    for report in converted["ranks"]:  # verified at TP 1 PP 1: every rank holds the whole model
-        difference = report["converted"][layout]
-        assert difference < 1e-4, f"{converted['name']} converted at {layout}: logits differ by {difference:.2e}"
+    # verified at TP 1 PP 1 over the same two ranks (data parallel): the first data-parallel rank reports
+    differences = [r["converted"][layout] for r in converted["ranks"] if r["converted"][layout] is not None]
+    assert differences, "no rank reported the verification"
+    largest = max(differences)
+    assert largest < 1e-4, f"{converted['name']} converted at {layout}: logits differ by {largest:.2e}"
 
 
 def test_each_rank_reads_and_holds_only_its_share(converted) -> None:
