@@ -35,9 +35,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _compare_kl(args: argparse.Namespace) -> int:
+    from megatron_ppo.plot import PlotError
     from megatron_ppo.tasks import addition
 
-    addition.compare_kl(load_config(args.recipe, args.overrides))
+    try:
+        addition.compare_kl(load_config(args.recipe, args.overrides), plot=args.plot)
+    except PlotError as problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -133,7 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _recipe_command(commands, "validate", "compose, validate and print a recipe's resolved config", _validate)
     _recipe_command(commands, "train", "run a recipe (under torchrun for several processes)", _train)
-    _recipe_command(commands, "compare-kl", "the tiny recipe with KL off, fixed, adaptive and staged", _compare_kl)
+    comparer = _recipe_command(commands, "compare-kl", "the tiny recipe with KL off, fixed, adaptive and staged",
+                               _compare_kl)  # fmt: skip
+    comparer.add_argument("--plot", nargs="?", const="", metavar="FILE", help="also draw the four runs on one figure "
+                          "(default: compare-kl.png in the comparison's directory)")  # fmt: skip
     planner = _recipe_command(commands, "plan", "layout check, per-GPU memory and step-time estimate", _plan)
     planner.add_argument("--nodes", type=int, help="plan for this many nodes instead of cluster.nodes")
     planner.add_argument("--json", action="store_true", help="machine-readable output")

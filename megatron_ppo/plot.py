@@ -138,7 +138,8 @@ def read_runs(folders: Sequence[str | Path], names: Sequence[str] | None = None)
     return runs
 
 
-def _matplotlib() -> Any:
+def matplotlib_figure() -> Any:
+    """matplotlib's `Figure` class; `PlotError` naming the extra to install when matplotlib is missing."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -155,7 +156,7 @@ def kl_series(log: RunLog) -> list[str]:
 def figure(runs: Sequence[PlottedRun], marks: Sequence[tuple[int, str]] = (), title: str | None = None) -> Any:
     """The figure of `runs` (a matplotlib `Figure`, no pyplot state); `marks`: (step, label) drawn in the event row
     `injected`."""
-    figure_class = _matplotlib()
+    figure_class = matplotlib_figure()
     fig = figure_class(figsize=(11, 10), layout="constrained")
     kl_axis, reward_axis, grad_axis, event_axis = fig.subplots(4, 1, sharex=True, height_ratios=[3, 2, 2, 1.4])
     beta_axis = kl_axis.twinx()
@@ -318,7 +319,7 @@ def plot_runs(folders: Sequence[str | Path], path: str | Path | None = None, *, 
     """Draw the runs of `folders` (see `read_runs`) into `path` (default: `default_path`); returns the path."""
     if path is not None and Path(path).suffix not in FORMATS:
         raise PlotError(f"--plot {path}: the figure is written as {', '.join(FORMATS)}; name a file ending so")
-    _matplotlib()  # before any reading: a missing extra is named at once
+    matplotlib_figure()  # before any reading: a missing extra is named at once
     runs = read_runs(folders, names)
     path = Path(path) if path is not None else default_path(runs)
     path.parent.mkdir(parents=True, exist_ok=True)
