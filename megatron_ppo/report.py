@@ -7,7 +7,8 @@ works on a run still in progress, on a finished one, or on one copied off the cl
     python -m megatron_ppo report outputs/tiny/tensorboard/20261201-004445-3fa9c1
 
 Each run writes into its own folder `<trainer.log_dir>/<run id>/`. Given `trainer.log_dir`, the report reads the run
-written most recently and names it and the others; given a run's folder, it reads that run.
+written most recently and names it and the others; given a run's folder, it reads that run. `report ... --plot`
+draws runs instead (`plot.py`), from what `load_run` reads here.
 """
 
 from __future__ import annotations
