@@ -8,7 +8,8 @@ Four panels, top to bottom:
   step was held to (dashed, as steps) with the band where its controller has one, the stage boundaries and names,
   and β of each KL term on the right-hand axis;
 - reward: the training batch's `reward/mean` and every held-out `eval/*` at each evaluation;
-- gradient norms: `actor/grad_norm` and `critic/grad_norm` (before clipping) with `guards.grad_norm_threshold`;
+- gradient norms before clipping: each role's largest of the iteration (`actor/grad_norm_max`, what the guard
+  judges) and mean (`actor/grad_norm`), with `guards.grad_norm_threshold`;
 - events: every guard event as a marker named by its guard (a rollback with an arrow back to the step the run went
   on from), checkpoints as ticks, and marks given by the caller (the drill's injected faults).
 
@@ -36,7 +37,9 @@ PLOT_EXTRA = "pip install 'megatron-ppo[plot]'"
 FORMATS = (".png", ".pdf", ".svg")
 ITERATION_METRIC = "reward/mean"  # written once by every iteration
 TRAIN_REWARD = "reward/mean"
-GRAD_NORMS = tuple(f"{role}/grad_norm" for role in ROLE_LOSSES)  # measured before clipping; what the guards watch
+# per role, before clipping: the largest of the iteration's optimizer steps (what the grad-norm guard judges) and
+# their mean (verl's `actor/grad_norm`)
+GRAD_NORMS = {role: (f"{role}/grad_norm_max", f"{role}/grad_norm") for role in ROLE_LOSSES}
 CHECKPOINT_EVENT = "checkpoint"
 GUARD_PREFIX = "guard/"
 ROLLBACK = "guard/rollback"
@@ -191,11 +194,12 @@ def figure(runs: Sequence[PlottedRun], marks: Sequence[tuple[int, str]] = (), ti
             points = log.scalars(tag)
             line(reward_axis, run, tag, list(points), list(points.values()), colour,
                  {"marker": "osD^v"[index % 5], "linestyle": "--", "linewidth": 0.9}, f"{tag} (held out)")  # fmt: skip
-        for tag, linestyle in zip(GRAD_NORMS, ("-", "--"), strict=True):
-            points = log.scalars(tag)
-            if points:
-                line(grad_axis, run, tag, list(points), list(points.values()), colour,
-                     {"linestyle": linestyle, "linewidth": 1.2}, tag)  # fmt: skip
+        for (largest, mean), linestyle in zip(GRAD_NORMS.values(), ("-", "--"), strict=True):
+            for tag, style in ((largest, {"linewidth": 1.3}), (mean, {"linewidth": 0.8, "alpha": 0.45})):
+                points = log.scalars(tag)
+                if points:
+                    line(grad_axis, run, tag, list(points), list(points.values()), colour,
+                         {"linestyle": linestyle, **style}, tag)  # fmt: skip
     rows = _draw_events(event_axis, runs, colours, marks)
     kl_axis.set_ylabel("KL per token (nats)")
     beta_axis.set_ylabel("β (KL coefficient)")

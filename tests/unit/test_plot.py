@@ -55,7 +55,8 @@ def _log_run(log_dir: Path, run_id: str, overrides: list[str]) -> dict[str, dict
         number = step + 1
         metrics = {"reward/mean": 0.3 + 0.01 * number, "kl/mean": 0.05 * number % 0.7, "kl/std": 0.01,
                    "kl/post_update_mean": 0.04 * number % 0.6, "actor/grad_norm": 3.0 + number,
-                   "critic/grad_norm": 30.0 / number}  # fmt: skip
+                   "actor/grad_norm_max": 4.0 + number, "critic/grad_norm": 30.0 / number,
+                   "critic/grad_norm_max": 40.0 / number}  # fmt: skip
         step = number
         metrics |= kl.step(metrics["kl/mean"], 512)
         logged.setdefault("applied/grad_norm_threshold", {})[number] = guards.thresholds(
@@ -111,7 +112,7 @@ def test_every_series_is_drawn_as_logged(staged) -> None:
     log_dir, logged = staged
     fig = figure(read_runs([log_dir]))
     for tag in ("kl/mean", "kl/post_update_mean", "kl/coef", "reward/mean", "eval/reward_mean", "eval/accuracy",
-                "actor/grad_norm", "critic/grad_norm"):  # fmt: skip
+                "actor/grad_norm", "actor/grad_norm_max", "critic/grad_norm", "critic/grad_norm_max"):  # fmt: skip
         assert _line(fig, f"{RUN}|{tag}") == pytest.approx(logged[tag], rel=1e-6), tag
     drawn = {line.get_gid() for axis in fig.axes for line in axis.lines}
     assert not drawn & {f"{RUN}|kl/std", f"{RUN}|kl/stage", f"{RUN}|kl/target"}, "not per-token KL series"
