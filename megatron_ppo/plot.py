@@ -192,8 +192,11 @@ def figure(runs: Sequence[PlottedRun], marks: Sequence[tuple[int, str]] = (), ti
                  {"linewidth": 1.0, "alpha": 0.7}, f"{TRAIN_REWARD} (training batch)")  # fmt: skip
         for index, tag in enumerate(sorted(t for t in log.writes if t.startswith("eval/"))):
             points = log.scalars(tag)
+            marker = {"marker": "osD^v"[index % 5], "markersize": 6 + 2 * min(index, 1)}
+            if index:  # hollow and larger, so that equal values (accuracy = reward on a 0/1 task) both show
+                marker |= {"markerfacecolor": "none", "markeredgewidth": 1.3}
             line(reward_axis, run, tag, list(points), list(points.values()), colour,
-                 {"marker": "osD^v"[index % 5], "linestyle": "--", "linewidth": 0.9}, f"{tag} (held out)")  # fmt: skip
+                 {**marker, "linestyle": "--", "linewidth": 0.9}, f"{tag} (held out)")  # fmt: skip
         for (largest, mean), linestyle in zip(GRAD_NORMS.values(), ("-", "--"), strict=True):
             for tag, style in ((largest, {"linewidth": 1.3}), (mean, {"linewidth": 0.8, "alpha": 0.45})):
                 points = log.scalars(tag)
@@ -210,6 +213,8 @@ def figure(runs: Sequence[PlottedRun], marks: Sequence[tuple[int, str]] = (), ti
     event_axis.set_yticks(range(len(rows)), rows)
     event_axis.set_ylim(-0.6, len(rows) - 0.1)
     event_axis.set_xlabel("step")
+    event_axis.legend(handles=[_proxy({"linestyle": "none", "marker": "|", "markersize": 10}, "checkpoint saved")],
+                      loc="upper left", fontsize=7)  # fmt: skip
     for axis in (kl_axis, reward_axis, grad_axis, event_axis):
         axis.grid(alpha=0.25)
     for axis in (kl_axis, reward_axis, grad_axis):
