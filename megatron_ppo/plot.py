@@ -236,13 +236,16 @@ def figure(runs: Sequence[PlottedRun], marks: Sequence[tuple[int, str]] = (), ti
 
 def _draw_schedule(kl_axis: Any, grad_axis: Any, run: PlottedRun, colour: str, line: Any, name_stages: bool) -> None:
     schedule = run.schedule
+    banded = False
     for first, last, (low, high) in _runs_of_equal(schedule.steps, schedule.band):
         if math.isfinite(low):  # a step's band covers [n − ½, n + ½], as the steps-mid lines do
             kl_axis.fill_between([first - 0.5, last + 0.5], low, high, color=colour, alpha=0.12, linewidth=0,
                                  gid=f"{run.name}|band")  # fmt: skip
+            banded = True
     if any(math.isfinite(v) for v in schedule.target_kl):
+        label = "target (its band shaded)" if banded else "target"
         line(kl_axis, run, "target", schedule.steps, schedule.target_kl, colour,
-             {"linestyle": "--", "linewidth": 1.6, "drawstyle": "steps-mid"}, "target (band shaded)")  # fmt: skip
+             {"linestyle": "--", "linewidth": 1.6, "drawstyle": "steps-mid"}, label)  # fmt: skip
     if any(math.isfinite(v) for v in schedule.grad_norm_threshold):
         line(grad_axis, run, "grad_norm_threshold", schedule.steps, schedule.grad_norm_threshold, colour,
              {"linestyle": (0, (6, 2, 1, 2)), "linewidth": 1.4, "drawstyle": "steps-mid"},
@@ -332,5 +335,5 @@ def plot_runs(folders: Sequence[str | Path], path: str | Path | None = None, *, 
     runs = read_runs(folders, names)
     path = Path(path) if path is not None else default_path(runs)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure(runs, marks, title).savefig(path, dpi=90)
+    figure(runs, marks, title).savefig(path, dpi=80)
     return path
