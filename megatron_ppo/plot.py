@@ -35,8 +35,7 @@ from megatron_ppo.train.kl_coefficients import COEF_METRICS, STAGE_METRIC, TARGE
 
 PLOT_EXTRA = "pip install 'megatron-ppo[plot]'"
 FORMATS = (".png", ".pdf", ".svg")
-ITERATION_METRIC = "reward/mean"  # written once by every iteration
-TRAIN_REWARD = "reward/mean"
+TRAIN_REWARD = "reward/mean"  # the training batch's reward: written once by every iteration
 # per role, before clipping: the largest of the iteration's optimizer steps (what the grad-norm guard judges) and
 # their mean (verl's `actor/grad_norm`)
 GRAD_NORMS = {role: (f"{role}/grad_norm_max", f"{role}/grad_norm") for role in ROLE_LOSSES}
@@ -72,11 +71,12 @@ class PlottedRun:
     schedule: Schedule | None  # None: the run left no run.json
 
 
-def schedule_of(identity: RunIdentity) -> Schedule:
-    """The run's targets, bands, stages and grad-norm thresholds per logged step (see `Schedule`). With two KL terms
-    the one logged last as `kl/target` (reward after loss) gives the target, as in the log."""
+def schedule_of(identity: RunIdentity) -> Schedule | None:
+    """The run's targets, bands, stages and grad-norm thresholds per logged step (see `Schedule`); None when the
+    identity holds no planned steps (a checkpoint's copy). With two KL terms the one logged last as `kl/target`
+    (reward after loss) gives the target, as in the log."""
     if identity.total_steps is None:
-        raise ValueError(f"run {identity.run_id}'s run.json holds no total_steps")
+        return None
     config = unflatten_config(identity.config)
     total = identity.total_steps
     steps = list(range(1, total + 1))
@@ -115,9 +115,9 @@ def _stage_band(kind: str, target_kl: float | None, band: tuple[float, float] | 
 def rollbacks(log: RunLog) -> list[tuple[int, int]]:
     """(step it fired at, step the run went on from) of each rollback done. The trainer writes the `guard/rollback`
     scalar only when it restored a checkpoint; the run then goes on from the checkpoint's step s, so the lowest step
-    an iteration logs before the next rollback is s + 1 (the iteration that fired logs at its own, higher, number)."""
+    an iteration logs before the next rollback is s + 1 (the iteration that fired logs at its own number, ≥ s + 1)."""
     done = log.writes.get(ROLLBACK, [])
-    iterations = log.writes.get(ITERATION_METRIC, [])
+    iterations = log.writes.get(TRAIN_REWARD, [])
     out = []
     for index, (wall_time, fired, _) in enumerate(done):
         until = done[index + 1][0] if index + 1 < len(done) else math.inf
@@ -136,7 +136,7 @@ def read_runs(folders: Sequence[str | Path], names: Sequence[str] | None = None)
     for index, folder in enumerate(folders):
         log = load_run(folder)
         identity = RunIdentity.read(log.folder)
-        schedule = schedule_of(identity) if identity is not None and identity.total_steps is not None else None
+        schedule = schedule_of(identity) if identity is not None else None
         runs.append(PlottedRun(log.folder.name if names is None else names[index], log, schedule))
     return runs
 
