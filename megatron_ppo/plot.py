@@ -10,8 +10,9 @@ Four panels, top to bottom:
 - reward: the training batch's `reward/mean` and every held-out `eval/*` at each evaluation;
 - gradient norms before clipping: each role's largest of the iteration (`actor/grad_norm_max`, what the guard
   judges) and mean (`actor/grad_norm`), with `guards.grad_norm_threshold`;
-- events: every guard event as a marker named by its guard (a rollback with an arrow back to the step the run went
-  on from), checkpoints as ticks, and marks given by the caller (the drill's injected faults).
+- events: a lane per run and guard that fired, named by the guard, with a marker at each step it fired (a rollback
+  with an arrow back to the step the run went on from), a lane of checkpoint ticks per run, and marks given by the
+  caller (the drill's injected faults).
 
 The targets, bands, stages and thresholds are what the run's own config says through the KL schedule code: the
 trainer writes `run.json` (its resolved config and planned steps, `run_identity.py`) beside its event files, and
@@ -22,6 +23,7 @@ Every drawn artist carries a gid `<run>|<what>` (`run|kl/mean`, `run|target`, `r
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,8 +162,11 @@ def figure(runs: Sequence[PlottedRun], marks: Sequence[tuple[int, str]] = (), ti
     """The figure of `runs` (a matplotlib `Figure`, no pyplot state); `marks`: (step, label) drawn in the event row
     `injected`."""
     figure_class = matplotlib_figure()
-    fig = figure_class(figsize=(11, 10), layout="constrained")
-    kl_axis, reward_axis, grad_axis, event_axis = fig.subplots(4, 1, sharex=True, height_ratios=[3, 2, 2, 1.4])
+    lanes = event_lanes(runs, marks)
+    fig = figure_class(figsize=(11, 8.6 + 0.22 * len(lanes)), layout="constrained")
+    kl_axis, reward_axis, grad_axis, event_axis = fig.subplots(
+        4, 1, sharex=True, height_ratios=[3, 2, 2, 0.4 + 0.22 * len(lanes)]
+    )
     beta_axis = kl_axis.twinx()
     colours = [f"C{i % 10}" for i in range(len(runs))]
     styles: dict[Any, dict[str, dict[str, Any]]] = {kl_axis: {}, beta_axis: {}, reward_axis: {}, grad_axis: {}}
@@ -203,18 +208,16 @@ def figure(runs: Sequence[PlottedRun], marks: Sequence[tuple[int, str]] = (), ti
                 if points:
                     line(grad_axis, run, tag, list(points), list(points.values()), colour,
                          {"linestyle": linestyle, **style}, tag)  # fmt: skip
-    rows = _draw_events(event_axis, runs, colours, marks)
+    rows = _draw_events(event_axis, runs, colours, marks, lanes)
     kl_axis.set_ylabel("KL per token (nats)")
     beta_axis.set_ylabel("β (KL coefficient)")
     reward_axis.set_ylabel("reward / accuracy")
     grad_axis.set_ylabel("grad norm (before clipping)")
     if any(v > 0 for line_ in grad_axis.lines for v in line_.get_ydata() if math.isfinite(v)):
         grad_axis.set_yscale("log")
-    event_axis.set_yticks(range(len(rows)), rows)
-    event_axis.set_ylim(-0.6, len(rows) - 0.1)
+    event_axis.set_yticks(range(len(rows)), rows, fontsize=7)
+    event_axis.set_ylim(-0.7, len(rows) - 0.3)
     event_axis.set_xlabel("step")
-    event_axis.legend(handles=[_proxy({"linestyle": "none", "marker": "|", "markersize": 10}, "checkpoint saved")],
-                      loc="upper left", fontsize=7)  # fmt: skip
     for axis in (kl_axis, reward_axis, grad_axis, event_axis):
         axis.grid(alpha=0.25)
     for axis in (kl_axis, reward_axis, grad_axis):
@@ -269,49 +272,56 @@ def _runs_of_equal(steps: Sequence[int], values: Sequence[Any]) -> list[tuple[in
     return out
 
 
-def _draw_events(axis: Any, runs: Sequence[PlottedRun], colours: Sequence[str],
-                 marks: Sequence[tuple[int, str]]) -> list[str]:  # fmt: skip
-    """One row per run (and `injected` above them when there are marks); returns the row names, bottom up."""
-    rows = [run.name for run in runs]
-    markers = "ovs^D<>Ph*X"
-    kinds = sorted({e.tag for run in runs for e in run.log.events if e.tag.startswith(GUARD_PREFIX)})
-    for row, (run, colour) in enumerate(zip(runs, colours, strict=True)):
-        saved = [e.step for e in run.log.events if e.tag == CHECKPOINT_EVENT]
-        if saved:
-            axis.plot(saved, [row - 0.35] * len(saved), linestyle="none", marker="|", markersize=10, color="0.4",
-                      gid=f"{run.name}|{CHECKPOINT_EVENT}")  # fmt: skip
-        returns = rollbacks(run.log)
-        done = {fired for fired, _ in returns}
-        height: dict[int, int] = {}
-        placed: dict[str, tuple[list[int], list[float]]] = {}
-        for event in run.log.events:
-            if event.tag.startswith(GUARD_PREFIX):
-                level = height[event.step] = height.get(event.step, -1) + 1
-                steps, ys = placed.setdefault(event.tag, ([], []))
-                steps.append(event.step)
-                ys.append(row + 0.17 * level)
-        for tag, (steps, ys) in placed.items():
-            axis.plot(steps, ys, linestyle="none", marker=markers[kinds.index(tag) % len(markers)], markersize=6,
-                      color=colour, markeredgecolor="black", markeredgewidth=0.5, gid=f"{run.name}|{tag}")  # fmt: skip
-            for step, y in zip(steps, ys, strict=True):
-                label = tag.removeprefix(GUARD_PREFIX)
-                if tag == ROLLBACK and step not in done:  # the trainer found nothing to return to, or no more tries
-                    label += " (not done)"
-                axis.annotate(label, (step, y), xytext=(4, 0), textcoords="offset points", fontsize=6.5,
-                              va="center")  # fmt: skip
+def event_lanes(runs: Sequence[PlottedRun], marks: Sequence[tuple[int, str]]) -> list[tuple[PlottedRun | None, str]]:
+    """The rows of the event panel, bottom up: per run its checkpoints, then each guard that fired (by name); the
+    caller's marks (run None) on top."""
+    lanes: list[tuple[PlottedRun | None, str]] = []
+    for run in runs:
+        tags = {e.tag for e in run.log.events if e.tag == CHECKPOINT_EVENT or e.tag.startswith(GUARD_PREFIX)}
+        lanes += [(run, tag) for tag in sorted(tags, key=lambda t: (t != CHECKPOINT_EVENT, t))]
+    return lanes + ([(None, "injected")] if marks else [])
+
+
+def _draw_events(axis: Any, runs: Sequence[PlottedRun], colours: Sequence[str], marks: Sequence[tuple[int, str]],
+                 lanes: list[tuple[PlottedRun | None, str]]) -> list[str]:  # fmt: skip
+    """A lane per (run, event kind): a marker at each step it was logged at (×n where a rerun after a rollback logged
+    it again), a rollback with an arrow back to the step the run went on from (hollow: not done); returns the lane
+    names."""
+    colour_of = {run.name: colour for run, colour in zip(runs, colours, strict=True)}
+    names = []
+    for lane, (run, tag) in enumerate(lanes):
+        name = tag.removeprefix(GUARD_PREFIX) if tag != CHECKPOINT_EVENT else "checkpoints"
+        names.append(name if len(runs) == 1 or run is None else f"{run.name} · {name}")
+        if run is None:
+            steps = [step for step, _ in marks]
+            axis.plot(steps, [lane] * len(steps), linestyle="none", marker="v", markersize=7, color="crimson",
+                      gid="injected")  # fmt: skip
+            for step, label in marks:
+                axis.annotate(label, (step, lane), xytext=(0, 6), textcoords="offset points", fontsize=6.5,
+                              ha="center", color="crimson")  # fmt: skip
+            continue
+        colour, times = colour_of[run.name], Counter(e.step for e in run.log.events if e.tag == tag)
+        steps = sorted(times)
+        for step in steps:
+            if times[step] > 1:
+                axis.annotate(f"×{times[step]}", (step, lane), xytext=(0, 5), textcoords="offset points", fontsize=6,
+                              ha="center")  # fmt: skip
+        if tag == CHECKPOINT_EVENT:
+            axis.plot(steps, [lane] * len(steps), linestyle="none", marker="|", markersize=11, markeredgewidth=1.5,
+                      color=colour, gid=f"{run.name}|{tag}")  # fmt: skip
+            continue
+        axis.plot(steps, [lane] * len(steps), linestyle="none", marker="o", markersize=5, color=colour,
+                  gid=f"{run.name}|{tag}")  # fmt: skip
+        returns = rollbacks(run.log) if tag == ROLLBACK else []
+        refused = [step for step in steps if tag == ROLLBACK and step not in {fired for fired, _ in returns}]
+        if refused:  # nothing to return to yet, or guards.max_rollbacks reached: drawn hollow
+            axis.plot(refused, [lane] * len(refused), linestyle="none", marker="o", markersize=5,
+                      markerfacecolor="white", markeredgecolor=colour, gid=f"{run.name}|rollback not done")  # fmt: skip
         for fired, returned in returns:
-            arrow = {"arrowstyle": "->", "color": colour, "connectionstyle": "arc3,rad=0.3"}
-            axis.annotate("", xy=(returned, row - 0.15), xytext=(fired, row - 0.15), gid=f"{run.name}|rollback",
+            arrow = {"arrowstyle": "->", "color": colour, "connectionstyle": "arc3,rad=-0.25"}
+            axis.annotate("", xy=(returned, lane), xytext=(fired, lane), gid=f"{run.name}|rollback",
                           arrowprops=arrow)  # fmt: skip
-    if marks:
-        rows.append("injected")
-        steps = [step for step, _ in marks]
-        axis.plot(steps, [len(runs)] * len(steps), linestyle="none", marker="v", markersize=7, color="crimson",
-                  gid="injected")  # fmt: skip
-        for step, label in marks:
-            axis.annotate(label, (step, len(runs)), xytext=(4, 0), textcoords="offset points", fontsize=6.5,
-                          va="center", color="crimson")  # fmt: skip
-    return rows
+    return names
 
 
 def _proxy(style: dict[str, Any], label: str) -> Any:

@@ -108,6 +108,11 @@ def _line(fig, gid: str):
     return {float(x): float(y) for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True)}
 
 
+def _event_axis(fig):
+    (axis,) = [axis for axis in fig.axes if axis.get_xlabel() == "step"]
+    return axis
+
+
 def test_every_series_is_drawn_as_logged(staged) -> None:
     log_dir, logged = staged
     fig = figure(read_runs([log_dir]))
@@ -143,12 +148,16 @@ def test_each_guard_event_and_checkpoint_is_drawn_at_its_step(staged) -> None:
     for tag in ("guard/grad_norm", "guard/kl_explosion", "guard/kl_bump", "guard/eval_drop", "guard/rollback",
                 "checkpoint"):  # fmt: skip
         (line,) = [line for axis in fig.axes for line in axis.lines if line.get_gid() == f"{RUN}|{tag}"]
-        expected = sorted(s for s, count in logged[f"event/{tag}"].items() for _ in range(int(count)))
-        assert sorted(line.get_xdata()) == expected, tag
+        assert list(line.get_xdata()) == sorted(logged[f"event/{tag}"]), tag
+        (lane,) = set(line.get_ydata())
+        lanes = _event_axis(fig).get_yticklabels()  # a lane per kind, named
+        assert lanes[int(lane)].get_text() == ("checkpoints" if tag == "checkpoint" else tag.removeprefix("guard/"))
     arrows = [text for axis in fig.axes for text in axis.texts if text.get_gid() == f"{RUN}|rollback"]
     assert sorted((a.xyann[0], a.xy[0]) for a in arrows) == [(13, 12), (16, 8)], "no arrow for the refused one"
-    labels = {text.get_text() for axis in fig.axes for text in axis.texts}
-    assert {"grad_norm", "kl_explosion", "eval_drop", "rollback", "early", "mid", "late"} <= labels
+    assert list(_line(fig, f"{RUN}|rollback not done")) == [3.0]
+    rerun = {t.get_text() for axis in fig.axes for t in axis.texts if getattr(t, "xy", (None,))[0] == 12}
+    assert "×2" in rerun, "step 12's checkpoint was saved again after the eval-drop rollback to step 8"
+    assert {"early", "mid", "late"} <= {text.get_text() for text in fig.axes[0].texts}
 
 
 def test_runs_overlay_each_named_and_the_cli_writes_the_file(staged, tmp_path: Path, capsys) -> None:
@@ -185,6 +194,7 @@ def test_marks_are_drawn_in_their_own_row(staged) -> None:
     fig = figure(read_runs([log_dir]), marks=[(3, "nan_gradient"), (12, "kl_blowup")])
     assert list(_line(fig, "injected")) == [3.0, 12.0]
     assert {"nan_gradient", "kl_blowup"} <= {text.get_text() for axis in fig.axes for text in axis.texts}
+    assert _event_axis(fig).get_yticklabels()[-1].get_text() == "injected"
 
 
 def test_missing_matplotlib_names_the_extra(staged, monkeypatch) -> None:
