@@ -12,7 +12,7 @@ Four panels, top to bottom:
   judges) and mean (`actor/grad_norm`), with `guards.grad_norm_threshold`;
 - events: a lane per run and guard that fired, named by the guard, with a marker at each step it fired (a rollback
   with an arrow back to the step the run went on from), a lane of checkpoint ticks per run, and marks given by the
-  caller (the drill's injected faults).
+  caller (the drill's injected faults). Values an iteration logged before a rollback abandoned it are crosses.
 
 The targets, bands, stages and thresholds are what the run's own config says through the KL schedule code: the
 trainer writes `run.json` (its resolved config and planned steps, `run_identity.py`) beside its event files, and
@@ -45,6 +45,7 @@ CHECKPOINT_EVENT = "checkpoint"
 GUARD_PREFIX = "guard/"
 ROLLBACK = "guard/rollback"
 NAN = float("nan")
+ABANDONED = {"linestyle": "none", "marker": "x", "markersize": 7, "markeredgewidth": 1.5}
 OTHER_KL_STYLES = ("-.", (0, (3, 1, 1, 1, 1, 1)), (0, (1, 1)))  # per-token KL series other than kl/mean
 
 
@@ -177,6 +178,13 @@ def figure(runs: Sequence[PlottedRun], marks: Sequence[tuple[int, str]] = (), ti
         axis.plot(steps, values, color=colour, gid=f"{run.name}|{what}", **style)
         styles[axis].setdefault(label, style)
 
+    def abandoned(axis: Any, run: PlottedRun, tag: str, colour: str) -> None:
+        """The values of iterations a rollback abandoned (their steps ran again), as crosses."""
+        points = run.log.superseded(tag)
+        if points:
+            line(axis, run, f"{tag} rolled back", [s for s, _ in points], [v for _, v in points], colour,
+                 ABANDONED, "iteration a rollback abandoned")  # fmt: skip
+
     for run, colour in zip(runs, colours, strict=True):
         log = run.log
         others = iter(OTHER_KL_STYLES)
@@ -184,6 +192,7 @@ def figure(runs: Sequence[PlottedRun], marks: Sequence[tuple[int, str]] = (), ti
             points = log.scalars(tag)
             style = {"linestyle": "-" if tag == "kl/mean" else next(others, "-."), "linewidth": 1.4}
             line(kl_axis, run, tag, list(points), list(points.values()), colour, style, tag)
+            abandoned(kl_axis, run, tag, colour)
         for tag in COEF_METRICS.values():
             points = log.scalars(tag)
             if points:
@@ -208,7 +217,9 @@ def figure(runs: Sequence[PlottedRun], marks: Sequence[tuple[int, str]] = (), ti
                 if points:
                     line(grad_axis, run, tag, list(points), list(points.values()), colour,
                          {"linestyle": linestyle, **style}, tag)  # fmt: skip
+            abandoned(grad_axis, run, largest, colour)
     rows = _draw_events(event_axis, runs, colours, marks, lanes)
+    _keep_in_view(kl_axis)
     kl_axis.set_ylabel("KL per token (nats)")
     beta_axis.set_ylabel("β (KL coefficient)")
     reward_axis.set_ylabel("reward / accuracy")
@@ -259,6 +270,26 @@ def _draw_schedule(kl_axis: Any, grad_axis: Any, run: PlottedRun, colour: str, l
         if name_stages:
             kl_axis.text((first + last) / 2, 1.0, name, transform=kl_axis.get_xaxis_transform(), ha="center",
                          va="bottom", fontsize=8, color="0.3")  # fmt: skip
+
+
+def _keep_in_view(axis: Any) -> None:
+    """Scale `axis` to its kept series and targets; a rolled-back value far above them (a KL blow-up) is drawn at
+    the top edge with its value written beside it, so that it neither flattens the rest nor goes unseen."""
+    crosses = [line_ for line_ in axis.lines if (line_.get_gid() or "").endswith(" rolled back")]
+    kept = [v for line_ in axis.lines if line_ not in crosses for v in line_.get_ydata() if math.isfinite(v)]
+    if not kept or not crosses:
+        return
+    low, high = min(0.0, min(kept)), 1.15 * max(kept)
+    if not any(v > high for line_ in crosses for v in line_.get_ydata()):
+        return
+    axis.set_ylim(low, high)
+    for line_ in crosses:
+        xs, ys = list(line_.get_xdata()), list(line_.get_ydata())
+        line_.set_ydata([min(y, 0.97 * high) for y in ys])
+        for x, y in zip(xs, ys, strict=True):
+            if y > high:
+                axis.annotate(f"{y:.3g}", (x, 0.97 * high), xytext=(5, -3), textcoords="offset points", fontsize=7,
+                              color=line_.get_color())  # fmt: skip
 
 
 def _runs_of_equal(steps: Sequence[int], values: Sequence[Any]) -> list[tuple[int, int, Any]]:

@@ -53,6 +53,13 @@ class RunLog:
         """step → value of `tag`, ascending steps, the last value written for a step winning; {} if never written."""
         return dict(sorted({step: value for _, step, value in self.writes.get(tag, [])}.items()))
 
+    def superseded(self, tag: str) -> list[tuple[int, float]]:
+        """(step, value) of each write of `tag` that a later write of the same step replaced: what an iteration
+        abandoned by a rollback logged before the run went back and ran that step again."""
+        writes = self.writes.get(tag, [])
+        last = {step: index for index, (_, step, _) in enumerate(writes)}
+        return [(step, value) for index, (_, step, value) in enumerate(writes) if last[step] != index]
+
 
 def _event_files(folder: Path) -> list[Path]:
     return [path for path in folder.glob("events.out.tfevents.*") if path.is_file()]

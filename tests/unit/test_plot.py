@@ -69,6 +69,7 @@ def _log_run(log_dir: Path, run_id: str, overrides: list[str]) -> dict[str, dict
             log(number, {"guard/grad_norm": 8.0})
         if number == 13 and 13 not in rolled_back:  # a KL explosion: back to the checkpoint of step 12
             rolled_back.add(13)
+            metrics["kl/mean"] = 6.0
             for tag, value in (("guard/kl_explosion", 2.0), ("guard/kl_bump", 2.0)):
                 event(number, tag, f"KL {value} > threshold")
                 log(number, {tag: value})
@@ -121,6 +122,21 @@ def test_every_series_is_drawn_as_logged(staged) -> None:
         assert _line(fig, f"{RUN}|{tag}") == pytest.approx(logged[tag], rel=1e-6), tag
     drawn = {line.get_gid() for axis in fig.axes for line in axis.lines}
     assert not drawn & {f"{RUN}|kl/std", f"{RUN}|kl/stage", f"{RUN}|kl/target"}, "not per-token KL series"
+
+
+def test_iterations_a_rollback_abandoned_are_crosses_and_a_blowup_stays_in_view(staged) -> None:
+    log_dir, logged = staged
+    fig = figure(read_runs([log_dir]))
+    kl_axis = fig.axes[0]
+    (line,) = [line for line in kl_axis.lines if line.get_gid() == f"{RUN}|kl/mean rolled back"]
+    crosses = sorted(zip(line.get_xdata(), line.get_ydata(), strict=True))
+    # the blown-up first pass of 13 (rolled back to 12), then 9–16 (rolled back to 8 by the evaluation drop)
+    assert [x for x, _ in crosses] == [9, 10, 11, 12, 13, 13, 14, 15, 16]
+    top = kl_axis.get_ylim()[1]
+    assert top < 6.0 and max(y for _, y in crosses) == pytest.approx(0.97 * top), "the blow-up at the top edge"
+    assert "6" in {t.get_text() for t in kl_axis.texts}, "with its value beside it"
+    kept = [(x, y) for x, y in crosses if y < 0.97 * top]
+    assert [y for _, y in kept] == pytest.approx([logged["kl/mean"][x] for x, _ in kept], rel=1e-6)
 
 
 def test_targets_bands_and_thresholds_are_the_ones_that_applied(staged) -> None:
