@@ -78,7 +78,7 @@ def test_overwrite_with_auto_resume_is_refused() -> None:
     assert load_config(TINY, ["trainer.overwrite=true", "trainer.resume_mode=disable"]).trainer.overwrite
 
 
-@pytest.mark.parametrize("recipe", sorted((TINY.parent).glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", [TINY, TINY.parent / "qwen3-235b-a22b.yaml"], ids=lambda p: p.stem)  # + MoE, PP
 def test_the_typed_config_comes_back_from_its_flat_form(recipe: Path, tmp_path: Path) -> None:
     """What `report --plot` reads from a run's `run.json` is the config the run resolved, every key equal."""
     config = load_config(recipe)
