@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q --durations=25
 # torchrun --standalone: a free port per launch, so two jobs on one machine (two `make train`, or one beside the suite) never collide.
 TORCHRUN = OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone
 
-.PHONY: setup test test-fast test-floor lint lock gpu-wheels validate bench train compare-kl drill plan submit report gpu-check
+.PHONY: setup test test-fast test-floor lint lock gpu-wheels validate bench train figure compare-kl drill plan submit report gpu-check
 
 setup: $(STAMP)
 
@@ -54,20 +54,27 @@ lint: setup
 RECIPE ?= recipes/tiny-cpu.yaml
 NPROC  ?= 2
 
-# The main job: the tiny recipe end to end on CPU (data, SFT, offline PPO, evaluation table).
+# The main job: the tiny recipe end to end on CPU (data, SFT, offline PPO, evaluation table), then its figure
+# (<trainer.log_dir>/<run id>.png).
 train: setup
 	$(TORCHRUN) --nproc_per_node $(NPROC) -m megatron_ppo train $(RECIPE) $(OVERRIDES)
+	$(PY) -m megatron_ppo report $(RECIPE) $(OVERRIDES) --plot
 
-# The tiny recipe with the KL term off, fixed, adaptive and staged: one table side by side.
+# The README's figure (docs/tiny-cpu.png) from the recipe's latest run (make train first).
+figure: setup
+	$(PY) -m megatron_ppo report $(RECIPE) $(OVERRIDES) --plot docs/tiny-cpu.png
+
+# The tiny recipe with the KL term off, fixed, adaptive and staged: one table side by side, and one figure of the four.
 compare-kl: setup
-	$(TORCHRUN) --nproc_per_node $(NPROC) -m megatron_ppo compare-kl $(RECIPE) $(OVERRIDES)
+	$(TORCHRUN) --nproc_per_node $(NPROC) -m megatron_ppo compare-kl $(RECIPE) $(OVERRIDES) --plot
 
 # The fault drill: the tiny recipe with a NaN gradient, a gradient spike, an out-of-memory error, a KL blow-up and an
-# evaluation drop injected (test-only patches, tests/drill); prints where each guard fired. A new folder per drill.
+# evaluation drop injected (test-only patches, tests/drill); prints where each guard fired and draws the run with the
+# faults marked ($(DRILL_DIR)/drill.png). A new folder per drill.
 DRILL_STAMP := $(shell date -u +%Y%m%d-%H%M%S)
 DRILL_DIR ?= outputs/drill/$(DRILL_STAMP)
 drill: setup
-	$(TORCHRUN) --nproc_per_node $(NPROC) -m tests.drill $(RECIPE) trainer.default_local_dir=$(DRILL_DIR)/checkpoints trainer.log_dir=$(DRILL_DIR)/tensorboard $(OVERRIDES)
+	$(TORCHRUN) --nproc_per_node $(NPROC) -m tests.drill $(RECIPE) trainer.default_local_dir=$(DRILL_DIR)/checkpoints trainer.log_dir=$(DRILL_DIR)/tensorboard --plot $(DRILL_DIR)/drill.png $(OVERRIDES)
 
 # Layout check, per-GPU memory and step-time estimate before any job (exit 1 when it does not fit).
 plan: setup

@@ -35,9 +35,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _compare_kl(args: argparse.Namespace) -> int:
+    from megatron_ppo.plot import PlotError
     from megatron_ppo.tasks import addition
 
-    addition.compare_kl(load_config(args.recipe, args.overrides))
+    try:
+        addition.compare_kl(load_config(args.recipe, args.overrides), plot=args.plot)
+    except PlotError as problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -97,9 +102,22 @@ def _convert(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from megatron_ppo.report import print_report
 
-    target = args.run_or_recipe
+    # further runs and key=value overrides share the positional tail: an existing path is a run (or a recipe)
+    targets = [args.run_or_recipe, *(t for t in args.overrides if "=" not in t or Path(t).exists())]
+    overrides = [t for t in args.overrides if t not in targets]
     try:
-        print_report(target if Path(target).is_dir() else load_config(target, args.overrides).trainer.log_dir)
+        log_dirs = [t if Path(t).is_dir() else load_config(t, overrides).trainer.log_dir for t in targets]
+        if args.plot is None:
+            for log_dir in log_dirs:
+                print_report(log_dir)
+            return 0
+        from megatron_ppo.plot import PlotError, plot_runs
+
+        try:
+            print(f"figure: {plot_runs(log_dirs, args.plot or None)}")
+        except PlotError as problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     except FileNotFoundError as missing:
         print(f"error: {missing} (has the run started? see trainer.log_dir)", file=sys.stderr)
         return 1
@@ -120,13 +138,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _recipe_command(commands, "validate", "compose, validate and print a recipe's resolved config", _validate)
     _recipe_command(commands, "train", "run a recipe (under torchrun for several processes)", _train)
-    _recipe_command(commands, "compare-kl", "the tiny recipe with KL off, fixed, adaptive and staged", _compare_kl)
+    comparer = _recipe_command(commands, "compare-kl", "the tiny recipe with KL off, fixed, adaptive and staged",
+                               _compare_kl)  # fmt: skip
+    comparer.add_argument("--plot", nargs="?", const="", metavar="FILE", help="also draw the four runs on one figure "
+                          "(default: compare-kl.png in the comparison's directory)")  # fmt: skip
     planner = _recipe_command(commands, "plan", "layout check, per-GPU memory and step-time estimate", _plan)
     planner.add_argument("--nodes", type=int, help="plan for this many nodes instead of cluster.nodes")
     planner.add_argument("--json", action="store_true", help="machine-readable output")
-    reporter = commands.add_parser("report", help="a run's TensorBoard metrics and events as one table")
+    reporter = commands.add_parser("report", help="a run's TensorBoard metrics and events as tables, or a figure")
     reporter.add_argument("run_or_recipe", help="a TensorBoard log directory, or a recipe (its trainer.log_dir)")
-    reporter.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
+    reporter.add_argument("overrides", nargs="*", help="more runs or recipes, then key=value overrides of the recipes")
+    reporter.add_argument("--plot", nargs="?", const="", metavar="FILE", help="draw the runs on one figure (.png, "
+                          ".pdf, .svg; default: <trainer.log_dir>/<run id>.png, beside the first run)")  # fmt: skip
     reporter.set_defaults(run=_report)
     converter = commands.add_parser("convert", help="Hugging Face <-> megatron-ppo checkpoints, and a logit check")
     converter.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf", "verify"])

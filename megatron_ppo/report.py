@@ -7,7 +7,8 @@ works on a run still in progress, on a finished one, or on one copied off the cl
     python -m megatron_ppo report outputs/tiny/tensorboard/20261201-004445-3fa9c1
 
 Each run writes into its own folder `<trainer.log_dir>/<run id>/`. Given `trainer.log_dir`, the report reads the run
-written most recently and names it and the others; given a run's folder, it reads that run.
+written most recently and names it and the others; given a run's folder, it reads that run. `report ... --plot`
+draws runs instead (`plot.py`), from what `load_run` reads here.
 """
 
 from __future__ import annotations
@@ -36,6 +37,28 @@ class Event:
     step: int
     tag: str
     message: str
+    wall_time: float
+
+
+@dataclass(frozen=True)
+class RunLog:
+    """What one run wrote to TensorBoard, read back whole: every scalar write in write order (a step written again,
+    as after a rollback or a resume, appears twice) and the text events in step, then write order."""
+
+    folder: Path
+    writes: dict[str, list[tuple[float, int, float]]]  # tag → [(wall time, step, value)], in write order
+    events: list[Event]
+
+    def scalars(self, tag: str) -> dict[int, float]:
+        """step → value of `tag`, ascending steps, the last value written for a step winning; {} if never written."""
+        return dict(sorted({step: value for _, step, value in self.writes.get(tag, [])}.items()))
+
+    def superseded(self, tag: str) -> list[tuple[int, float]]:
+        """(step, value) of each write of `tag` that a later write of the same step replaced: what an iteration
+        abandoned by a rollback logged before the run went back and ran that step again."""
+        writes = self.writes.get(tag, [])
+        last = {step: index for index, (_, step, _) in enumerate(writes)}
+        return [(step, value) for index, (_, step, value) in enumerate(writes) if last[step] != index]
 
 
 def _event_files(folder: Path) -> list[Path]:
@@ -56,43 +79,51 @@ def find_runs(log_dir: str | Path) -> list[Path]:
     return sorted(runs, key=lambda folder: max(path.stat().st_mtime for path in _event_files(folder)))
 
 
-def read_run(log_dir: str | Path) -> tuple[list[ScalarSummary], list[Event]]:
-    """Per-tag scalar summaries (the last value written for a step wins, as after a rollback or a resume) and the
-    text events of one run: the newest of `find_runs(log_dir)`."""
-    accumulator = EventAccumulator(str(find_runs(log_dir)[-1]), size_guidance={"scalars": 0, "tensors": 0})
+def load_run(log_dir: str | Path) -> RunLog:
+    """The newest run of `find_runs(log_dir)`, read with TensorBoard's own reader (nothing sampled away)."""
+    folder = find_runs(log_dir)[-1]
+    accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0})
     accumulator.Reload()
     tags = accumulator.Tags()
+    writes = {tag: [(e.wall_time, e.step, e.value) for e in accumulator.Scalars(tag)] for tag in tags["scalars"]}
+    events = [
+        Event(event.step, tag.removesuffix("/text_summary"),
+              tensor_util.make_ndarray(event.tensor_proto).reshape(-1)[0].decode(), event.wall_time)
+        for tag in tags["tensors"] for event in accumulator.Tensors(tag)
+    ]  # fmt: skip
+    return RunLog(folder, writes, sorted(events, key=lambda e: (e.step, e.wall_time)))
+
+
+def summarise(log: RunLog) -> list[ScalarSummary]:
+    """Per-tag scalar summaries, by tag (the last value written for a step wins)."""
     summaries = []
-    for tag in sorted(tags["scalars"]):
-        by_step = sorted({event.step: event.value for event in accumulator.Scalars(tag)}.items())
+    for tag in sorted(log.writes):
+        by_step = list(log.scalars(tag).items())
         summaries.append(ScalarSummary(tag, len(by_step), by_step[0], by_step[-1],
                                        min(by_step, key=lambda s: s[1]), max(by_step, key=lambda s: s[1])))  # fmt: skip
-    events: list[tuple[int, float, Event]] = []
-    for tag in tags["tensors"]:
-        for event in accumulator.Tensors(tag):
-            text = tensor_util.make_ndarray(event.tensor_proto).reshape(-1)[0]
-            events.append((event.step, event.wall_time, Event(event.step, tag.removesuffix("/text_summary"),
-                                                              text.decode())))  # fmt: skip
-    return summaries, [event for *_, event in sorted(events, key=lambda e: e[:2])]
+    return summaries
 
 
-def evaluation_history(summaries: list[ScalarSummary], run: Path) -> dict[int, dict[str, float]]:
-    """step → {eval metric: value} for every `eval/*` scalar of `run` (the last value written for a step wins)."""
-    tags = [s.tag for s in summaries if s.tag.startswith("eval/")]
-    if not tags:
-        return {}
-    accumulator = EventAccumulator(str(run), size_guidance={"scalars": 0})
-    accumulator.Reload()
+def read_run(log_dir: str | Path) -> tuple[list[ScalarSummary], list[Event]]:
+    """The scalar summaries and the text events of one run: the newest of `find_runs(log_dir)`."""
+    log = load_run(log_dir)
+    return summarise(log), log.events
+
+
+def evaluation_history(log: RunLog) -> dict[int, dict[str, float]]:
+    """step → {eval metric: value} for every `eval/*` scalar of the run (the last value written for a step wins)."""
     history: dict[int, dict[str, float]] = {}
-    for tag in tags:
-        for event in accumulator.Scalars(tag):
-            history.setdefault(event.step, {})[tag.removeprefix("eval/")] = event.value
-    return history
+    for tag in log.writes:
+        if tag.startswith("eval/"):
+            for step, value in log.scalars(tag).items():
+                history.setdefault(step, {})[tag.removeprefix("eval/")] = value
+    return dict(sorted(history.items()))
 
 
 def print_report(log_dir: str | Path, console: Console | None = None) -> None:
     *others, run = find_runs(log_dir)
-    summaries, events = read_run(run)
+    log = load_run(run)
+    summaries, events = summarise(log), log.events
     console = console or Console()
     table = Table(title=f"run {run.name} ({run})")
     for column in ("metric", "steps", "first", "last", "min (step)", "max (step)"):
@@ -112,7 +143,7 @@ def print_report(log_dir: str | Path, console: Console | None = None) -> None:
         for kind, fired in sorted(guards.items()):
             by_kind.add_row(kind, str(len(fired)), ", ".join(str(e.step) for e in fired), fired[-1].message)
         console.print(by_kind)
-    evaluations = evaluation_history(summaries, run)
+    evaluations = evaluation_history(log)
     if evaluations:
         history = Table(title="evaluations")
         names = sorted({name for values in evaluations.values() for name in values})

@@ -4,7 +4,8 @@ A run is one training from its first step to its last, across every job that res
 starts fresh (`20261201-004445-3fa9c1`: UTC start time and six random hex digits), and every checkpoint it saves
 holds `run.json`: the run id, the resolved config flattened to dotted keys, and a hash of that config without the
 keys meant to change between the jobs of one run (`meant_to_change`). Two checkpoints with the same run id belong
-to the same training; equal hashes mean the same experiment.
+to the same training; equal hashes mean the same experiment. The run's TensorBoard folder holds a copy written at
+each job's start, with the run's planned number of steps added (`total_steps`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from megatron_ppo.config.schema import PPOConfig
 
@@ -85,19 +88,37 @@ def config_hash(flat: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(defining, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def unflatten_config(flat: dict[str, Any]) -> PPOConfig:
+    """The typed config back from `flatten_config`'s form (as read from a `run.json`); it was resolved and
+    validated when saved, so it is only type-checked against the schema here."""
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), tree))
+
+
 @dataclass(frozen=True)
 class RunIdentity:
     run_id: str
     config_hash: str
     config: dict[str, Any]  # flatten_config of the resolved config
+    # the run's planned number of steps; in the copy beside its TensorBoard events only (what `report --plot` reads
+    # the KL stages' steps from), since a checkpoint's identity must not change with the run's length
+    total_steps: int | None = None
 
     @classmethod
-    def of(cls, run_id: str, config: PPOConfig) -> RunIdentity:
+    def of(cls, run_id: str, config: PPOConfig, total_steps: int | None = None) -> RunIdentity:
         flat = flatten_config(config)
-        return cls(run_id, config_hash(flat), flat)
+        return cls(run_id, config_hash(flat), flat, total_steps)
 
     def write(self, directory: str | Path) -> None:
         payload = {"run_id": self.run_id, "config_hash": self.config_hash, "config": self.config}
+        if self.total_steps is not None:
+            payload["total_steps"] = self.total_steps
         (Path(directory) / RUN_FILE).write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
 
     @classmethod
@@ -108,7 +129,7 @@ class RunIdentity:
         if not path.is_file():
             return None
         payload = json.loads(path.read_text())
-        return cls(payload["run_id"], payload["config_hash"], payload["config"])
+        return cls(payload["run_id"], payload["config_hash"], payload["config"], payload.get("total_steps"))
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:

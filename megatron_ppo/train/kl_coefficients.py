@@ -9,6 +9,9 @@ from megatron_ppo.algo import KLController, KLStage, StagedKLSchedule, build_kl_
 from megatron_ppo.config import PPOConfig
 
 KLCoefficient = KLController | StagedKLSchedule
+# What `KLCoefficients.step` logs: β of each term, the stage index and the target (the controller's, not a measured KL)
+COEF_METRICS = {"loss": "kl/coef", "reward": "kl/reward_coef"}
+STAGE_METRIC, TARGET_METRIC = "kl/stage", "kl/target"
 
 
 def build_kl_coefficients(config: PPOConfig, total_steps: int) -> dict[str, KLCoefficient]:
@@ -78,11 +81,11 @@ class KLCoefficients:
         `current_kl` (KL(actor‖ref) per token; skipped when it was not measured or is not finite)."""
         out: dict[str, float] = {}
         for term, controller in self.controllers.items():
-            out["kl/coef" if term == "loss" else "kl/reward_coef"] = controller.value
+            out[COEF_METRICS[term]] = controller.value
             if controller.stage_index is not None:
-                out["kl/stage"] = float(controller.stage_index)
+                out[STAGE_METRIC] = float(controller.stage_index)
             if controller.target_kl is not None:
-                out["kl/target"] = controller.target_kl
+                out[TARGET_METRIC] = controller.target_kl
             if current_kl is not None and math.isfinite(current_kl):
                 controller.update(current_kl, n_steps=batch_rows)
         return out

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.utils.tensorboard import SummaryWriter
 
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.run_identity import RunIdentity
 
 CONSOLE_KEYS = (
     "reward/mean",
@@ -38,7 +39,8 @@ class MetricsLogger:
     config, its id the run id (a resumed run continues it), its files under `log_dir/wandb`; `WANDB_MODE=offline`
     keeps them there. W&B keeps the first value of a step: the steps a rollback repeats stay as first logged there.
     Events (`event`) are TensorBoard text and console lines; W&B records them with the console output when
-    `console` is on."""
+    `console` is on. Beside the event files, `run.json` holds the run's identity, resolved config and planned steps
+    (written at each job's start), from which `report --plot` draws the KL stages and guard thresholds."""
 
     def __init__(
         self,
@@ -52,6 +54,8 @@ class MetricsLogger:
         self.enabled = is_logging_rank()
         self.console = Console(stderr=True)
         self.writer = SummaryWriter(str(log_dir)) if self.enabled and "tensorboard" in loggers else None
+        if self.writer is not None and config is not None and run_id is not None:
+            RunIdentity.of(run_id, config, total_steps).write(log_dir)
         self.wandb = _start_wandb(Path(log_dir), config, run_id) if self.enabled and "wandb" in loggers else None
         self.to_console = self.enabled and "console" in loggers
         self.progress = None

@@ -2,9 +2,10 @@
 expected, and nowhere else, and the run must still improve held-out accuracy by ≥ 0.15 over its SFT start. Every
 guard but the optional plateau back-off (unit-tested) answers one of the faults.
 
-    torchrun --nproc_per_node 2 -m tests.drill recipes/tiny-cpu.yaml [--short] [key=value ...]
+    torchrun --nproc_per_node 2 -m tests.drill recipes/tiny-cpu.yaml [--short] [--plot FILE] [key=value ...]
 
-`--short` is the test suite's shortened drill (a dozen steps on half the data). Exit status 0 when every check holds;
+`--short` is the test suite's shortened drill (a dozen steps on half the data); `--plot` draws the run's figure
+(`report --plot`) with each injected fault marked at its step. Exit status 0 when every check holds;
 the table of fault, step, guard and recovery is printed either way.
 """
 
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from megatron_ppo.config import ConfigError, load_config
+from megatron_ppo.plot import matplotlib_figure, plot_runs
 from megatron_ppo.tasks import addition
 from tests.drill.faults import Injector, install, schedule
 from tests.drill.readback import check, drill_table
@@ -46,8 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.drill", description=__doc__.splitlines()[0])
     parser.add_argument("recipe")
     parser.add_argument("--short", action="store_true")
+    parser.add_argument("--plot", metavar="FILE", help="draw the run with the injected faults marked")
     args, overrides = parser.parse_known_args(argv)
     config = load_config(args.recipe, [*GUARDS, *(SHORT if args.short else []), *overrides])
+    if args.plot:
+        matplotlib_figure()  # a missing extra is named before the drill runs
     faults = SCHEDULES["short" if args.short else "full"]
     install(Injector(faults))
     try:
@@ -63,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems.append(f"held-out accuracy rose by {gain:.3f} (SFT {summary['accuracy_before']:.3f} → "
                         f"{summary['accuracy_after']:.3f}); the drill needs ≥ {MIN_GAIN}")  # fmt: skip
     drill_table(rows, summary)
+    if args.plot:
+        marks = [(fault.step, fault.name) for fault in faults]
+        print(f"figure: {plot_runs([config.trainer.log_dir], args.plot, marks=marks, title='fault drill')}")
     for problem in problems:
         print(f"DRILL FAILED: {problem}", file=sys.stderr)
     if not problems:

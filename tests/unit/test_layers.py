@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "convert": 5,
     "critic_init": 5,
     "train": 6,
+    "plot": 6,
     "tasks": 7,
     "cli": 8,
     "__main__": 8,

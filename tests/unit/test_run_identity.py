@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from megatron_ppo.config import ConfigError, load_config
-from megatron_ppo.run_identity import RunIdentity, config_differences, flatten_config, meant_to_change, new_run_id
+from megatron_ppo.run_identity import (
+    RunIdentity,
+    config_differences,
+    flatten_config,
+    meant_to_change,
+    new_run_id,
+    unflatten_config,
+)
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
 
@@ -69,3 +76,12 @@ def test_overwrite_with_auto_resume_is_refused() -> None:
     with pytest.raises(ConfigError, match=re.escape("trainer.overwrite=true moves other runs' checkpoints aside")):
         load_config(TINY, ["trainer.overwrite=true"])
     assert load_config(TINY, ["trainer.overwrite=true", "trainer.resume_mode=disable"]).trainer.overwrite
+
+
+@pytest.mark.parametrize("recipe", [TINY, TINY.parent / "qwen3-235b-a22b.yaml"], ids=lambda p: p.stem)  # + MoE, PP
+def test_the_typed_config_comes_back_from_its_flat_form(recipe: Path, tmp_path: Path) -> None:
+    """What `report --plot` reads from a run's `run.json` is the config the run resolved, every key equal."""
+    config = load_config(recipe)
+    RunIdentity.of("r", config, total_steps=7).write(tmp_path)
+    saved = RunIdentity.read(tmp_path)
+    assert saved.total_steps == 7 and unflatten_config(saved.config) == config

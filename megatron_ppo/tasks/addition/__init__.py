@@ -20,12 +20,13 @@ def run(config: PPOConfig) -> dict[str, float]:
         return run_addition_recipe(config)
 
 
-def compare_kl(config: PPOConfig) -> dict[str, dict[str, float]]:
-    """The PPO stage with the KL term off, fixed, adaptive and staged (same SFT start, data and seed)."""
+def compare_kl(config: PPOConfig, plot: str | None = None) -> dict[str, dict[str, float]]:
+    """The PPO stage with the KL term off, fixed, adaptive and staged (same SFT start, data and seed); `plot`: their
+    figure's file ("" for the default, see `compare_kl.compare_kl`)."""
     if config.data.task != "addition":
         raise ConfigError(["compare-kl runs the tiny recipe's task: set data.task=addition"])
     from megatron_ppo.tasks.addition.compare_kl import compare_kl as run_comparison
     from megatron_ppo.train.run import distributed_run
 
     with distributed_run(config):
-        return run_comparison(config)
+        return run_comparison(config, plot)

@@ -49,9 +49,14 @@ def variants(config: PPOConfig, invocation: str) -> dict[str, PPOConfig]:
     return out
 
 
-def compare_kl(config: PPOConfig) -> dict[str, dict[str, float]]:
+def compare_kl(config: PPOConfig, plot: str | None = None) -> dict[str, dict[str, float]]:
     """Train every variant; print a table naming each run's TensorBoard folder, and return {variant: accuracy
-    before and after, final KL and β}."""
+    before and after, final KL and β}. `plot`: also draw the four runs on one figure (`report --plot`) into that
+    file, or "" for `<comparison directory>/compare-kl.png`."""
+    if plot is not None:
+        from megatron_ppo.plot import matplotlib_figure
+
+        matplotlib_figure()  # a missing extra is named before any training
     task = prepare_addition_task(config)
     invocation = broadcast_from_rank0(new_run_id())
     results, log_dirs = {}, {}
@@ -74,4 +79,11 @@ def compare_kl(config: PPOConfig) -> dict[str, dict[str, float]]:
             table.add_row(name, f"{r['before']:.3f}", f"{r['after']:.3f}", f"{r['after'] - r['before']:+.3f}",
                           f"{r['kl_final']:.3g}", f"{r['coef_final']:.3g}", log_dirs[name])  # fmt: skip
         Console().print(table)
+        if plot is not None:
+            from megatron_ppo.plot import plot_runs
+
+            path = plot or comparison_directory(config, invocation) / "compare-kl.png"
+            title = f"compare-kl {invocation}: the KL term off, fixed, adaptive and staged (same SFT start and data)"
+            path = plot_runs(list(log_dirs.values()), path, names=list(log_dirs), title=title)
+            Console().print(f"figure: {path}")
     return results
