@@ -13,6 +13,7 @@ from typing import NotRequired, TypedDict
 
 import torch
 
+from megatron_ppo.algo.advantages import group_estimators
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.data.batching import (
@@ -84,13 +85,14 @@ def build_sampler(config: PPOConfig, rows: Sequence[Row]) -> tuple[EpochSampler 
     `data.train_batch_size` must be a multiple of that size, and a dataset whose rows are mostly alone in their
     group is refused: their advantage would be the raw score or zero."""
     seed, shuffle = config.data.seed, config.data.shuffle
-    if config.algorithm.adv_estimator != "grpo":
+    estimator = config.algorithm.adv_estimator
+    if estimator not in group_estimators():
         return EpochSampler(len(rows), seed=seed, shuffle=shuffle), len(rows), None
     grouping = group_rows([row.uid for row in rows])
     line = grouping.summary([row.source for row in rows])
     if grouping.group_size <= 1 or 2 * grouping.singleton_rows > len(rows):
         raise ConfigError([
-            f"algorithm.adv_estimator=grpo: {line} — GRPO compares the responses to one prompt, so most rows here "
+            f"algorithm.adv_estimator={estimator}: {line} — it compares the responses to one prompt, so most rows here "
             "have nothing to compare with; give each row its prompt's group as 'uid' (or the same prompt), with "
             "several responses per prompt, or use algorithm.adv_estimator=gae"
         ])  # fmt: skip
@@ -98,8 +100,8 @@ def build_sampler(config: PPOConfig, rows: Sequence[Row]) -> tuple[EpochSampler 
     if batch % grouping.group_size:
         low = batch // grouping.group_size * grouping.group_size
         raise ConfigError([
-            f"data.train_batch_size={batch}: GRPO draws whole groups of {grouping.group_size} rows, so it must be "
-            f"a multiple of {grouping.group_size}, e.g. {max(low, grouping.group_size)} or "
+            f"data.train_batch_size={batch}: {estimator} draws whole groups of {grouping.group_size} rows, so it "
+            f"must be a multiple of {grouping.group_size}, e.g. {max(low, grouping.group_size)} or "
             f"{low + grouping.group_size} ({line})"
         ])  # fmt: skip
     sampler = GroupSampler(grouping.groups, seed=seed, shuffle=shuffle)
