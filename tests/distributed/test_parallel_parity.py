@@ -1,6 +1,7 @@
 """Actor and critic under TP, PP, TP×PP, PP with virtual stages, and DP, against the same weights at TP=1 PP=1,
 through the trainer's own experience and update path (`forward_passes`, `update_role`, `actor_loss`,
-`critic_loss`)."""
+`critic_loss`); then GSPO with sequence-level importance weights (`rollout_correction`), whose ratios and weights
+are per whole row."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("parity")
-    run_distributed(workers.reference, 1, str(workdir))
-    reports = {name: run_distributed(workers.parallel_layout, world, str(workdir), name, layout)
+    # sequence_level: a second actor update with GSPO and sequence-level importance weights, one ratio per whole row
+    run_distributed(workers.reference, 1, str(workdir), workers.MODEL, True)
+    reports = {name: run_distributed(workers.parallel_layout, world, str(workdir), name, layout, workers.MODEL, True)
                for name, (world, layout) in LAYOUTS.items()}  # fmt: skip
     weights = run_distributed(workers.compare_updated_weights, 1, str(workdir), list(LAYOUTS))[0]
     return {"reports": reports, "weights": weights, "workdir": Path(workdir)}
@@ -42,7 +44,8 @@ def test_experience_matches_single_process_on_every_rank(parity, name: str) -> N
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_update_metrics_match_single_process_on_every_rank(parity, name: str) -> None:
-    required = {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss"}
+    required = {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss",
+                "gspo:actor/pg_loss", "gspo:actor/pg_clipfrac", "gspo:actor/ppo_kl"}  # fmt: skip
     assert_update_metrics_match(parity["reports"][name], name, required)
 
 

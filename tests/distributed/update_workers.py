@@ -6,6 +6,7 @@ import dataclasses
 import math
 import random
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from megatron_ppo.train.batch import collate, replica_micro_batches
 from megatron_ppo.train.experience import Experience
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, zero_grads
 from megatron_ppo.train.update import actor_loss, critic_loss, mini_batch_counts
-from tests.distributed.workers import MODEL, experience, rows, weights
+from tests.distributed.workers import MODEL, experience, gspo_config, rows, weights, with_sequence_is
 
 
 def _gradient(role_model, optimizer, batch: Experience, micro_batch_size: int, make_loss) -> torch.Tensor:
@@ -58,6 +59,16 @@ def gradients_by_cut(rank: int, world_size: int) -> dict[str, dict[int, float]]:
                             / whole.abs().max())
                 for size in (1, 2, 4)
             }  # fmt: skip
+    # GSPO's sequence ratio and sequence-level importance weights: one per whole row, whatever the cut
+    gspo = gspo_config(ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, entropy_coeff=0.01, loss_scale_factor=16))
+    corrected = with_sequence_is(batch, seed=4)
+    make_loss = partial(actor_loss, gspo, kl_loss_coef=0.1, vocab_size=MODEL.vocab_size)
+    whole = _gradient(actor, optimizers["actor"], corrected, 8, make_loss)
+    report["actor gspo + sequence IS"] = {
+        size: float((_gradient(actor, optimizers["actor"], corrected, size, make_loss) - whole)
+                    .abs().max() / whole.abs().max())
+        for size in (1, 2, 4)
+    }  # fmt: skip
     return report
 
 
