@@ -37,9 +37,8 @@ class Experience(Batch):
     token_level_rewards: torch.Tensor  # [R, W] score (last response token) − β·KL per token when KL is in the reward
     advantages: torch.Tensor  # [R, W] by algorithm.adv_estimator, zero off the response
     returns: torch.Tensor  # [R, W] critic targets
-    rollout_is_weights: NotRequired[
-        torch.Tensor
-    ]  # [R, W] off-policy importance weights (rollout_correction.rollout_is)
+    # [R, W] off-policy importance weights against the behaviour policy (algorithm.rollout_correction.rollout_is)
+    rollout_is_weights: NotRequired[torch.Tensor]
 
 
 def forward_per_token(
