@@ -39,12 +39,13 @@ class Batch(TypedDict):
     token_level_scores: torch.Tensor  # [R, W] float: the row's token rewards at their label positions, else 0
     group: torch.Tensor  # [R] long: dense GRPO group ids of the rows' uids
     behavior_log_prob: NotRequired[torch.Tensor]  # [R, W] float: the behaviour policy's log-probs, when rows have them
+    behavior_rows: NotRequired[torch.Tensor]  # [R] bool: the rows that carry them (the others hold zeros)
 
 
 def collate(rows: Sequence[Row], pad_id: int) -> Batch:
     """input_ids, labels, loss_mask, position_ids, lengths, sequence scores (`scores`, NaN where the row gives
     token rewards), `token_level_scores` (the token rewards at their label positions, else zeros), `group` (dense
-    uid ids for GRPO) and, when any row has them, `behavior_log_prob`."""
+    uid ids for GRPO) and, when any row has them, `behavior_log_prob` with `behavior_rows`."""
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
     width = max(lengths)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -74,6 +75,7 @@ def collate(rows: Sequence[Row], pad_id: int) -> Batch:
     )
     if any(r.behavior_log_probs is not None for r in rows):
         batch["behavior_log_prob"] = behavior_log_prob
+        batch["behavior_rows"] = torch.tensor([r.behavior_log_probs is not None for r in rows])
     return batch
 
 

@@ -164,28 +164,32 @@ def rollout_correction(
 ) -> tuple[Batch, dict[str, torch.Tensor], dict[str, float]]:
     """With behaviour log-probs μ in the rows: verl's correction of π_old (`old_log_prob`) against μ over the whole
     batch — the `rollout_corr/*` diagnostics always, importance weights (`rollout_is`) and rejected tokens
-    (`rollout_rs`, removed from `loss_mask`) when set. Returns (batch, {"rollout_is_weights": …} or {}, metrics)."""
+    (`rollout_rs`, removed from `loss_mask`) when set. The diagnostics cover the rows that carry behaviour log-probs;
+    weights and rejection need them on every row. Returns (batch, {"rollout_is_weights": …} or {}, metrics)."""
     settings = config.algorithm.rollout_correction
-    if "behavior_log_prob" not in batch:
-        if settings.rollout_is is not None or settings.rollout_rs is not None:
-            raise ValueError("algorithm.rollout_correction.rollout_is / rollout_rs weigh or reject tokens by the "
-                             "behaviour policy's log-probs, but these rows carry none: add a 'behavior_log_probs' "
-                             "column (one log-prob per response token), or unset both")  # fmt: skip
+    applies = settings.rollout_is is not None or settings.rollout_rs is not None
+    rows_with = batch["behavior_rows"] if "behavior_log_prob" in batch else torch.zeros(0, dtype=torch.bool)
+    if applies and not (len(rows_with) and bool(rows_with.all())):
+        missing = len(batch["loss_mask"]) - int(rows_with.sum())
+        raise ValueError(f"algorithm.rollout_correction.rollout_is / rollout_rs weigh or reject tokens by the "
+                         f"behaviour policy's log-probs, but {missing} of this batch's {len(batch['loss_mask'])} rows "
+                         "carry none: give every row a 'behavior_log_probs' column (one log-prob per response "
+                         "token), or unset both")  # fmt: skip
+    if not bool(rows_with.any()):
         return batch, {}, {}
-    weights, mask, metrics = algo.compute_rollout_correction_and_rejection_mask(
-        passes["old_log_prob"], batch["behavior_log_prob"], batch["loss_mask"], rollout_is=settings.rollout_is,
+    mask = batch["loss_mask"] * rows_with[:, None]  # diagnostics over the rows that carry behaviour log-probs
+    log_ratio = passes["old_log_prob"] - batch["behavior_log_prob"]
+    weights, kept, metrics = algo.compute_rollout_correction_and_rejection_mask(
+        passes["old_log_prob"], batch["behavior_log_prob"], mask, rollout_is=settings.rollout_is,
         rollout_is_threshold=settings.rollout_is_threshold,
         rollout_is_batch_normalize=settings.rollout_is_batch_normalize, rollout_rs=settings.rollout_rs,
         rollout_rs_threshold=settings.rollout_rs_threshold,
     )  # fmt: skip
     if weights is None:  # the weights' diagnostics (ESS) still say how far the rows are from the actor
-        _, would_be = algo.compute_rollout_correction_weights(
-            passes["old_log_prob"] - batch["behavior_log_prob"], batch["loss_mask"], "token",
-            settings.rollout_is_threshold,
-        )  # fmt: skip
+        _, would_be = algo.compute_rollout_correction_weights(log_ratio, mask, "token", settings.rollout_is_threshold)
         metrics |= {f"rollout_corr/{key}": value for key, value in would_be.items()}
     if settings.rollout_rs is not None:
-        batch = Batch(**{**batch, "loss_mask": mask})
+        batch = Batch(**{**batch, "loss_mask": kept})
     return batch, ({} if weights is None else {"rollout_is_weights": weights}), metrics
 
 

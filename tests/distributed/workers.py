@@ -85,7 +85,10 @@ def with_sequence_is(exp: Experience, seed: int) -> Experience:
     behaviour = (exp["old_log_prob"] + noise).clamp(max=0.0) * mask
     config = PPOConfig()
     config.algorithm.rollout_correction = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="0.2_5.0")
-    batch, corrections, _ = rollout_correction(config, {**exp, "behavior_log_prob": behaviour}, exp)
+    rows_with = torch.ones(len(mask), dtype=torch.bool)
+    batch, corrections, _ = rollout_correction(
+        config, {**exp, "behavior_log_prob": behaviour, "behavior_rows": rows_with}, exp
+    )
     assert "rollout_is_weights" in corrections
     return Experience(**batch, **corrections)
 

@@ -87,7 +87,10 @@ def _batch(shift: float) -> tuple[dict, dict]:
     mask[:, :2] = 0  # prompt positions
     old = (-4 - torch.rand(8, 10, generator=gen) * 2) * mask
     behaviour = (old + shift * (torch.arange(10) % 4 != 2)) * mask
-    return {"loss_mask": mask, "behavior_log_prob": behaviour.clamp(max=0)}, {"old_log_prob": old}
+    rows = torch.ones(8, dtype=torch.bool)
+    return {"loss_mask": mask, "behavior_log_prob": behaviour.clamp(max=0), "behavior_rows": rows}, {
+        "old_log_prob": old
+    }
 
 
 def test_rows_far_from_the_actor_are_reported_at_the_start_with_the_numbers() -> None:
@@ -113,8 +116,18 @@ def test_rejected_tokens_leave_the_loss_mask_and_weights_need_behaviour_log_prob
     assert corrected["loss_mask"].sum() == batch["loss_mask"].sum() / 4
     assert metrics["rollout_corr/rollout_rs_token_k2_masked_fraction"] == pytest.approx(0.75)
     config.algorithm.rollout_correction.rollout_is = "token"
-    with pytest.raises(ValueError, match="these rows carry none: add a 'behavior_log_probs' column"):
+    with pytest.raises(ValueError, match="8 of this batch's 8 rows carry none: give every row"):
         rollout_correction(config, {"loss_mask": batch["loss_mask"]}, passes)
+    with pytest.raises(ValueError, match="3 of this batch's 8 rows carry none"):
+        rollout_correction(config, {**batch, "behavior_rows": torch.arange(8) >= 3}, passes)
+
+
+def test_diagnostics_leave_out_the_rows_without_behaviour_log_probs() -> None:
+    config = load_config(RECIPE)
+    batch, passes = _batch(shift=0.0)
+    batch["behavior_log_prob"][:3] = 0.0  # what collate holds for rows without them
+    _, _, metrics = rollout_correction(config, {**batch, "behavior_rows": torch.arange(8) >= 3}, passes)
+    assert metrics["rollout_corr/kl"] == pytest.approx(0.0, abs=1e-7), "rows without behaviour log-probs counted"
 
 
 def test_a_watch_rule_acts_on_the_off_policy_metrics() -> None:
@@ -124,3 +137,17 @@ def test_a_watch_rule_acts_on_the_off_policy_metrics() -> None:
     actions = guards.observe(far, skipped=False)
     assert [(a.kind, a.guard) for a in actions] == [("lr_backoff", "watch")], actions
     assert "rollout_corr/kl" in actions[0].message
+
+
+def test_collate_marks_the_rows_that_carry_behaviour_log_probs() -> None:
+    from megatron_ppo.data.rows import Row
+    from megatron_ppo.train.batch import collate
+
+    def row(log_probs: list[float] | None) -> Row:
+        return Row(prompt_ids=[1, 2], response_ids=[3, 4], reward=1.0, token_rewards=None,
+                   behavior_log_probs=log_probs, uid="u", data_source="test", source="test:0")  # fmt: skip
+
+    batch = collate([row([-0.5, -0.25]), row(None)], pad_id=0)
+    assert batch["behavior_rows"].tolist() == [True, False]
+    assert batch["behavior_log_prob"][0, 1:3].tolist() == [-0.5, -0.25]
+    assert "behavior_rows" not in collate([row(None)], pad_id=0)
