@@ -304,7 +304,8 @@ class RolloutCorrectionConfig:
     rollout_rs: str | None = None
     rollout_rs_threshold: str | None = None  # one for all options or one per option; "lower_upper" for *_k1
     # the run's start reports the off-policy diagnostics of its first batch, as a warning when the effective sample
-    # size of the token weights (rollout_corr/rollout_is_eff_sample_size, a share of the tokens) is below this
+    # size of the token weights (rollout_corr/rollout_is_eff_sample_size), or the share of tokens whose ratio lies
+    # inside [1/threshold, threshold], is below this
     min_eff_sample_size: float = ranged(0.5, UNIT_INTERVAL)
 
 

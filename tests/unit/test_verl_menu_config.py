@@ -103,8 +103,17 @@ def test_rows_far_from_the_actor_are_reported_at_the_start_with_the_numbers() ->
     assert far["rollout_corr/rollout_is_eff_sample_size"] < config.algorithm.rollout_correction.min_eff_sample_size
     report = offpolicy_report(config, far)
     assert report.startswith("WARNING: the rows' behaviour policy is far from the actor at step 0 — ESS 0.")
+    assert "ratio inside the threshold band on" in report
     assert f"KL(μ‖π) {far['rollout_corr/kl']:.4f}" in report and "min_eff_sample_size=0.5" in report
     assert offpolicy_report(config, {}) is None  # rows without behaviour log-probs
+    _, _, shifted = rollout_correction(config, *_uniform_shift())
+    assert shifted["rollout_corr/rollout_is_eff_sample_size"] > 0.99, "a uniform shift keeps the weights even"
+    assert offpolicy_report(config, shifted).startswith("WARNING"), "…but every ratio is far outside the band"
+
+
+def _uniform_shift() -> tuple[dict, dict]:
+    batch, passes = _batch(shift=0.0)
+    return {**batch, "behavior_log_prob": (passes["old_log_prob"] + 3.0).clamp(max=0) * batch["loss_mask"]}, passes
 
 
 def test_rejected_tokens_leave_the_loss_mask_and_weights_need_behaviour_log_probs() -> None:
