@@ -51,10 +51,10 @@ def main() -> None:
     def ppo_loss(batch, logits):
         log_prob, entropy = vocab_parallel_log_probs(logits, batch["labels"], with_entropy=True)
         counts = {"batch_num_tokens": tokens}
-        pg_loss, metrics = algo.policy_loss(
-            batch["old_log_prob"], log_prob, batch["advantages"], batch["mask"], clip_ratio_low=0.2,
-            clip_ratio_high=0.28, clip_ratio_c=3.0, **counts,
-        )  # fmt: skip
+        config = algo.PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, global_batch_info=counts)
+        pg_loss, metrics = algo.get_policy_loss_fn("vanilla")(
+            batch["old_log_prob"], log_prob, batch["advantages"], batch["mask"], "token-mean", config
+        )
         return pg_loss - 0.01 * algo.agg_loss(entropy, batch["mask"], "token-mean", **counts), metrics
 
     def ours() -> None:

@@ -1,10 +1,18 @@
 """The PPO/KL algorithm core: pure torch, no Megatron, no torch.distributed.
 
 Argument order and names mirror `verl.trainer.ppo.core_algos` so a verl user can switch; each function's
-docstring states its equation, and tests compare it with verl or a closed form.
+docstring states its equation, and tests compare it with verl or a closed form. Policy losses, advantage
+estimators, KL estimators, loss aggregations and KL controllers are registries keyed by verl's names.
 """
 
-from megatron_ppo.algo.advantages import gae_advantages, grpo_advantages
+from megatron_ppo.algo.advantages import (
+    ADV_ESTIMATORS,
+    ROLLOUT_ONLY_ESTIMATORS,
+    gae_advantages,
+    get_adv_estimator_fn,
+    group_estimators,
+    grpo_advantages,
+)
 from megatron_ppo.algo.aggregation import LOSS_AGG_MODES, agg_loss
 from megatron_ppo.algo.kl import KL_KINDS, kl_from_logits, kl_penalty
 from megatron_ppo.algo.kl_control import (
@@ -19,33 +27,50 @@ from megatron_ppo.algo.kl_control import (
 from megatron_ppo.algo.kl_schedule import KLStage, StagedKLSchedule
 from megatron_ppo.algo.logits import entropy_from_logits
 from megatron_ppo.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from megatron_ppo.algo.policy_loss import policy_loss, truncated_is_weights
+from megatron_ppo.algo.policy_loss import POLICY_LOSSES, PolicyLossConfig, get_policy_loss_fn
 from megatron_ppo.algo.rewards import (
     RunningRewardNormalizer,
     clip_rewards,
     kl_penalized_rewards,
     scores_to_token_level,
 )
+from megatron_ppo.algo.rollout_correction import (
+    compute_offpolicy_metrics,
+    compute_rollout_correction_and_rejection_mask,
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
+)
 from megatron_ppo.algo.value_loss import explained_variance, value_loss
 
 __all__ = [
+    "ADV_ESTIMATORS",
     "CONTROLLER_TYPES",
     "KL_KINDS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "ROLLOUT_ONLY_ESTIMATORS",
     "AdaptiveKLController",
     "BandKLController",
     "FixedKLController",
     "KLController",
     "KLStage",
+    "PolicyLossConfig",
     "PowerLawKLController",
     "RunningRewardNormalizer",
     "StagedKLSchedule",
     "agg_loss",
     "build_kl_controller",
     "clip_rewards",
+    "compute_offpolicy_metrics",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
     "entropy_from_logits",
     "explained_variance",
     "gae_advantages",
+    "get_adv_estimator_fn",
+    "get_policy_loss_fn",
+    "group_estimators",
     "grpo_advantages",
     "kl_from_logits",
     "kl_penalized_rewards",
@@ -54,8 +79,6 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
-    "policy_loss",
     "scores_to_token_level",
-    "truncated_is_weights",
     "value_loss",
 ]

@@ -1,12 +1,55 @@
-"""Advantage estimators. Token tensors are `[batch, response_len]`; rewards sit on response tokens."""
+"""Advantage estimators, registered by verl's names (`algorithm.adv_estimator`). Token tensors are
+`[batch, response_len]` (or wider, with zero mask off the response); rewards sit on response tokens.
+
+Every entry has verl 0.9.1's arguments in verl's order and takes the others by keyword (`**kwargs`), so the trainer
+calls each with the same keywords: `token_level_rewards`, `response_mask`, `index` (the rows' group labels),
+`values` (GAE), `gamma`, `lam`, `norm_adv_by_std_in_grpo` and `config` (any object with verl's `AlgoConfig`
+attributes: `gamma`, `norm_adv_by_std_in_grpo`). Each returns `(advantages, returns)`.
+Estimators that need what offline rows do not carry are in `ROLLOUT_ONLY_ESTIMATORS`, with the reason.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import inspect
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
 from megatron_ppo.algo.masked import masked_whiten
+
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
+# verl's estimators that cannot run on offline rows, with what they lack.
+ROLLOUT_ONLY_ESTIMATORS = {
+    "remax": "ReMax's baseline is the reward of a greedy response sampled for each prompt during rollout "
+    "(reward_baselines); offline rows carry none — use rloo or grpo",
+    "gdpo": "GDPO reads per-reward-component rollout fields (non_tensor_batch) that offline rows do not have",
+    "optimal_token_baseline": "it needs Σπ² over the vocabulary at every response token from the actor's forward "
+    "pass (verl's actor.calculate_sum_pi_squared), which the experience pass does not compute",
+    "tir_optimal_token_baseline": "multi-turn tool rollouts; see optimal_token_baseline",
+}
+
+
+def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator: the function becomes `ADV_ESTIMATORS[name]`."""
+
+    def decorate(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADV_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ADV_ESTIMATORS[name] = fn
+        return fn
+
+    return decorate
+
+
+def get_adv_estimator_fn(name: str) -> AdvantageFn:
+    """The registered estimator `name`; an unknown or rollout-only name raises with the reason."""
+    if name in ROLLOUT_ONLY_ESTIMATORS:
+        raise ValueError(f"advantage estimator {name!r} cannot run offline: {ROLLOUT_ONLY_ESTIMATORS[name]}")
+    if name not in ADV_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; expected one of {', '.join(ADV_ESTIMATORS)}")
+    return ADV_ESTIMATORS[name]
 
 
 @torch.no_grad()
@@ -41,6 +84,7 @@ def gae_advantages(
     return advantages, returns
 
 
+@register_adv_est("grpo")
 @torch.no_grad()
 def grpo_advantages(
     token_level_rewards: torch.Tensor,
@@ -48,6 +92,8 @@ def grpo_advantages(
     index: Sequence[Hashable] | torch.Tensor,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative outcome advantage (GRPO): for response i of group g with score s_i = Σ_t r_{i,t},
 
@@ -73,6 +119,192 @@ def grpo_advantages(
     scalars = centered / (std[group] + epsilon) if norm_adv_by_std_in_grpo else centered
     advantages = scalars.unsqueeze(-1) * response_mask
     return advantages, advantages
+
+
+@register_adv_est("gae")
+def gae_estimator(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registry's GAE: `gae_advantages` with whitened advantages (as verl)."""
+    return gae_advantages(token_level_rewards, values, response_mask, gamma, lam)
+
+
+def _group_stats(scores: torch.Tensor, index: Sequence[Hashable] | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per row: its group's dense id, size n_g and mean score (0 for a group of one, as verl)."""
+    group = _group_ids(index, scores.device)
+    num_groups = int(group.max()) + 1 if group.numel() else 0
+    counts = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(
+        0, group, torch.ones_like(scores)
+    )
+    mean = torch.zeros_like(counts).index_add_(0, group, scores) / counts
+    mean = torch.where(counts == 1, 0.0, mean)
+    return group, counts[group], mean[group]
+
+
+@register_adv_est("rloo")
+@torch.no_grad()
+def rloo_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable] | torch.Tensor,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): each response against the mean of the others in its group,
+
+        A_i = s_i·n/(n − 1) − mean_g·n/(n − 1) = s_i − mean_{g∖i}      (A_i = s_i in a group of one)
+
+    broadcast over the response tokens; returns = advantages.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    _, n, mean = _group_stats(scores, index)
+    several = n > 1
+    factor = torch.where(several, n / (n - 1).clamp(min=1), 1.0)
+    scalars = torch.where(several, scores * factor - mean * factor, scores)
+    advantages = scalars.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def reinforce_plus_plus_baseline_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable] | torch.Tensor,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline (Hu 2025, arXiv 2501.03262): A = whiten_batch(s_i − mean_g) over the response
+    tokens (mean 0 in a group of one); returns = advantages."""
+    scores = token_level_rewards.sum(dim=-1)
+    _, _, mean = _group_stats(scores, index)
+    centred = (scores - mean).unsqueeze(-1).expand_as(response_mask) * response_mask
+    advantages = masked_whiten(centred, response_mask) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus_advantages(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025): discounted return-to-go over response tokens, whitened over the batch,
+
+        G_t = r_t + γ·G_{t+1}  (masked tokens pass G through),   A = whiten(G) · m
+
+    with γ = `config.gamma`. Returns (A, G·m).
+    """
+    gamma = config.gamma
+    returns = torch.zeros_like(token_level_rewards)
+    running = torch.zeros_like(token_level_rewards[:, 0])
+    for t in reversed(range(token_level_rewards.shape[1])):
+        mask_t = response_mask[:, t]
+        new_running = token_level_rewards[:, t] + gamma * running
+        returns[:, t] = new_running * mask_t
+        running = new_running * mask_t + running * (1 - mask_t)
+    advantages = masked_whiten(returns, response_mask) * response_mask
+    return advantages, returns
+
+
+@register_adv_est("opo")
+@torch.no_grad()
+def opo_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable] | torch.Tensor,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy RL with the optimal baseline (arXiv 2505.23585): a length-weighted group mean,
+
+        b_g = Σ_{j∈g} |y_j|·s_j / Σ_{j∈g} |y_j|   (0 in a group of one),   A_i = s_i − b_g
+
+    broadcast over the response tokens; returns = advantages.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    lengths = response_mask.sum(dim=-1)
+    group, n, _ = _group_stats(scores, index)
+    weighted = torch.zeros(int(group.max()) + 1 if group.numel() else 0, dtype=scores.dtype, device=scores.device)
+    total_length = torch.zeros_like(weighted).index_add_(0, group, lengths.to(scores.dtype))
+    baseline = weighted.index_add_(0, group, lengths * scores)[group] / total_length[group]
+    baseline = torch.where(n == 1, 0.0, baseline)
+    advantages = (scores - baseline).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("gpg")
+@torch.no_grad()
+def gpg_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable] | torch.Tensor,
+    epsilon: float = 1e-6,
+    f_norm: float = 1.0,
+    alpha: float = 1.0,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (arXiv 2504.02546): group-centred scores rescaled by the share of rows with a non-zero score,
+
+        α = B / max(#{i: s_i ≠ 0}, 1),   A_i = α·(s_i − mean_g) / f_norm      (mean 0 in a group of one)
+
+    The `alpha` argument is overwritten by this α (as in verl). Returns = advantages.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
+    _, _, mean = _group_stats(scores, index)
+    advantages = (alpha * (scores - mean) / f_norm).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("grpo_passk")
+@torch.no_grad()
+def grpo_passk_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable] | torch.Tensor,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training (arXiv 2503.19595): only the best response of each group gets an advantage,
+
+        A_best = (s_max − s_second) / (std_g + ε)   (or without the division when not `norm_adv_by_std_in_grpo`)
+
+    and every other response 0. `config.norm_adv_by_std_in_grpo` wins over the argument, as in verl. A group of
+    fewer than two responses raises.
+    """
+    if config is not None:
+        norm_adv_by_std_in_grpo = getattr(config, "norm_adv_by_std_in_grpo", True)
+    scores = token_level_rewards.sum(dim=-1)
+    advantages = torch.zeros_like(scores)
+    group = _group_ids(index, scores.device)
+    for g in range(int(group.max()) + 1 if group.numel() else 0):
+        rows = torch.nonzero(group == g, as_tuple=True)[0]
+        if rows.numel() < 2:
+            raise ValueError(f"grpo_passk needs at least 2 responses per group; group {g} has {rows.numel()}")
+        rewards = scores[rows]
+        top, top_index = torch.topk(rewards, 2)
+        advantage = top[0] - top[1]
+        if norm_adv_by_std_in_grpo:
+            advantage = advantage / (torch.std(rewards) + epsilon)
+        advantages[rows[top_index[0]]] = advantage
+    advantages = advantages.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+def group_estimators() -> tuple[str, ...]:
+    """The estimators that compare the responses of one prompt (they read `index`): batches hold whole groups."""
+    return tuple(name for name, fn in ADV_ESTIMATORS.items() if "index" in inspect.signature(fn).parameters)
 
 
 def _group_ids(index: Sequence[Hashable] | torch.Tensor, device: torch.device) -> torch.Tensor:

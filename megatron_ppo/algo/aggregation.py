@@ -18,11 +18,28 @@ Sequences with no unmasked token count in no mean.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megatron_ppo.algo.masked import masked_sum
 
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+Count = int | float | torch.Tensor | None
+Aggregation = Callable[[torch.Tensor, torch.Tensor, int, Count, Count, Count], torch.Tensor]
+LOSS_AGGREGATIONS: dict[str, Aggregation] = {}
+
+
+def register_agg(name: str) -> Callable[[Aggregation], Aggregation]:
+    """Decorator: `fn(loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)` becomes
+    the `loss_agg_mode` `name`."""
+
+    def decorate(fn: Aggregation) -> Aggregation:
+        if name in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_agg_mode {name!r} is registered twice")
+        LOSS_AGGREGATIONS[name] = fn
+        return fn
+
+    return decorate
 
 
 def agg_loss(
@@ -30,36 +47,74 @@ def agg_loss(
     loss_mask: torch.Tensor,
     loss_agg_mode: str,
     dp_size: int = 1,
-    batch_num_tokens: int | float | torch.Tensor | None = None,
-    global_batch_size: int | float | torch.Tensor | None = None,
-    loss_scale_factor: float | None = None,
+    batch_num_tokens: Count = None,
+    global_batch_size: Count = None,
+    loss_scale_factor: Count = None,
 ) -> torch.Tensor:
     """Aggregate `loss_mat` under `loss_mask` by `loss_agg_mode` (see module docstring).
 
     `batch_num_tokens` / `global_batch_size`: valid tokens / non-empty sequences of the whole mini-batch across
     micro-batches and data-parallel ranks; when omitted the local counts are used (only allowed at dp_size 1).
     """
-    if loss_agg_mode == "token-mean":
-        if batch_num_tokens is None:
-            _require_local(dp_size, "batch_num_tokens")
-            batch_num_tokens = loss_mask.sum()
-        return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
-    if loss_agg_mode == "token-sum":
-        return masked_sum(loss_mat, loss_mask) * dp_size
-    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
-        tokens_per_seq = loss_mask.sum(dim=-1)
-        seq_losses = masked_sum(loss_mat, loss_mask, dim=-1)
-        if loss_agg_mode == "seq-mean-token-mean":
-            seq_losses = seq_losses / (tokens_per_seq + 1e-8)
-        non_empty = (tokens_per_seq > 0).to(loss_mat.dtype)
-        if global_batch_size is None:
-            _require_local(dp_size, "global_batch_size")
-            global_batch_size = non_empty.sum()
-        loss = masked_sum(seq_losses, non_empty) / global_batch_size * dp_size
-        if loss_agg_mode == "seq-mean-token-sum-norm":
-            loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-        return loss
-    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}")
+    if loss_agg_mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}")
+    return LOSS_AGGREGATIONS[loss_agg_mode](
+        loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor
+    )
+
+
+@register_agg("token-mean")
+def token_mean(loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor) -> torch.Tensor:
+    """Σ m·ℓ / N_tokens × dp_size."""
+    if batch_num_tokens is None:
+        _require_local(dp_size, "batch_num_tokens")
+        batch_num_tokens = loss_mask.sum()
+    return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+
+
+@register_agg("token-sum")
+def token_sum(loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor) -> torch.Tensor:
+    """Σ m·ℓ × dp_size."""
+    return masked_sum(loss_mat, loss_mask) * dp_size
+
+
+def _seq_mean(
+    seq_losses: torch.Tensor, loss_mask: torch.Tensor, dp_size: int, global_batch_size: Count
+) -> torch.Tensor:
+    non_empty = (loss_mask.sum(dim=-1) > 0).to(seq_losses.dtype)
+    if global_batch_size is None:
+        _require_local(dp_size, "global_batch_size")
+        global_batch_size = non_empty.sum()
+    return masked_sum(seq_losses, non_empty) / global_batch_size * dp_size
+
+
+@register_agg("seq-mean-token-sum")
+def seq_mean_token_sum(
+    loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor
+) -> torch.Tensor:
+    """Σ_i (Σ_t m·ℓ) / N_seqs × dp_size."""
+    return _seq_mean(masked_sum(loss_mat, loss_mask, dim=-1), loss_mask, dp_size, global_batch_size)
+
+
+@register_agg("seq-mean-token-mean")
+def seq_mean_token_mean(
+    loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor
+) -> torch.Tensor:
+    """Σ_i (Σ_t m·ℓ / Σ_t m) / N_seqs × dp_size."""
+    seq_losses = masked_sum(loss_mat, loss_mask, dim=-1) / (loss_mask.sum(dim=-1) + 1e-8)
+    return _seq_mean(seq_losses, loss_mask, dp_size, global_batch_size)
+
+
+@register_agg("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(
+    loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor
+) -> torch.Tensor:
+    """seq-mean-token-sum / loss_scale_factor (default: the width of `loss_mask`)."""
+    loss = _seq_mean(masked_sum(loss_mat, loss_mask, dim=-1), loss_mask, dp_size, global_batch_size)
+    return loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+
+
+LOSS_AGG_MODES = tuple(LOSS_AGGREGATIONS)
 
 
 def _require_local(dp_size: int, name: str) -> None:

@@ -14,27 +14,64 @@ the unbiased KL-gradient estimator. Names and clamps are those of verl's `kl_pen
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
-KL_ESTIMATORS = (*KL_KINDS, *(kind + "+" for kind in KL_KINDS))  # a trailing "+": straight-through k2 gradient
+KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+KL_ESTIMATES: dict[str, KLEstimator] = {}  # verl's names (and aliases) → estimator
 _LOG_RATIO_CLAMP = 20.0  # exp(±20) keeps float32 finite
 _K3_CLAMP = 10.0
 
 
+def register_kl(*names: str) -> Callable[[KLEstimator], KLEstimator]:
+    """Decorator: the estimator becomes `KL_ESTIMATES[name]` for each of its names."""
+
+    def decorate(fn: KLEstimator) -> KLEstimator:
+        for name in names:
+            if name in KL_ESTIMATES:
+                raise ValueError(f"KL estimator {name!r} is registered twice")
+            KL_ESTIMATES[name] = fn
+        return fn
+
+    return decorate
+
+
+@register_kl("k1", "kl")
+def k1_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """log π − log π_ref."""
+    return log_prob - ref_log_prob
+
+
+@register_kl("abs")
+def abs_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """|log π − log π_ref|."""
+    return (log_prob - ref_log_prob).abs()
+
+
+@register_kl("k2", "mse")
+def k2_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """½ (log π − log π_ref)²."""
+    return 0.5 * (log_prob - ref_log_prob).square()
+
+
+@register_kl("k3", "low_var_kl")
+def k3_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """clamp(r − log r − 1, ±10) with log r = clamp(log π_ref − log π, ±20)."""
+    log_r = torch.clamp(ref_log_prob - log_prob, min=-_LOG_RATIO_CLAMP, max=_LOG_RATIO_CLAMP)
+    return torch.clamp(torch.exp(log_r) - log_r - 1, min=-_K3_CLAMP, max=_K3_CLAMP)
+
+
+KL_KINDS = tuple(KL_ESTIMATES)
+KL_ESTIMATORS = (*KL_KINDS, *(kind + "+" for kind in KL_KINDS))  # a trailing "+": straight-through k2 gradient
+
+
 def _kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind in ("k1", "kl"):
-        return log_prob - ref_log_prob
-    if kind == "abs":
-        return (log_prob - ref_log_prob).abs()
-    if kind in ("k2", "mse"):
-        return 0.5 * (log_prob - ref_log_prob).square()
-    if kind in ("k3", "low_var_kl"):
-        log_r = torch.clamp(ref_log_prob - log_prob, min=-_LOG_RATIO_CLAMP, max=_LOG_RATIO_CLAMP)
-        return torch.clamp(torch.exp(log_r) - log_r - 1, min=-_K3_CLAMP, max=_K3_CLAMP)
-    valid = ", ".join(KL_KINDS) + " (each also with a trailing '+')"
-    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {valid}")
+    if kind not in KL_ESTIMATES:
+        valid = ", ".join(KL_KINDS) + " (each also with a trailing '+')"
+        raise ValueError(f"unknown KL estimator {kind!r}; expected one of {valid}")
+    return KL_ESTIMATES[kind](log_prob, ref_log_prob)
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
@@ -45,7 +82,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     straight_through = kind.endswith("+")
     base_kind = kind[:-1] if straight_through else kind
     estimate = _kl_estimate(log_prob, ref_log_prob, base_kind)
-    if not straight_through or base_kind in ("k2", "mse"):
+    if not straight_through or KL_ESTIMATES.get(base_kind) is k2_estimate:
         return estimate
     k2 = 0.5 * (log_prob - ref_log_prob).square()
     return k2 - k2.detach() + estimate.detach()

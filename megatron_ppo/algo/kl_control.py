@@ -10,9 +10,8 @@ multiplicative rule, so a positive `min_coef` keeps a controller alive.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
-
-CONTROLLER_TYPES = ("fixed", "adaptive", "power_law", "band")
 
 
 class KLController:
@@ -130,6 +129,54 @@ class BandKLController(KLController):
         return self.value
 
 
+ControllerBuilder = Callable[..., "KLController"]
+KL_CONTROLLERS: dict[str, ControllerBuilder] = {}
+
+
+def register_kl_controller(kind: str) -> Callable[[ControllerBuilder], ControllerBuilder]:
+    """Decorator: `builder(kl_coef, target_kl, horizon, alpha, band, bounds)` becomes the controller type `kind`."""
+
+    def decorate(builder: ControllerBuilder) -> ControllerBuilder:
+        if kind in KL_CONTROLLERS:
+            raise ValueError(f"KL controller {kind!r} is registered twice")
+        KL_CONTROLLERS[kind] = builder
+        return builder
+
+    return decorate
+
+
+def _needs_target(kind: str, target_kl: float | None) -> float:
+    if target_kl is None:
+        raise ValueError(f"a {kind!r} KL controller needs target_kl")
+    return target_kl
+
+
+@register_kl_controller("fixed")
+def _fixed(kl_coef, target_kl, horizon, alpha, band, bounds) -> KLController:
+    return FixedKLController(kl_coef, **bounds)
+
+
+@register_kl_controller("adaptive")
+def _adaptive(kl_coef, target_kl, horizon, alpha, band, bounds) -> KLController:
+    return AdaptiveKLController(kl_coef, _needs_target("adaptive", target_kl), horizon, **bounds)
+
+
+@register_kl_controller("power_law")
+def _power_law(kl_coef, target_kl, horizon, alpha, band, bounds) -> KLController:
+    return PowerLawKLController(kl_coef, _needs_target("power_law", target_kl), alpha, **bounds)
+
+
+@register_kl_controller("band")
+def _band(kl_coef, target_kl, horizon, alpha, band, bounds) -> KLController:
+    if band is None:
+        target = _needs_target("band", target_kl)
+        band = (target / 1.5, target * 1.5)
+    return BandKLController(kl_coef, band, **bounds)
+
+
+CONTROLLER_TYPES = tuple(KL_CONTROLLERS)
+
+
 def build_kl_controller(
     kind: str,
     kl_coef: float,
@@ -142,15 +189,7 @@ def build_kl_controller(
     max_coef: float = math.inf,
 ) -> KLController:
     """A controller of the given kind; `band` defaults to [target/1.5, target·1.5] for the band rule."""
+    if kind not in KL_CONTROLLERS:
+        raise ValueError(f"unknown KL controller {kind!r}; expected one of {', '.join(CONTROLLER_TYPES)}")
     bounds = {"min_coef": min_coef, "max_coef": max_coef}
-    if kind == "fixed":
-        return FixedKLController(kl_coef, **bounds)
-    if kind in ("adaptive", "power_law", "band") and target_kl is None and band is None:
-        raise ValueError(f"a {kind!r} KL controller needs target_kl")
-    if kind == "adaptive":
-        return AdaptiveKLController(kl_coef, target_kl, horizon, **bounds)
-    if kind == "power_law":
-        return PowerLawKLController(kl_coef, target_kl, alpha, **bounds)
-    if kind == "band":
-        return BandKLController(kl_coef, band or (target_kl / 1.5, target_kl * 1.5), **bounds)
-    raise ValueError(f"unknown KL controller {kind!r}; expected one of {', '.join(CONTROLLER_TYPES)}")
+    return KL_CONTROLLERS[kind](kl_coef, target_kl, horizon, alpha, band, bounds)

@@ -26,7 +26,14 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.config.validate import resolve, validate
-from megatron_ppo.config.verl_keys import VERL_ALIASES, Override, alias, expand_verl_values
+from megatron_ppo.config.verl_keys import (
+    AS_WRITTEN,
+    ONE_PATH_OR_LIST,
+    VERL_ALIASES,
+    Override,
+    alias,
+    expand_verl_values,
+)
 
 __all__ = ["VERL_ALIASES", "build_config", "compose_file", "load_config", "parse_override"]
 
@@ -55,6 +62,7 @@ def build_config(raw: DictConfig, source: str | None = None) -> PPOConfig:
     problems = unknown_key_problems(OmegaConf.to_container(raw, resolve=False), PPOConfig)
     if problems:
         raise ConfigError(problems, source)
+    _one_path_as_list(raw)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(PPOConfig), raw)
         config = OmegaConf.to_object(merged)
@@ -65,6 +73,14 @@ def build_config(raw: DictConfig, source: str | None = None) -> PPOConfig:
     if problems:
         raise ConfigError(problems, source)
     return config
+
+
+def _one_path_as_list(raw: DictConfig) -> None:
+    """`data.train_files` / `data.val_files` given as one path become a list of it (verl takes either), in place."""
+    data = raw.get("data")
+    for key in ONE_PATH_OR_LIST:
+        if isinstance(data, DictConfig) and isinstance(data.get(key), str):
+            data[key] = [data[key]]
 
 
 def compose_file(path: Path, _stack: tuple[Path, ...] = ()) -> DictConfig:
@@ -101,7 +117,9 @@ def parse_override(override: str) -> Override:
         raise ConfigError(
             [f"override {override!r} is not of the form key=value (e.g. actor.optim.lr=1e-6), +key=value or ~key"]
         )
-    return Override(alias(key), None if delete else _parse_value(value), key, delete=delete, added=added)
+    ours = alias(key)
+    parsed = None if delete else value.strip() if ours in AS_WRITTEN else _parse_value(value)
+    return Override(ours, parsed, key, delete=delete, added=added)
 
 
 def _delete(raw: DictConfig, key: str) -> None:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_ppo.algo.advantages import ADV_ESTIMATORS, ROLLOUT_ONLY_ESTIMATORS
 from megatron_ppo.algo.aggregation import LOSS_AGG_MODES
 from megatron_ppo.algo.kl import KL_ESTIMATORS
 from megatron_ppo.algo.kl_control import CONTROLLER_TYPES
 from megatron_ppo.algo.kl_schedule import WARMUP
+from megatron_ppo.algo.policy_loss import POLICY_LOSSES
+from megatron_ppo.algo.rollout_correction import ROLLOUT_IS_LEVELS
 from megatron_ppo.config.fields import (
     AT_LEAST_ONE,
     COEFFICIENT,
@@ -176,6 +179,20 @@ class DataConfig:
 
 
 @dataclass
+class PolicyLossSettings:
+    """Which policy loss the actor trains with, and the settings of those that have their own (verl
+    `actor_rollout_ref.actor.policy_loss.*`; `megatron_ppo.algo.policy_loss` gives each loss's equation)."""
+
+    loss_mode: str = choice("vanilla", tuple(POLICY_LOSSES))
+    clip_cov_ratio: float = ranged(0.0002, POSITIVE)  # clip_cov: share of tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: covariance band the cut tokens are drawn from
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = ranged(0.0002, POSITIVE)  # kl_cov: share of tokens with the |log ρ| penalty
+    ppo_kl_coef: float = ranged(0.1, COEFFICIENT)  # kl_cov: that penalty's coefficient
+    dro_beta: float | None = ranged(None, POSITIVE)  # dro: quadratic log-ratio penalty (required for dro)
+
+
+@dataclass
 class ActorConfig:
     """The trained policy: PPO objective (verl `actor_rollout_ref.actor.*` leaves), layout and optimizer."""
 
@@ -192,6 +209,9 @@ class ActorConfig:
     clip_ratio_low: float | None = ranged(None, CLIP_LOW)
     clip_ratio_high: float | None = ranged(None, POSITIVE)  # None: clip_ratio
     clip_ratio_c: float = ranged(3.0, DUAL_CLIP)
+    policy_loss: PolicyLossSettings = field(default_factory=PolicyLossSettings)
+    tau_pos: float = ranged(1.0, POSITIVE)  # sapo: gate temperature where A > 0
+    tau_neg: float = ranged(1.05, POSITIVE)  # sapo: gate temperature where A ≤ 0
     use_kl_loss: bool = True
     kl_loss_coef: float = ranged(0.001, COEFFICIENT)
     kl_loss_type: str = choice("low_var_kl", KL_ESTIMATORS)
@@ -199,9 +219,6 @@ class ActorConfig:
     loss_agg_mode: str = choice("token-mean", LOSS_AGG_MODES)
     # seq-mean-token-sum-norm divisor; None: data.max_response_length
     loss_scale_factor: int | None = ranged(None, AT_LEAST_ONE)
-    # truncated importance weights against behaviour log-probs, if set
-    behavior_is_cap: float | None = ranged(None, POSITIVE)
-    behavior_is_level: str = choice("token", ("token", "sequence"))
 
 
 @dataclass
@@ -275,16 +292,37 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Off-policy correction against the behaviour policy whose log-probs the rows carry (verl
+    `algorithm.rollout_correction.*`; `megatron_ppo.algo.rollout_correction`). Rows with behaviour log-probs always
+    log the `rollout_corr/*` diagnostics; weights and rejection apply only when set here."""
+
+    rollout_is: str | None = choice(None, (None, *ROLLOUT_IS_LEVELS))  # importance weights per token or sequence
+    # a number: truncate the weights there (TIS); "lower_upper": zero them outside the band (IcePop)
+    rollout_is_threshold: str = "2.0"
+    rollout_is_batch_normalize: bool = False  # divide the weights by their batch mean
+    # rejection: comma-separated token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3 (all must pass)
+    rollout_rs: str | None = None
+    rollout_rs_threshold: str | None = None  # one for all options or one per option; "lower_upper" for *_k1
+    # the run's start reports the off-policy diagnostics of its first batch, as a warning when the effective sample
+    # size of the token weights (rollout_corr/rollout_is_eff_sample_size), or the share of tokens whose ratio lies
+    # inside [1/threshold, threshold], is below this
+    min_eff_sample_size: float = ranged(0.5, UNIT_INTERVAL)
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation and KL in the reward (verl `algorithm.*`)."""
 
-    adv_estimator: str = choice("gae", ("gae", "grpo"))
+    # verl's rollout-only estimators are named here so that validation can say why they are refused
+    adv_estimator: str = choice("gae", (*ADV_ESTIMATORS, *ROLLOUT_ONLY_ESTIMATORS))
     gamma: float = ranged(1.0, UNIT_INTERVAL)
     lam: float = ranged(0.95, UNIT_INTERVAL)
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: str = choice("kl", KL_ESTIMATORS)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

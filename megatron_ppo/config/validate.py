@@ -12,7 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megatron_ppo.algo.advantages import ROLLOUT_ONLY_ESTIMATORS
 from megatron_ppo.algo.kl_schedule import WARMUP
+from megatron_ppo.algo.policy_loss import SEQUENCE_LEVEL_LOSSES
+from megatron_ppo.algo.rollout_correction import parse_is_threshold, parse_rs_options, parse_rs_thresholds
 from megatron_ppo.config.fields import choices_of, field_problems
 from megatron_ppo.config.schema import ROLES, WATCH_ACTIONS, GuardsConfig, KLStageConfig, MegatronConfig, PPOConfig
 
@@ -63,7 +66,35 @@ def validate(config: PPOConfig) -> list[str]:
     problems += _batch_problems(config)
     problems += _kl_problems(config)
     problems += _reward_problems(config)
+    problems += _algorithm_problems(config)
     return problems
+
+
+def _algorithm_problems(c: PPOConfig) -> list[str]:
+    """verl's estimators that need a rollout, the settings a chosen policy loss requires, and the off-policy
+    correction's threshold strings (parsed as the correction parses them)."""
+    p = []
+    estimator = c.algorithm.adv_estimator
+    if estimator in ROLLOUT_ONLY_ESTIMATORS:
+        p.append(f"algorithm.adv_estimator={estimator!r} cannot run offline: {ROLLOUT_ONLY_ESTIMATORS[estimator]}")
+    loss = c.actor.policy_loss
+    if loss.loss_mode == "dro" and loss.dro_beta is None:
+        p.append("actor.policy_loss.loss_mode='dro' needs actor.policy_loss.dro_beta > 0 (its quadratic log-ratio "
+                 "penalty), e.g. 0.1")  # fmt: skip
+    correction = c.algorithm.rollout_correction
+    try:
+        parse_is_threshold(correction.rollout_is_threshold)
+    except ValueError as error:
+        p.append(f"algorithm.rollout_correction.{error}")
+    if correction.rollout_rs is not None:
+        try:
+            parse_rs_thresholds(parse_rs_options(correction.rollout_rs), correction.rollout_rs_threshold)
+        except ValueError as error:
+            p.append(f"algorithm.rollout_correction.{error}")
+    elif correction.rollout_rs_threshold is not None:
+        p.append("algorithm.rollout_correction.rollout_rs_threshold is set but rollout_rs is not: set rollout_rs "
+                 "(e.g. token_k3 or seq_mean_k3), or drop the threshold")  # fmt: skip
+    return p
 
 
 def _guard_problems(c: PPOConfig) -> list[str]:
@@ -405,9 +436,9 @@ def _context_parallel_problems(c: PPOConfig) -> list[str]:
         if get(c, role).loss_agg_mode == "seq-mean-token-mean":
             p.append(f"{setting}: {role}.loss_agg_mode='seq-mean-token-mean' divides by each row's token count, "
                      "which no CP rank sees whole; use token-mean or seq-mean-token-sum(-norm), or CP 1")  # fmt: skip
-    if c.actor.behavior_is_cap is not None and c.actor.behavior_is_level == "sequence":
-        p.append(f"{setting}: actor.behavior_is_level='sequence' multiplies ratios over whole rows, which no CP rank "
-                 "sees whole; use 'token', or CP 1")  # fmt: skip
+    if c.actor.policy_loss.loss_mode in SEQUENCE_LEVEL_LOSSES:
+        p.append(f"{setting}: actor.policy_loss.loss_mode={c.actor.policy_loss.loss_mode!r} takes one ratio per whole "
+                 "row, which no CP rank sees whole; use a token-level loss (vanilla, cispo, …), or CP 1")  # fmt: skip
     return p
 
 

@@ -29,7 +29,15 @@ UNSUPPORTED_VERL = {
     "actor_rollout_ref.rollout.": "offline PPO trains on a fixed dataset and has no rollout; set data.* instead",
     "reward_model.": "rewards come from the dataset (data.reward_key) or are scored when it is read "
     "(reward.score_fn: verl | custom, reward.custom_fn.path/name); no reward model is served",
+    "algorithm.rollout_correction.bypass_mode": "bypass mode (old_log_prob = the behaviour log-probs, no actor "
+    "forward pass) is not built: old_log_prob is always the actor's own, and the behaviour log-probs enter through "
+    "algorithm.rollout_correction.rollout_is / rollout_rs",
+    "algorithm.rollout_correction.loss_type": "it chooses the loss of bypass mode, which is not built; choose the "
+    "loss with actor.policy_loss.loss_mode",
 }
+ONE_PATH_OR_LIST = ("train_files", "val_files")  # data.* keys that take one path or a list, as in verl
+# Overrides kept as written: YAML would read "0.5_2" (IcePop's band [0.5, 2]) as the number 0.52.
+AS_WRITTEN = ("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_correction.rollout_rs_threshold")
 
 # `<role>.model.enable_gradient_checkpointing` (verl) → the Megatron layout section whose recompute it sets. The
 # reference runs without gradients, so verl's shared `actor_rollout_ref.model` setting reaches the actor only.

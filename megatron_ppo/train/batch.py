@@ -13,6 +13,7 @@ from typing import NotRequired, TypedDict
 
 import torch
 
+from megatron_ppo.algo.advantages import group_estimators
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.data.batching import (
@@ -38,12 +39,13 @@ class Batch(TypedDict):
     token_level_scores: torch.Tensor  # [R, W] float: the row's token rewards at their label positions, else 0
     group: torch.Tensor  # [R] long: dense GRPO group ids of the rows' uids
     behavior_log_prob: NotRequired[torch.Tensor]  # [R, W] float: the behaviour policy's log-probs, when rows have them
+    behavior_rows: NotRequired[torch.Tensor]  # [R] bool: the rows that carry them (the others hold zeros)
 
 
 def collate(rows: Sequence[Row], pad_id: int) -> Batch:
     """input_ids, labels, loss_mask, position_ids, lengths, sequence scores (`scores`, NaN where the row gives
     token rewards), `token_level_scores` (the token rewards at their label positions, else zeros), `group` (dense
-    uid ids for GRPO) and, when any row has them, `behavior_log_prob`."""
+    uid ids for GRPO) and, when any row has them, `behavior_log_prob` with `behavior_rows`."""
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
     width = max(lengths)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -73,6 +75,7 @@ def collate(rows: Sequence[Row], pad_id: int) -> Batch:
     )
     if any(r.behavior_log_probs is not None for r in rows):
         batch["behavior_log_prob"] = behavior_log_prob
+        batch["behavior_rows"] = torch.tensor([r.behavior_log_probs is not None for r in rows])
     return batch
 
 
@@ -84,13 +87,14 @@ def build_sampler(config: PPOConfig, rows: Sequence[Row]) -> tuple[EpochSampler 
     `data.train_batch_size` must be a multiple of that size, and a dataset whose rows are mostly alone in their
     group is refused: their advantage would be the raw score or zero."""
     seed, shuffle = config.data.seed, config.data.shuffle
-    if config.algorithm.adv_estimator != "grpo":
+    estimator = config.algorithm.adv_estimator
+    if estimator not in group_estimators():
         return EpochSampler(len(rows), seed=seed, shuffle=shuffle), len(rows), None
     grouping = group_rows([row.uid for row in rows])
     line = grouping.summary([row.source for row in rows])
     if grouping.group_size <= 1 or 2 * grouping.singleton_rows > len(rows):
         raise ConfigError([
-            f"algorithm.adv_estimator=grpo: {line} — GRPO compares the responses to one prompt, so most rows here "
+            f"algorithm.adv_estimator={estimator}: {line} — it compares the responses to one prompt, so most rows here "
             "have nothing to compare with; give each row its prompt's group as 'uid' (or the same prompt), with "
             "several responses per prompt, or use algorithm.adv_estimator=gae"
         ])  # fmt: skip
@@ -98,8 +102,8 @@ def build_sampler(config: PPOConfig, rows: Sequence[Row]) -> tuple[EpochSampler 
     if batch % grouping.group_size:
         low = batch // grouping.group_size * grouping.group_size
         raise ConfigError([
-            f"data.train_batch_size={batch}: GRPO draws whole groups of {grouping.group_size} rows, so it must be "
-            f"a multiple of {grouping.group_size}, e.g. {max(low, grouping.group_size)} or "
+            f"data.train_batch_size={batch}: {estimator} draws whole groups of {grouping.group_size} rows, so it "
+            f"must be a multiple of {grouping.group_size}, e.g. {max(low, grouping.group_size)} or "
             f"{low + grouping.group_size} ({line})"
         ])  # fmt: skip
     sampler = GroupSampler(grouping.groups, seed=seed, shuffle=shuffle)

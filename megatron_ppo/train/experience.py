@@ -35,8 +35,10 @@ class Experience(Batch):
     ref_log_prob: NotRequired[torch.Tensor]  # [R, W]
     values: NotRequired[torch.Tensor]  # [R, W]
     token_level_rewards: torch.Tensor  # [R, W] score (last response token) − β·KL per token when KL is in the reward
-    advantages: torch.Tensor  # [R, W] GAE or GRPO, zero off the response
+    advantages: torch.Tensor  # [R, W] by algorithm.adv_estimator, zero off the response
     returns: torch.Tensor  # [R, W] critic targets
+    # [R, W] off-policy importance weights against the behaviour policy (algorithm.rollout_correction.rollout_is)
+    rollout_is_weights: NotRequired[torch.Tensor]
 
 
 def forward_per_token(
@@ -117,8 +119,11 @@ def compute_advantages(
     reward_kl_coef: float | None,
     normalizer: algo.RunningRewardNormalizer | None,
 ) -> tuple[Experience, dict[str, float]]:
-    """Token rewards (clipped/normalised sequence score on the last response token, minus β·KL when the KL is in
-    the reward), then GAE or GRPO advantages; with the reward metrics."""
+    """Off-policy correction against the rows' behaviour log-probs (`rollout_correction`: weights, rejected tokens
+    leave `loss_mask`), token rewards (clipped/normalised sequence score on the last response token, minus β·KL when
+    the KL is in the reward), then the advantages of `algorithm.adv_estimator`; with the reward and `rollout_corr/*`
+    metrics."""
+    batch, corrections, metrics = rollout_correction(config, batch, passes)
     mask = batch["loss_mask"]
     scores = batch["scores"]
     has_score = ~torch.isnan(scores)
@@ -129,24 +134,90 @@ def compute_advantages(
     token_scores = torch.where(
         has_score[:, None], algo.scores_to_token_level(clipped, mask), batch["token_level_scores"]
     )
-    metrics = {"reward/mean": float(token_scores.sum(-1).mean())}
+    metrics["reward/mean"] = float(token_scores.sum(-1).mean())
     rewards = token_scores
     if reward_kl_coef is not None:
         kl = algo.kl_penalty(passes["old_log_prob"], passes["ref_log_prob"], config.algorithm.kl_penalty) * mask
         rewards = algo.kl_penalized_rewards(token_scores, kl, reward_kl_coef, mask)
         metrics["kl/reward_penalty"] = float(algo.masked_mean(kl, mask, dim=-1).mean())
-    if config.algorithm.adv_estimator == "gae":
-        advantages, returns = algo.gae_advantages(
-            rewards, passes["values"], mask, config.algorithm.gamma, config.algorithm.lam
-        )
-    else:
-        advantages, returns = algo.grpo_advantages(
-            rewards, mask, batch["group"], norm_adv_by_std_in_grpo=config.algorithm.norm_adv_by_std_in_grpo
-        )
+    advantages, returns = estimate_advantages(config, rewards, batch, passes)
     experience = Experience(
-        **batch, **passes, token_level_rewards=rewards, advantages=advantages, returns=returns
+        **batch, **passes, **corrections, token_level_rewards=rewards, advantages=advantages, returns=returns
     )  # fmt: skip
     return experience, metrics
+
+
+def estimate_advantages(
+    config: PPOConfig, rewards: torch.Tensor, batch: Batch, passes: ForwardPasses
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`algorithm.adv_estimator` from the registry (`algo.advantages`), called with verl's keywords."""
+    settings = config.algorithm
+    values = {"values": passes["values"]} if "values" in passes else {}
+    return algo.get_adv_estimator_fn(settings.adv_estimator)(
+        token_level_rewards=rewards, response_mask=batch["loss_mask"], index=batch["group"], gamma=settings.gamma,
+        lam=settings.lam, norm_adv_by_std_in_grpo=settings.norm_adv_by_std_in_grpo, config=settings, **values,
+    )  # fmt: skip
+
+
+def rollout_correction(
+    config: PPOConfig, batch: Batch, passes: ForwardPasses
+) -> tuple[Batch, dict[str, torch.Tensor], dict[str, float]]:
+    """With behaviour log-probs μ in the rows: verl's correction of π_old (`old_log_prob`) against μ over the whole
+    batch — the `rollout_corr/*` diagnostics always, importance weights (`rollout_is`) and rejected tokens
+    (`rollout_rs`, removed from `loss_mask`) when set. The diagnostics cover the rows that carry behaviour log-probs;
+    weights and rejection need them on every row. Returns (batch, {"rollout_is_weights": …} or {}, metrics)."""
+    settings = config.algorithm.rollout_correction
+    applies = settings.rollout_is is not None or settings.rollout_rs is not None
+    rows_with = batch["behavior_rows"] if "behavior_log_prob" in batch else torch.zeros(0, dtype=torch.bool)
+    if applies and not (len(rows_with) and bool(rows_with.all())):
+        missing = len(batch["loss_mask"]) - int(rows_with.sum())
+        raise ValueError(f"algorithm.rollout_correction.rollout_is / rollout_rs weigh or reject tokens by the "
+                         f"behaviour policy's log-probs, but {missing} of this batch's {len(batch['loss_mask'])} rows "
+                         "carry none: give every row a 'behavior_log_probs' column (one log-prob per response "
+                         "token), or unset both")  # fmt: skip
+    if not bool(rows_with.any()):
+        return batch, {}, {}
+    mask = batch["loss_mask"] * rows_with[:, None]  # diagnostics over the rows that carry behaviour log-probs
+    log_ratio = passes["old_log_prob"] - batch["behavior_log_prob"]
+    weights, kept, metrics = algo.compute_rollout_correction_and_rejection_mask(
+        passes["old_log_prob"], batch["behavior_log_prob"], mask, rollout_is=settings.rollout_is,
+        rollout_is_threshold=settings.rollout_is_threshold,
+        rollout_is_batch_normalize=settings.rollout_is_batch_normalize, rollout_rs=settings.rollout_rs,
+        rollout_rs_threshold=settings.rollout_rs_threshold,
+    )  # fmt: skip
+    if weights is None:  # the weights' diagnostics (ESS) still say how far the rows are from the actor
+        _, would_be = algo.compute_rollout_correction_weights(log_ratio, mask, "token", settings.rollout_is_threshold)
+        metrics |= {f"rollout_corr/{key}": value for key, value in would_be.items()}
+    if settings.rollout_rs is not None:
+        batch = Batch(**{**batch, "loss_mask": kept})
+    return batch, ({} if weights is None else {"rollout_is_weights": weights}), metrics
+
+
+def offpolicy_report(config: PPOConfig, metrics: dict[str, float]) -> str | None:
+    """A line on how far the rows' behaviour policy is from the actor (the first batch's `rollout_corr/*`), a
+    warning when the effective sample size, or the share of tokens whose ratio π/μ lies inside
+    [1/threshold, threshold], is below `rollout_correction.min_eff_sample_size` (ESS alone misses a uniform shift:
+    weights all near 0 are as even as weights all near 1); None without behaviour log-probs."""
+    ess = metrics.get("rollout_corr/rollout_is_eff_sample_size")
+    if ess is None:
+        return None
+    floor = config.algorithm.rollout_correction.min_eff_sample_size
+    inside = (
+        1.0
+        - metrics["rollout_corr/rollout_is_ratio_fraction_high"]
+        - metrics["rollout_corr/rollout_is_ratio_fraction_low"]
+    )
+    numbers = (f"ESS {ess:.3f} of the tokens, ratio inside the threshold band on {inside:.3f} of them, KL(μ‖π) "
+               f"{metrics['rollout_corr/kl']:.4f} (k3 {metrics['rollout_corr/k3_kl']:.4f}), χ² token "
+               f"{metrics['rollout_corr/chi2_token']:.3f} / sequence {metrics['rollout_corr/chi2_seq']:.3f}, "
+               f"PPL actor {metrics['rollout_corr/training_ppl']:.3f} vs rows "
+               f"{metrics['rollout_corr/rollout_ppl']:.3f}")  # fmt: skip
+    if min(ess, inside) >= floor:
+        return f"behaviour log-probs vs the actor at step 0: {numbers}"
+    return (f"WARNING: the rows' behaviour policy is far from the actor at step 0 — {numbers}; below "
+            f"algorithm.rollout_correction.min_eff_sample_size={floor}: the rows were not sampled from this actor "
+            "(another checkpoint, or log-probs of another tokenisation?); consider rollout_correction.rollout_is / "
+            "rollout_rs, or check model.init_checkpoint")  # fmt: skip
 
 
 def experience_metrics(config: PPOConfig, experience: Experience) -> dict[str, float]:
@@ -160,7 +231,7 @@ def experience_metrics(config: PPOConfig, experience: Experience) -> dict[str, f
         kl = algo.kl_penalty(experience["old_log_prob"], experience["ref_log_prob"], kind)
         per_sequence = algo.masked_mean(kl, mask, dim=-1)
         out |= {"kl/mean": float(per_sequence.mean()), "kl/std": float(per_sequence.std())}
-    if config.algorithm.adv_estimator == "grpo":
+    if config.algorithm.adv_estimator in algo.group_estimators():
         out["grpo/singleton_groups"] = float((torch.bincount(experience["group"]) == 1).sum())
     if "values" in experience:
         out["critic/values_mean"] = float(algo.masked_mean(experience["values"], mask))

@@ -22,7 +22,13 @@ from megatron_ppo.models.offload import HostOffload
 from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.train.batch import build_sampler, collate
 from megatron_ppo.train.evaluation import Evaluator
-from megatron_ppo.train.experience import Experience, compute_advantages, experience_metrics, forward_passes
+from megatron_ppo.train.experience import (
+    Experience,
+    compute_advantages,
+    experience_metrics,
+    forward_passes,
+    offpolicy_report,
+)
 from megatron_ppo.train.guards import GuardAction, Guards, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import KLCoefficients
 from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff, micro_batch_keys
@@ -174,6 +180,8 @@ class PPOTrainer:
                 )
                 # 3. advantages: token rewards (clipped score, minus β·KL when the KL is in the reward), GAE or GRPO
                 experience, metrics = compute_advantages(config, batch, passes, self.kl.coef("reward"), self.normalizer)
+            if self.step == 0 and (report := offpolicy_report(config, metrics)):
+                self.logger.event(0, "offpolicy", report)
             metrics |= experience_metrics(config, experience)
             # 4. critic update: clipped value loss on the returns
             updates = [self._update("critic", experience, timings)] if self.critic is not None else []

@@ -69,25 +69,23 @@ def mini_batch_counts(batch: Experience) -> dict[str, float]:
 def actor_loss(
     config: ActorConfig, counts: dict[str, float], kl_loss_coef: float, vocab_size: int, chunk_tokens: int | None = None
 ) -> LossFn:
-    """loss = clipped surrogate + β_loss·KL(π‖π_ref) − entropy_coeff·H, each aggregated by `loss_agg_mode`; log-probs
-    and entropy over the vocabulary in chunks of `chunk_tokens` tokens (`model.logprob_chunk_tokens`)."""
+    """loss = policy loss (`actor.policy_loss.loss_mode`, weighted by the off-policy correction's
+    `rollout_is_weights` when the experience has them) + β_loss·KL(π‖π_ref) − entropy_coeff·H, each aggregated by
+    `loss_agg_mode`; log-probs and entropy over the vocabulary in chunks of `chunk_tokens` tokens
+    (`model.logprob_chunk_tokens`)."""
     agg = {"loss_agg_mode": config.loss_agg_mode, "loss_scale_factor": config.loss_scale_factor, **counts}
     dp = int(counts["dp_size"])
+    policy_loss = algo.get_policy_loss_fn(config.policy_loss.loss_mode)
+    pg_config = policy_loss_config(config, counts)
 
     def loss_fn(batch: Experience, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetricPart]]:
         mask = batch["loss_mask"]
         log_prob, entropy = vocab_parallel_log_probs(
             logits, batch["labels"], vocab_size=vocab_size, with_entropy=True, chunk_tokens=chunk_tokens
         )
-        is_weights = None
-        if config.behavior_is_cap is not None and "behavior_log_prob" in batch:
-            is_weights = algo.truncated_is_weights(
-                batch["old_log_prob"], batch["behavior_log_prob"], mask, cap=config.behavior_is_cap,
-                level=config.behavior_is_level,
-            )  # fmt: skip
-        pg_loss, pg_metrics = algo.policy_loss(
-            batch["old_log_prob"], log_prob, batch["advantages"], mask, clip_ratio_low=config.clip_ratio_low,
-            clip_ratio_high=config.clip_ratio_high, clip_ratio_c=config.clip_ratio_c, is_weights=is_weights, **agg,
+        pg_loss, pg_metrics = policy_loss(
+            batch["old_log_prob"], log_prob, batch["advantages"], mask, config.loss_agg_mode, pg_config,
+            batch.get("rollout_is_weights"),
         )  # fmt: skip
         loss = pg_loss
         parts = {"actor/pg_loss": MetricPart.loss_share(pg_loss, dp)}
@@ -105,6 +103,18 @@ def actor_loss(
         return loss, parts
 
     return loss_fn
+
+
+def policy_loss_config(config: ActorConfig, counts: dict[str, float]) -> algo.PolicyLossConfig:
+    """The policy loss's settings (verl's ActorConfig leaves) with the mini-batch counts as `global_batch_info`."""
+    settings = config.policy_loss
+    return algo.PolicyLossConfig(
+        clip_ratio=config.clip_ratio, clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
+        clip_ratio_c=config.clip_ratio_c, tau_pos=config.tau_pos, tau_neg=config.tau_neg,
+        clip_cov_ratio=settings.clip_cov_ratio, clip_cov_lb=settings.clip_cov_lb, clip_cov_ub=settings.clip_cov_ub,
+        kl_cov_ratio=settings.kl_cov_ratio, ppo_kl_coef=settings.ppo_kl_coef, dro_beta=settings.dro_beta,
+        global_batch_info={**counts, "loss_scale_factor": config.loss_scale_factor},
+    )  # fmt: skip
 
 
 def critic_loss(config: CriticConfig, counts: dict[str, float]) -> LossFn:

@@ -1,7 +1,8 @@
 """Actor and critic under TP, PP, TP×PP, PP with virtual stages, and DP, against the same weights at TP=1 PP=1,
 through the trainer's own experience and update path (`forward_passes`, `update_role`, `actor_loss`,
-`critic_loss`); and with token-budget micro-batches (use_dynamic_bsz) under virtual stages and DP, where each
-replica's own packing gives an odd count that the interleaved schedule refuses unless it is evened out."""
+`critic_loss`); with token-budget micro-batches (use_dynamic_bsz) under virtual stages and DP, where each
+replica's own packing gives an odd count that the interleaved schedule refuses unless it is evened out; then GSPO
+with sequence-level importance weights (`rollout_correction`), whose ratios and weights are per whole row."""
 
 from __future__ import annotations
 
@@ -51,9 +52,10 @@ def parity(request, tmp_path_factory) -> dict:
     layouts some selected test asks for: `-m floor` runs two)."""
     names = _selected_layouts(request)
     workdir = tmp_path_factory.mktemp("parity")
-    run_distributed(workers.reference, 1, str(workdir))
+    # sequence_level: a second actor update with GSPO and sequence-level importance weights, one ratio per whole row
+    run_distributed(workers.reference, 1, str(workdir), workers.MODEL, True)
     reports = {name: run_distributed(workers.parallel_layout, LAYOUTS[name][0], str(workdir), name, LAYOUTS[name][1],
-                                     workers.MODEL, MAX_TOKENS.get(name))
+                                     workers.MODEL, MAX_TOKENS.get(name), True)
                for name in names}  # fmt: skip
     weights = run_distributed(workers.compare_updated_weights, 1, str(workdir), names)[0]
     return {"reports": reports, "weights": weights, "workdir": Path(workdir)}
@@ -68,7 +70,8 @@ def test_experience_matches_single_process_on_every_rank(parity, name: str) -> N
 
 @pytest.mark.parametrize("name", layouts(LAYOUTS))
 def test_update_metrics_match_single_process_on_every_rank(parity, name: str) -> None:
-    required = {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss"}
+    required = {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss",
+                "gspo:actor/pg_loss", "gspo:actor/pg_clipfrac", "gspo:actor/ppo_kl"}  # fmt: skip
     assert_update_metrics_match(parity["reports"][name], name, required)
 
 

@@ -1,6 +1,7 @@
 """The trainer's update path: the gradient of a mini-batch does not depend on how it is cut into micro-batches
 (every loss_agg_mode, actor and critic, through the real loss functions and Megatron's schedule), and a skipped
-SFT step holds the learning-rate schedule; GRPO through the trainer keeps its groups whole."""
+SFT step holds the learning-rate schedule; GRPO through the trainer keeps its groups whole and logs the off-policy
+diagnostics of rows with behaviour log-probs."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_gradient_does_not_depend_on_the_micro_batch_cut_in_any_mode() -> None:
     print("\nlargest relative gradient difference against one micro-batch, by micro-batch size:")
     for name, differences in report.items():
         print(f"  {name:32s} " + "  ".join(f"{size}: {d:.1e}" for size, d in differences.items()))
-    assert len(report) == 10
+    assert len(report) == 11  # 5 modes × actor, critic; GSPO with sequence-level importance weights
     failing = {name: d for name, d in report.items() if max(d.values()) > 1e-5}
     assert not failing, f"gradients differ with the micro-batch cut: {failing}"
 
@@ -37,7 +38,10 @@ def test_grpo_through_the_trainer_keeps_groups_whole_with_zero_mean_advantages()
     assert not report["critic"], "GRPO needs no critic"
     assert report["group_counts"] == [4] * 8, f"a batch of 32 rows must hold 8 whole groups of 4: {report}"
     assert report["largest_group_mean_advantage"] < 1e-5
+    assert report["has_is_weights"], "rollout_correction.rollout_is=sequence must weigh the actor's loss"
     for metrics in report["history"]:
         assert metrics["grpo/singleton_groups"] == 0.0
+        assert 0 < metrics["rollout_corr/rollout_is_eff_sample_size"] <= 1, metrics  # logged every iteration
+        assert "rollout_corr/kl" in metrics and "rollout_corr/chi2_seq" in metrics
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         assert not bad, f"non-finite metrics: {bad}"

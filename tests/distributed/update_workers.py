@@ -6,6 +6,7 @@ import dataclasses
 import math
 import random
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from megatron_ppo.train.batch import collate, replica_micro_batches
 from megatron_ppo.train.experience import Experience
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, zero_grads
 from megatron_ppo.train.update import actor_loss, critic_loss, mini_batch_counts
-from tests.distributed.workers import MODEL, experience, rows, weights
+from tests.distributed.workers import MODEL, experience, gspo_config, rows, weights, with_sequence_is
 
 
 def _gradient(role_model, optimizer, batch: Experience, micro_batch_size: int, make_loss) -> torch.Tensor:
@@ -58,6 +59,16 @@ def gradients_by_cut(rank: int, world_size: int) -> dict[str, dict[int, float]]:
                             / whole.abs().max())
                 for size in (1, 2, 4)
             }  # fmt: skip
+    # GSPO's sequence ratio and sequence-level importance weights: one per whole row, whatever the cut
+    gspo = gspo_config(ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, entropy_coeff=0.01, loss_scale_factor=16))
+    corrected = with_sequence_is(batch, seed=4)
+    make_loss = partial(actor_loss, gspo, kl_loss_coef=0.1, vocab_size=MODEL.vocab_size)
+    whole = _gradient(actor, optimizers["actor"], corrected, 8, make_loss)
+    report["actor gspo + sequence IS"] = {
+        size: float((_gradient(actor, optimizers["actor"], corrected, size, make_loss) - whole)
+                    .abs().max() / whole.abs().max())
+        for size in (1, 2, 4)
+    }  # fmt: skip
     return report
 
 
@@ -76,22 +87,25 @@ def sft_skip_holds_the_schedule(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def grpo_rows(prompts: int, per_prompt: int, seed: int) -> list[Row]:
-    """`per_prompt` scored responses to each prompt, rows shuffled so that a group's rows are far apart."""
+    """`per_prompt` scored responses to each prompt with behaviour log-probs, rows shuffled so that a group's rows are
+    far apart."""
     rng = random.Random(seed)
     out = []
     for p in range(prompts):
         prompt = [rng.randrange(4, 16) for _ in range(rng.randint(3, 6))]
         for r in range(per_prompt):
-            out.append(Row(prompt_ids=prompt, response_ids=[rng.randrange(4, 16) for _ in range(rng.randint(1, 4))],
-                           reward=float(rng.choice([-1, 0, 1])), token_rewards=None, behavior_log_probs=None,
-                           uid=f"p{p}", data_source="test", source=f"test:{p * per_prompt + r}"))  # fmt: skip
+            response = [rng.randrange(4, 16) for _ in range(rng.randint(1, 4))]
+            out.append(Row(prompt_ids=prompt, response_ids=response, reward=float(rng.choice([-1, 0, 1])),
+                           token_rewards=None, behavior_log_probs=[-4 * rng.random() for _ in response], uid=f"p{p}",
+                           data_source="test", source=f"test:{p * per_prompt + r}"))  # fmt: skip
     rng.shuffle(out)
     return out
 
 
 def grpo_through_the_trainer(rank: int, world_size: int) -> dict[str, Any]:
     """The tiny recipe's model under GRPO on grouped rows: batches of whole groups, zero-mean advantages per group,
-    two finite iterations; the reference starts as a copy of the (random) actor."""
+    two finite iterations with sequence-level importance weights against the rows' behaviour log-probs; the
+    reference starts as a copy of the (random) actor."""
     from megatron_ppo.config import load_config
     from megatron_ppo.train.experience import compute_advantages, forward_passes
     from megatron_ppo.train.ppo import PPOTrainer
@@ -101,7 +115,7 @@ def grpo_through_the_trainer(rank: int, world_size: int) -> dict[str, Any]:
         "data.task=null", "model.allow_random_init=true", "algorithm.adv_estimator=grpo", "trainer.logger=[]",
         "data.train_batch_size=32", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8",
         "critic.ppo_mini_batch_size=16", "critic.ppo_micro_batch_size_per_gpu=8", "trainer.total_training_steps=2",
-        f"cluster.gpus_per_node={world_size}",
+        f"cluster.gpus_per_node={world_size}", "algorithm.rollout_correction.rollout_is=sequence",
     ])  # fmt: skip
     init_distributed(config.actor.megatron, seed=0)
     rows = grpo_rows(prompts=24, per_prompt=4, seed=5)
@@ -120,6 +134,7 @@ def grpo_through_the_trainer(rank: int, world_size: int) -> dict[str, Any]:
     batch = collate(batch_rows, pad_id=0)
     passes = forward_passes(config, batch, trainer.actor, trainer.ref, None)
     experience, _ = compute_advantages(config, batch, passes, None, None)
+    report["has_is_weights"] = "rollout_is_weights" in experience
     first_response_token = batch["loss_mask"].argmax(-1)
     advantage = experience["advantages"][torch.arange(len(batch_rows)), first_response_token]
     report["largest_group_mean_advantage"] = max(

@@ -11,6 +11,7 @@ final single process loads back at TP=1 to compare with the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from functools import partial
 from pathlib import Path
@@ -19,13 +20,22 @@ from typing import Any
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 
-from megatron_ppo.config.schema import ActorConfig, CriticConfig, MegatronConfig, ModelConfig, OptimConfig, PPOConfig
+from megatron_ppo.config.schema import (
+    ActorConfig,
+    CriticConfig,
+    MegatronConfig,
+    ModelConfig,
+    OptimConfig,
+    PolicyLossSettings,
+    PPOConfig,
+    RolloutCorrectionConfig,
+)
 from megatron_ppo.config.validate import resolve
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, run_micro_batches, unwrap
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.train.batch import collate, replica_micro_batches
-from megatron_ppo.train.experience import Experience, forward_passes
+from megatron_ppo.train.experience import Experience, forward_passes, rollout_correction
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, optimizer_step, zero_grads
 from megatron_ppo.train.update import actor_loss, critic_loss, mini_batch_counts, update_role
 
@@ -65,6 +75,28 @@ def experience(count: int, seed: int, passes: dict[str, torch.Tensor] | None = N
         **batch, **(passes or random_passes), token_level_rewards=torch.zeros(shape),
         advantages=torch.randn(shape, generator=generator), returns=torch.randn(shape, generator=generator),
     )  # fmt: skip
+
+
+def with_sequence_is(exp: Experience, seed: int) -> Experience:
+    """`exp` with behaviour log-probs near its old ones and the trainer's sequence-level importance weights over the
+    whole batch (`rollout_correction`, IcePop band [0.2, 5]: rows outside it get weight 0)."""
+    mask = exp["loss_mask"]
+    noise = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed)) * 0.3
+    behaviour = (exp["old_log_prob"] + noise).clamp(max=0.0) * mask
+    config = PPOConfig()
+    config.algorithm.rollout_correction = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="0.2_5.0")
+    rows_with = torch.ones(len(mask), dtype=torch.bool)
+    batch, corrections, _ = rollout_correction(
+        config, {**exp, "behavior_log_prob": behaviour, "behavior_rows": rows_with}, exp
+    )
+    assert "rollout_is_weights" in corrections
+    return Experience(**batch, **corrections)
+
+
+def gspo_config(config: ActorConfig) -> ActorConfig:
+    """`config` with GSPO (one ratio per whole row), aggregated as its paper does."""
+    return dataclasses.replace(config, policy_loss=PolicyLossSettings(loss_mode="gspo"),
+                               loss_agg_mode="seq-mean-token-mean")  # fmt: skip
 
 
 def ppo_config(layout: MegatronConfig, model: ModelConfig = MODEL) -> PPOConfig:
@@ -125,21 +157,24 @@ def weights(role_model) -> dict[str, torch.Tensor]:
     }
 
 
-def _experience_and_update(config: PPOConfig, actor, ref, critic) -> dict[str, Any]:
+def _experience_and_update(config: PPOConfig, actor, ref, critic, sequence_level: bool = False) -> dict[str, Any]:
     """The trainer's steps 2, 4 and 5 on the fixed batch: experience from the models, then one critic and one actor
-    update of one mini-batch each."""
+    update of one mini-batch each; with `sequence_level`, then a second actor update ("gspo") with GSPO's sequence
+    ratio and sequence-level importance weights."""
     batch = experience(ROWS, seed=3)
     passes = forward_passes(config, batch, actor, ref, critic)
     exp = experience(ROWS, seed=3, passes=dict(passes))
     out: dict[str, Any] = {"passes": {k: v.clone() for k, v in passes.items()}}
-    for role, model, make_loss in (
-        ("critic", critic, partial(critic_loss, config.critic)),
-        ("actor", actor, partial(actor_loss, config.actor, kl_loss_coef=0.1, vocab_size=config.model.vocab_size)),
-    ):
+    kl = {"kl_loss_coef": 0.1, "vocab_size": config.model.vocab_size}
+    steps = [("critic", critic, partial(critic_loss, config.critic), exp),
+             ("actor", actor, partial(actor_loss, config.actor, **kl), exp)]  # fmt: skip
+    if sequence_level:
+        steps.append(("gspo", actor, partial(actor_loss, gspo_config(config.actor), **kl), with_sequence_is(exp, 4)))
+    for role, model, make_loss, role_experience in steps:
         optimizer = build_optimizer(model, OPTIM, config.actor.megatron)
-        role_config = getattr(config, role)
+        role_config = config.critic if role == "critic" else config.actor
         update = update_role(
-            role, model, optimizer, build_scheduler(optimizer, OPTIM, total_steps=1), exp, epochs=1,
+            role, model, optimizer, build_scheduler(optimizer, OPTIM, total_steps=1), role_experience, epochs=1,
             mini_batch_size=ROWS, micro_batch_size=role_config.ppo_micro_batch_size_per_gpu,
             max_tokens=role_config.ppo_max_token_len_per_gpu if role_config.use_dynamic_bsz else None,
             clip_grad=OPTIM.clip_grad, make_loss=make_loss,
@@ -149,7 +184,9 @@ def _experience_and_update(config: PPOConfig, actor, ref, critic) -> dict[str, A
     return out
 
 
-def reference(rank: int, world_size: int, workdir: str, model: ModelConfig = MODEL) -> None:
+def reference(
+    rank: int, world_size: int, workdir: str, model: ModelConfig = MODEL, sequence_level: bool = False
+) -> None:
     """TP=1 PP=1 on one process: save initial weights, run experience and update, save updated weights."""
     workdir = Path(workdir)
     init_distributed(MegatronConfig(), seed=SEED)
@@ -160,7 +197,7 @@ def reference(rank: int, world_size: int, workdir: str, model: ModelConfig = MOD
     save(actor, workdir / "initial" / "actor")
     save(critic, workdir / "initial" / "critic")
     load(ref, workdir / "initial" / "actor")
-    result = _experience_and_update(ppo_config(MegatronConfig(), model), actor, ref, critic)
+    result = _experience_and_update(ppo_config(MegatronConfig(), model), actor, ref, critic, sequence_level)
     torch.save({**result, "actor_weights": weights(actor), "critic_weights": weights(critic)}, workdir / "reference.pt")
 
 
@@ -172,6 +209,7 @@ def parallel_layout(
     layout: MegatronConfig,
     model: ModelConfig = MODEL,
     max_tokens: int | None = None,
+    sequence_level: bool = False,
 ) -> dict[str, Any]:
     """Load the reference weights into `layout`, repeat experience and update (in token-budget micro-batches of
     `max_tokens` when given); report differences from the reference (every rank holds the experience and the
@@ -189,18 +227,18 @@ def parallel_layout(
     if max_tokens is not None:
         for role in (config.actor, config.critic):
             role.use_dynamic_bsz, role.ppo_max_token_len_per_gpu = True, max_tokens
-    ours = _experience_and_update(config, actor, ref, critic)
+    ours = _experience_and_update(config, actor, ref, critic, sequence_level)
+    roles = ("actor", "critic", "gspo") if sequence_level else ("actor", "critic")
     report: dict[str, Any] = {
-        "actor_grad_norm": (ours["actor_grad_norm"], expected["actor_grad_norm"]),
-        "critic_grad_norm": (ours["critic_grad_norm"], expected["critic_grad_norm"]),
+        **{f"{role}_grad_norm": (ours[f"{role}_grad_norm"], expected[f"{role}_grad_norm"]) for role in roles},
         "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True),
         "value_head_on_this_rank": any(
             type(getattr(unwrap(c), "output_layer", None)).__name__ == "ValueHead" for c in critic.chunks
         ),
         "ref_weights_unchanged": all(torch.equal(v, frozen_before[k]) for k, v in weights(ref).items()),
         "ref_has_no_grad": all(not p.requires_grad for c in ref.chunks for p in c.parameters()),
-        "metrics": {key: (value, expected[f"{key.split('/')[0]}_metrics"][key])
-                    for role in ("actor", "critic") for key, value in ours[f"{role}_metrics"].items()},
+        "metrics": {(f"gspo:{key}" if role == "gspo" else key): (value, expected[f"{role}_metrics"][key])
+                    for role in roles for key, value in ours[f"{role}_metrics"].items()},
     }  # fmt: skip
     mask = experience(ROWS, seed=3)["loss_mask"]  # padding positions hold whatever the model gave there
     for key in ("old_log_prob", "ref_log_prob", "values"):

@@ -8,7 +8,6 @@ import torch
 import verl.utils.torch_functional as verl_F
 from omegaconf import OmegaConf
 from verl.trainer.ppo import core_algos as verl
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 
 from megatron_ppo import algo
 from tests.parity.helpers import SHAPES, assert_matches_verl, make_batch
@@ -51,12 +50,14 @@ def _verl_actor_config(clip_low: float, clip_high: float, clip_c: float, **batch
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.parametrize(("clip_low", "clip_high", "clip_c"), [(0.2, 0.2, 3.0), (0.2, 0.28, 3.0), (0.1, 0.3, 1.5)])
-def test_policy_loss_matches_verl(mode: str, shape, clip_low: float, clip_high: float, clip_c: float) -> None:
+def test_vanilla_policy_loss_clip_settings_match_verl(
+    mode: str, shape, clip_low: float, clip_high: float, clip_c: float
+) -> None:
     b = make_batch(*shape, seed=3)
-    kwargs = {"clip_ratio_low": clip_low, "clip_ratio_high": clip_high, "clip_ratio_c": clip_c, "loss_agg_mode": mode}
+    config = algo.PolicyLossConfig(clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=clip_c)
 
     def ours_fn(log_prob):
-        return algo.policy_loss(b["old_log_prob"], log_prob, b["advantages"], b["mask"], **kwargs)
+        return algo.get_policy_loss_fn("vanilla")(b["old_log_prob"], log_prob, b["advantages"], b["mask"], mode, config)
 
     def theirs_fn(log_prob):
         cfg = _verl_actor_config(clip_low, clip_high, clip_c)
@@ -69,36 +70,10 @@ def test_policy_loss_matches_verl(mode: str, shape, clip_low: float, clip_high: 
     (our_loss, our_metrics), (their_loss, their_metrics) = ours_fn(our_lp), theirs_fn(their_lp)
     our_loss.backward()
     their_loss.backward()
-    assert_matches_verl(f"policy_loss[{mode}]", our_loss, their_loss)
-    assert_matches_verl(f"policy_loss[{mode}] grad", our_lp.grad, their_lp.grad)
+    assert_matches_verl(f"policy_loss[vanilla, {mode}]", our_loss, their_loss)
+    assert_matches_verl(f"policy_loss[vanilla, {mode}] grad", our_lp.grad, their_lp.grad)
     for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-        assert_matches_verl(f"policy_loss {key}", our_metrics[key], their_metrics[f"actor/{key}"])
-
-
-@pytest.mark.parametrize("mode", AGG_MODES)
-def test_policy_loss_with_global_batch_counts_and_is_weights_matches_verl(mode: str) -> None:
-    b = make_batch(16, 20, seed=4)
-    weights = algo.truncated_is_weights(b["old_log_prob"], b["ref_log_prob"], b["mask"], cap=2.0)
-    info = {"dp_size": 4, "batch_num_tokens": 777, "global_batch_size": 61, "loss_scale_factor": 64}
-    ours, _ = algo.policy_loss(
-        b["old_log_prob"], b["log_prob"], b["advantages"], b["mask"], clip_ratio_low=0.2, clip_ratio_high=0.28,
-        clip_ratio_c=3.0, loss_agg_mode=mode, is_weights=weights, **info,
-    )  # fmt: skip
-    theirs, _ = verl.compute_policy_loss_vanilla(
-        b["old_log_prob"], b["log_prob"], b["advantages"], b["mask"], loss_agg_mode=mode,
-        config=_verl_actor_config(0.2, 0.28, 3.0, **info), rollout_is_weights=weights,
-    )  # fmt: skip
-    assert_matches_verl(f"policy_loss[{mode}] global counts + IS", ours, theirs)
-
-
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_truncated_is_weights_match_verl(level: str) -> None:
-    b = make_batch(16, 24, seed=5)
-    ours = algo.truncated_is_weights(b["old_log_prob"], b["ref_log_prob"], b["mask"], cap=2.0, level=level)
-    theirs, _ = compute_rollout_correction_weights(
-        b["old_log_prob"] - b["ref_log_prob"], b["mask"], rollout_is=level, rollout_is_threshold=2.0
-    )
-    assert_matches_verl(f"truncated_is_weights[{level}]", ours, theirs)
+        assert_matches_verl(f"policy_loss[vanilla] {key}", our_metrics[key], their_metrics[f"actor/{key}"])
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -62,11 +62,14 @@ def test_unknown_kl_kind_names_the_valid_ones() -> None:
 
 def _one_token(advantage: float, log_ratio: float, **kwargs) -> float:
     mask = torch.ones(1, 1)
-    loss, _ = algo.policy_loss(
-        torch.zeros(1, 1), torch.full((1, 1), log_ratio), torch.full((1, 1), advantage), mask,
-        clip_ratio_low=kwargs.get("low", 0.2), clip_ratio_high=kwargs.get("high", 0.28),
-        clip_ratio_c=kwargs.get("c", 3.0), loss_agg_mode="token-sum",
-    )  # fmt: skip
+    config = algo.PolicyLossConfig(
+        clip_ratio_low=kwargs.get("low", 0.2),
+        clip_ratio_high=kwargs.get("high", 0.28),
+        clip_ratio_c=kwargs.get("c", 3.0),
+    )
+    loss, _ = algo.get_policy_loss_fn("vanilla")(
+        torch.zeros(1, 1), torch.full((1, 1), log_ratio), torch.full((1, 1), advantage), mask, "token-sum", config
+    )
     return loss.item()
 
 
@@ -196,5 +199,7 @@ def test_grpo_singleton_group_keeps_its_score_and_groups_are_centred() -> None:
 def test_truncated_is_weights_cap_and_zero_padding() -> None:
     log_prob = torch.tensor([[0.0, 0.0, 0.0]])
     behavior = torch.tensor([[-5.0, 0.5, 0.0]])
-    weights = algo.truncated_is_weights(log_prob, behavior, torch.tensor([[1.0, 1.0, 0.0]]), cap=2.0)
+    weights, _ = algo.compute_rollout_correction_weights(
+        log_prob - behavior, torch.tensor([[1.0, 1.0, 0.0]]), "token", 2.0
+    )
     torch.testing.assert_close(weights, torch.tensor([[2.0, math.exp(-0.5), 0.0]]))

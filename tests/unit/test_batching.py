@@ -148,9 +148,9 @@ def test_grpo_sampling_refuses_singleton_data_and_a_batch_that_would_split_group
     sizes = [f"{role}.{key}" for role in ("actor", "critic")
              for key in ("ppo_mini_batch_size=8", "ppo_micro_batch_size_per_gpu=4")]  # fmt: skip
     config = load_config(tiny, ["algorithm.adv_estimator=grpo", "data.train_batch_size=8", *sizes])
-    with pytest.raises(ConfigError, match=r"grpo: 6 groups of 1 rows.*6 rows alone in their group — GRPO compares"):
+    with pytest.raises(ConfigError, match=r"grpo: 6 groups of 1 rows.*6 rows alone in their group — it compares"):
         build_sampler(config, _rows(["a", "a", *"bcdefg"]))
-    with pytest.raises(ConfigError, match=r"train_batch_size=8: GRPO draws whole groups of 3 rows.* e\.g\. 6 or 9"):
+    with pytest.raises(ConfigError, match=r"train_batch_size=8: grpo draws whole groups of 3 rows.* e\.g\. 6 or 9"):
         build_sampler(config, _rows([u for u in "abcd" for _ in range(3)]))
     config.data.train_batch_size = 6
     sampler, sampled, line = build_sampler(config, _rows([*(u for u in "abcd" for _ in range(3)), "e"]))

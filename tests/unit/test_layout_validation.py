@@ -35,8 +35,8 @@ def test_context_parallel_on_cpu_and_with_per_row_means_is_refused() -> None:
     per_row = _problems(RECIPE, [*CP2, "critic.loss_agg_mode=seq-mean-token-mean"])
     assert any("critic.loss_agg_mode='seq-mean-token-mean'" in p for p in per_row), per_row
     assert not any("actor.loss_agg_mode" in p for p in per_row)
-    sequence_is = _problems(RECIPE, [*CP2, "actor.behavior_is_cap=2.0", "actor.behavior_is_level=sequence"])
-    assert any("behavior_is_level='sequence'" in p for p in sequence_is), sequence_is
+    gspo = _problems(RECIPE, [*CP2, "actor.policy_loss.loss_mode=gspo"])
+    assert any("loss_mode='gspo' takes one ratio per whole row" in p for p in gspo), gspo
 
 
 def test_the_reference_offloads_only_its_weights() -> None:
