@@ -13,7 +13,7 @@ from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.compose import CONFIG_DIR
 from megatron_ppo.train.kl_coefficients import build_kl_coefficients
 
-REPO = CONFIG_DIR.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"
 ALL_CONFIGS = sorted([*CONFIG_DIR.rglob("*.yaml"), *(REPO / "recipes").glob("*.yaml")])
 

@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from megatron_ppo.config import ConfigError, load_config
-from megatron_ppo.config.compose import CONFIG_DIR
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig
 from megatron_ppo.models import build_transformer_config
 from megatron_ppo.models.moe import pad_tokens, routing_padding_mask
 
-TINY_MOE = CONFIG_DIR.parent / "recipes" / "tiny-moe-cpu.yaml"
+TINY_MOE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-moe-cpu.yaml"
 ALL_ROLES = ("actor", "ref", "critic")
 
 
