@@ -353,8 +353,8 @@ class PPOTrainer:
         guards.rollbacks += 1
         for role in self.schedulers:
             self._scale_learning_rate(role, action.factor)
-        self.logger.event(fired_at, "guard/rollback", f"rolled back to {path} ({why}), learning rates × "
-                          f"{action.factor}; the run continues from step {self.step}")  # fmt: skip
+        self.logger.event(fired_at, "guard/rollback", f"rolled back to {path}, learning rates × {action.factor}; the "
+                          f"run continues from step {self.step}. Why this checkpoint: {why}")  # fmt: skip
         self.logger.log(fired_at, {"guard/rollback": float(guards.rollbacks)})
 
     # --- evaluation ----------------------------------------------------------------------------------------------
