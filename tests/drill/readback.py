@@ -34,7 +34,10 @@ class DrillRow:
 
 
 def _accumulator(log_dir: str | Path) -> EventAccumulator:
-    accumulator = EventAccumulator(str(find_runs(log_dir)[-1]), size_guidance={"scalars": 0, "tensors": 0})
+    # every event, also those of steps a rollback repeated (TensorBoard would purge them by default)
+    accumulator = EventAccumulator(
+        str(find_runs(log_dir)[-1]), size_guidance={"scalars": 0, "tensors": 0}, purge_orphaned_data=False
+    )
     accumulator.Reload()
     return accumulator
 
