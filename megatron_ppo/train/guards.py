@@ -228,14 +228,9 @@ class Guards:
 
 def scale_learning_rate(scheduler: Any, factor: float, floor: float = 0.0) -> float:
     """Scale a Megatron `OptimizerParamScheduler`'s peak and floor learning rates from now on by a back-off `factor`
-    ≤ 1, never taking the peak below `floor` (nor raising it); returns the factor applied. megatron-core's parameter
-    groups carry their own `max_lr`/`min_lr`, which the schedule reads before its own: those are scaled too."""
+    ≤ 1, never taking the peak below `floor` (nor raising it); returns the factor applied."""
     applied = min(1.0, max(factor, floor / scheduler.max_lr if scheduler.max_lr > 0 else 0.0))
     scheduler.max_lr *= applied
     scheduler.min_lr *= applied
-    for group in scheduler.optimizer.param_groups:
-        for key in ("max_lr", "min_lr"):
-            if key in group:
-                group[key] *= applied
     scheduler.step(0)
     return applied
