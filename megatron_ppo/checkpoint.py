@@ -8,8 +8,8 @@ until the new one is in place; `restore_replaced` undoes a save killed between t
 Megatron's sharded state dicts, so a checkpoint saved at one TP/PP layout loads at another.
 
 A training run's checkpoints hold its identity (`run.json`, see `run_identity.py`). Resuming and rolling back
-follow one run only, and pruning removes only that run's older checkpoints, never the one `latest` names (which is
-also the one a rollback loads).
+follow one run only, and pruning removes only that run's older checkpoints, never the one `latest` names (nor those
+the caller protects: the trainer's good checkpoint, which a rollback loads, and its best evaluation's).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +59,14 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     run: RunIdentity | None = None,
     keep: int | None = None,
-    protect: str | Path | None = None,
+    protect: Sequence[str | Path] = (),
 ) -> Path:
     """Save models (and their optimizers) under their role names, `trainer_state` (plain Python/tensors) and the
     identity of the `run` saving them (None: an initialisation, such as the SFT start, that no run resumes).
 
-    With `keep`, the run's own checkpoints beyond the newest `keep` are then deleted (`_prune`), except `protect`
-    (the best evaluation's checkpoint, which an evaluation-drop rollback returns to)."""
+    With `keep`, the run's own checkpoints beyond the newest `keep` are then deleted (`_prune`), except those in
+    `protect` (the best evaluation's, which an evaluation-drop rollback returns to, and the good one a guard
+    rollback returns to)."""
     if keep and run is None:
         raise ValueError("pruning (keep) needs the run identity: only a run's own checkpoints are pruned")
     root = Path(root)
@@ -97,7 +99,7 @@ def save_checkpoint(
         point_latest_at(final)
         shutil.rmtree(replaced, ignore_errors=True)
         if keep:
-            _prune(root, run.run_id, keep, step, None if protect is None else Path(protect))
+            _prune(root, run.run_id, keep, step, [Path(p) for p in protect])
     barrier()
     return final
 
@@ -119,7 +121,7 @@ def point_latest_at(checkpoint: Path) -> None:
     tracker.replace(checkpoint.parent / LATEST)
 
 
-def _prune(root: Path, run_id: str, keep: int, step: int, protect: Path | None = None) -> None:
+def _prune(root: Path, run_id: str, keep: int, step: int, protect: Sequence[Path] = ()) -> None:
     """Delete the complete checkpoints of run `run_id` beyond the `keep` newest of its current line of training.
 
     The line of training is the checkpoints up to `step`, newest first; a checkpoint past `step` (left by a branch
@@ -129,7 +131,7 @@ def _prune(root: Path, run_id: str, keep: int, step: int, protect: Path | None =
     own = [(s, path) for s, path in complete_checkpoints(root) if run_of(path) == run_id]
     own.sort(key=lambda item: (item[0] <= step, item[0]), reverse=True)
     for _, path in own[keep:]:
-        if protect is not None and path.resolve() == protect.resolve():
+        if any(path.resolve() == p.resolve() for p in protect):
             continue
         shutil.rmtree(path, ignore_errors=True)
 
@@ -190,18 +192,6 @@ def find_resumable(root: str | Path) -> Path | None:
             logger.warning("%s holds checkpoints of %d runs and no usable %s: not choosing", root, len(runs), LATEST)
             return None
     own = [path for _, path in complete if run_of(path) in runs]
-    return own[-1] if own else None
-
-
-def latest_of_run(root: str | Path, run_id: str) -> Path | None:
-    """The checkpoint a rollback of run `run_id` loads: the one `latest` names when it is complete and this run's
-    (the last known good state: the newest the run saved), else this run's newest complete one; None when the run
-    has none yet. Another run's checkpoint is never returned."""
-    root = Path(root)
-    named = named_by_latest(root)
-    if named is not None and is_complete(named) and run_of(named) == run_id:
-        return named
-    own = [path for _, path in complete_checkpoints(root) if run_of(path) == run_id]
     return own[-1] if own else None
 
 

@@ -6,10 +6,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
 from megatron_ppo.config import ConfigError, load_config
+
+if TYPE_CHECKING:
+    from megatron_ppo.train.guards import GuardStopped
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -20,6 +24,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from megatron_ppo.tasks import addition
+    from megatron_ppo.train.guards import GuardStopped
     from megatron_ppo.train.preemption import JobStopped, Preempted, watching
     from megatron_ppo.train.run import train
 
@@ -31,7 +36,18 @@ def _train(args: argparse.Namespace) -> int:
         then = "the job is requeued" if isinstance(stop, Preempted) else "the next job resumes from it"
         print(f"stopped early: saved {stop}; exiting with {stop.exit_status}, {then}", file=sys.stderr)
         return stop.exit_status
+    except GuardStopped as stop:
+        report_guard_stop(stop)
+        return stop.exit_status
     return 0
+
+
+def report_guard_stop(stop: GuardStopped) -> None:
+    """A guard's stop as one line on stderr, from the first process only (every rank stops at the same guard)."""
+    from megatron_ppo.parallel import dist_env_from_environment
+
+    if dist_env_from_environment().rank == 0:
+        print(f"stopped: {stop}; exiting with {stop.exit_status} (not requeued)", file=sys.stderr)
 
 
 def _compare_kl(args: argparse.Namespace) -> int:

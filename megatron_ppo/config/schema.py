@@ -353,13 +353,13 @@ class WatchConfig:
     """A watched metric: when `metric` first rises above `max` (and again after it has come back under), the run
     logs a guard event and does `action` (warn only, back off every learning rate, or bump every KL β)."""
 
-    metric: str = "kl/mean"
+    metric: str = "actor/ref_kl"  # the KL of the actor update (train/guards.py, UPDATE_KL)
     max: float = 0.05
     action: str = "warn"  # one of WATCH_ACTIONS (checked in validate: list items are not walked by field rules)
 
 
 def _default_watch() -> list[WatchConfig]:
-    return [WatchConfig("kl/mean", 0.05), WatchConfig("kl/std", 0.02), WatchConfig("critic/vf_loss", 0.5)]
+    return [WatchConfig("actor/ref_kl", 0.05), WatchConfig("kl/std", 0.02), WatchConfig("critic/vf_loss", 0.5)]
 
 
 @dataclass

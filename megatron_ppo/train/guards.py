@@ -6,11 +6,12 @@ Per iteration (`Guards.observe`):
 - Gradient norm, per role (measured before clipping): above the absolute `grad_norm_threshold`, or above
   `grad_norm_spike_factor` × the median of the last `grad_norm_window` iterations → `lr_backoff` of that role by
   `lr_backoff_factor` (one back-off per role and iteration).
-- KL explosion: KL(actor‖ref) per token above `kl_explosion_threshold` → `rollback` to the last good checkpoint with
-  the learning rates × `rollback_lr_factor`, at most `max_rollbacks` times (all rollbacks count together).
+- KL explosion: the KL of this iteration's update (`UPDATE_KL`, below) above `kl_explosion_threshold`, or not finite
+  → `rollback` to the last good checkpoint with the learning rates × `rollback_lr_factor`, at most `max_rollbacks`
+  times (all rollbacks count together).
 - Loss explosion: a non-finite loss, or |loss| above `loss_explosion_factor` × its running median (actor: the
   policy-gradient loss, critic: the value loss) → `rollback`, as for the KL.
-- KL bump: KL per token above `kl_bump_threshold` → `kl_bump`: every active β × `kl_bump_factor`, within the
+- KL bump: the update's KL above `kl_bump_threshold` → `kl_bump`: every active β × `kl_bump_factor`, within the
   controllers' clamps.
 - Watch: each `watch` rule logs an event when its metric rises above its `max` (once per crossing) and does its
   action: `warn`, `lr_backoff` (every role, `lr_backoff_factor`) or `kl_bump`.
@@ -20,7 +21,16 @@ Per evaluation (`Guards.observe_evaluation`):
 - Plateau (off unless `plateau_evaluations` > 0): no new best in that many evaluations → `lr_backoff` of every role
   by `plateau_lr_factor`.
 A stage of the KL schedule may override any numeric threshold (its `guards:` mapping). The guards change nothing
-but their own history: the trainer carries out the actions and logs their messages.
+but their own history: the trainer carries out the actions and logs their messages; a `stop` ends the run with
+`GuardStopped` (exit status `GUARD_STOP_EXIT`).
+
+The KL guards read the policy this iteration's update made, not the one it started from: `kl/mean` is measured in
+the experience, before the update, so a bad update would show there only one iteration later — after the save that
+closed it. `actor/ref_kl` is the actor update's own estimate, KL(π_θ‖π_ref) per response token (the estimator of
+`kl/mean`) under the weights each mini-batch is trained from, averaged over the update's mini-batches; it sees
+every optimizer step of the iteration but its last, which the next iteration's guards see before that save counts
+as good (`PPOTrainer`, "good checkpoints"). Without an actor update (critic warm-up) the policy did not move and
+`kl/mean` is its KL.
 """
 
 from __future__ import annotations
@@ -34,6 +44,9 @@ from typing import Any, Literal
 from megatron_ppo.config.schema import GuardsConfig
 
 ROLE_LOSSES = {"actor": "actor/pg_loss", "critic": "critic/vf_loss"}
+UPDATE_KL = "actor/ref_kl"  # the actor update's KL to the reference (train/update.py, `actor_loss`)
+EXPERIENCE_KL = "kl/mean"  # the KL of the policy before the update (train/experience.py): the controller's input
+GUARD_STOP_EXIT = 3  # a guard's stop: not 0 (a chained job must not start), not 75 (`Preempted`: no requeue)
 ActionKind = Literal["lr_backoff", "rollback", "kl_bump", "warn", "stop"]
 
 
@@ -53,6 +66,19 @@ class GuardAction:
     max_rollbacks: int = 0
     target: Literal["latest", "best_eval"] = "latest"
     value: float = math.nan  # the measured value that fired the guard (logged as `guard/<guard>`)
+
+
+class GuardStopped(Exception):
+    """A guard's `stop`, once carried out: its message names the guard, the value, the threshold and the checkpoint
+    left; the command line prints it and exits `exit_status`."""
+
+    exit_status = GUARD_STOP_EXIT
+
+
+def guarded_kl(metrics: dict[str, float]) -> float | None:
+    """The KL the KL guards read: the update's `UPDATE_KL` when the actor was updated, else `EXPERIENCE_KL`; None
+    without a KL term."""
+    return metrics.get(UPDATE_KL, metrics.get(EXPERIENCE_KL))
 
 
 class Guards:
@@ -87,8 +113,9 @@ class Guards:
         rollback = self._loss_explosion(config, metrics, skipped) or self._kl_explosion(config, metrics)
         if rollback is not None:
             actions.append(rollback)
-        kl = metrics.get("kl/mean", math.nan)
-        if config.kl_bump_threshold is not None and math.isfinite(kl) and kl > config.kl_bump_threshold:
+        kl = guarded_kl(metrics)
+        bump = config.kl_bump_threshold
+        if bump is not None and kl is not None and math.isfinite(kl) and kl > bump:
             actions.append(GuardAction("kl_bump", "kl_bump", f"KL {kl:.3g} > guards.kl_bump_threshold="
                                        f"{config.kl_bump_threshold}: every KL β × {config.kl_bump_factor}",
                                        factor=config.kl_bump_factor, value=kl))  # fmt: skip
@@ -137,8 +164,8 @@ class Guards:
                            max_rollbacks=config.max_rollbacks, value=fired[1])  # fmt: skip
 
     def _kl_explosion(self, config: GuardsConfig, metrics: dict[str, float]) -> GuardAction | None:
-        kl = metrics.get("kl/mean", math.nan)
-        if not (math.isfinite(kl) and kl > config.kl_explosion_threshold):
+        kl = guarded_kl(metrics)
+        if kl is None or kl <= config.kl_explosion_threshold:  # (a NaN KL is no better: non-finite weights)
             return None
         return GuardAction("rollback", "kl_explosion", f"KL {kl:.3g} > guards.kl_explosion_threshold="
                            f"{config.kl_explosion_threshold}: roll back", factor=config.rollback_lr_factor,

@@ -1,5 +1,14 @@
 """The offline PPO loop: read rows → experience → advantages → critic/actor updates → KL control, guards,
-metrics, checkpoints (`docs/design.md`, "One PPO iteration"; `PPOTrainer.iteration` numbers the steps)."""
+metrics, checkpoints (`docs/design.md`, "One PPO iteration"; `PPOTrainer.iteration` numbers the steps).
+
+Good checkpoints: a save after iteration N holds the policy that iteration N+1 starts from, and only N+1 measures
+all of it — its experience KL, its losses and values, and the one optimizer step of N that N's own update KL could
+not see (its last). So a save is *unconfirmed* until the next iteration's guards ask for no rollback or stop; it is
+then the *good* checkpoint, the one a rollback loads and a guard stop leaves for a resume. A rollback fired by N+1
+therefore returns past the save at N, even when the fault came with N+1's own update: the guards cannot tell which
+update a bad iteration inherited, and one more save interval of work is the price of never reloading a blown-up
+policy (`docs/design.md`, "Good checkpoints").
+"""
 
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ from megatron_ppo.models import build_role_model, copy_weights
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.models.kernels import describe_kernels
 from megatron_ppo.models.offload import HostOffload
+from megatron_ppo.parallel.collectives import barrier, global_rank
 from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.train.batch import build_sampler, collate
 from megatron_ppo.train.evaluation import Evaluator
@@ -29,7 +39,7 @@ from megatron_ppo.train.experience import (
     forward_passes,
     offpolicy_report,
 )
-from megatron_ppo.train.guards import GuardAction, Guards, scale_learning_rate
+from megatron_ppo.train.guards import EXPERIENCE_KL, GuardAction, Guards, GuardStopped, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import KLCoefficients
 from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff, micro_batch_keys
 from megatron_ppo.train.metrics import MetricsLogger
@@ -105,6 +115,8 @@ class PPOTrainer:
         self.best_checkpoint: str | None = None  # the checkpoint of the best evaluation (eval-drop rollbacks)
         self.evaluations: dict[int, dict[str, float]] = {}
         self.saved: tuple[int, Path] | None = None  # (step, path) of the last save
+        self.good_checkpoint: str | None = None  # the newest save whose policy passed the next iteration's guards
+        self.unconfirmed: str | None = None  # a save the next iteration's guards have not judged yet
         self.step = 0
         self.skipped_steps = 0
         self.logger.event(0, "run", f"{trainer.project_name}/{trainer.experiment_name}")
@@ -127,6 +139,7 @@ class PPOTrainer:
             "guards": self.guards.state_dict(),
             "memory": self.memory.state_dict(),
             "best_checkpoint": self.best_checkpoint,
+            "good_checkpoint": self.good_checkpoint,  # as of this save, which is itself unconfirmed
             "evaluation": self.evaluations.get(self.step),
         }
 
@@ -141,6 +154,7 @@ class PPOTrainer:
         self.guards.load_state_dict(state["guards"])
         self.memory.load_state_dict(state["memory"])
         self.best_checkpoint = state["best_checkpoint"]
+        self.good_checkpoint = state.get("good_checkpoint")  # (absent in checkpoints saved before it was kept)
 
     def save(self) -> Path:
         if self.saved is not None and self.saved[0] == self.step:
@@ -149,10 +163,11 @@ class PPOTrainer:
             sync_parameters(model)  # a distributed-optimizer step may still be gathering weights (CUDA overlap)
         path = checkpoint.save_checkpoint(
             self.config.trainer.default_local_dir, self.step, self.models, self.optimizers, self.trainer_state(),
-            run=self.run.identity, keep=self.config.trainer.max_ckpt_to_keep, protect=self.best_checkpoint,
+            run=self.run.identity, keep=self.config.trainer.max_ckpt_to_keep,
+            protect=[p for p in (self.best_checkpoint, self.good_checkpoint) if p],
         )  # fmt: skip
-        self.logger.event(self.step, "checkpoint", f"saved {path}")
-        self.saved = (self.step, path)
+        self.logger.event(self.step, "checkpoint", f"saved {path} (good once the next iteration's guards pass)")
+        self.saved, self.unconfirmed = (self.step, path), str(path)
         return path
 
     def resume(self) -> Path | None:
@@ -160,6 +175,7 @@ class PPOTrainer:
         path = self.run.resume_from
         if path is not None:
             self.load_trainer_state(checkpoint.load_checkpoint(path, self.models, self.optimizers))
+            self.unconfirmed = str(path)  # the next iteration judges it, as if saved just now
         for message in self.run.messages:
             self.logger.event(self.step, "run", message)
         return path
@@ -193,12 +209,19 @@ class PPOTrainer:
                 self.skipped_steps += update.skipped
             self.offload.enter("between iterations")  # checkpoints, rollbacks, evaluation read weights and optimizers
             self.step += 1
-            # 6. KL control: β for the next iteration from this one's KL (stage-aware)
-            metrics |= self.kl.step(metrics.get("kl/mean"), config.data.train_batch_size)
-            # 7. guards: back off, roll back, bump β or stop on grad-norm spikes, KL or loss explosions, high KL,
-            #    watched metrics and non-finite steps (out-of-memory errors are retried inside the phases)
+            # 6. KL control: β for the next iteration from this one's experience KL, KL(π_old‖π_ref) — the KL the
+            #    reward penalty of this batch used, and verl's controller input. The guards read the update's KL
+            #    instead (step 7), but β stays a feedback loop on one measured quantity: the experience KL does
+            #    not depend on ppo_epochs or the mini-batch count, and its one-iteration lag is the controller's
+            #    sampling delay, which its targets and horizons are tuned with.
+            metrics |= self.kl.step(metrics.get(EXPERIENCE_KL), config.data.train_batch_size)
+            # 7. guards: back off, roll back, bump β or stop on grad-norm spikes, KL (of this update) or loss
+            #    explosions, high KL, watched metrics and non-finite steps (out-of-memory errors are retried inside
+            #    the phases); then the save before this iteration is good or passed over
             skipped = any(update.skipped for update in updates)
-            self._act(self.guards.observe(metrics, skipped, self.kl.guard_overrides))
+            actions = self.guards.observe(metrics, skipped, self.kl.guard_overrides)
+            self._act(actions)
+            self._judge_save(actions)
         # 8. metrics: counters, timings and throughput (MFU from the planner's FLOP count)
         return metrics | self._throughput(batch["lengths"], timings)
 
@@ -216,8 +239,10 @@ class PPOTrainer:
         role_config = getattr(self.config, role)
         if role == "actor":
             actor = self.actor
+            kind = role_config.kl_loss_type if role_config.use_kl_loss else self.config.algorithm.kl_penalty
             make_loss = partial(actor_loss, role_config, kl_loss_coef=self.kl.coef("loss") or 0.0,
-                                vocab_size=actor.vocab_size, chunk_tokens=actor.logprob_chunk_tokens)  # fmt: skip
+                                vocab_size=actor.vocab_size, chunk_tokens=actor.logprob_chunk_tokens,
+                                ref_kl_type=kind if self.ref is not None else None)  # fmt: skip
         else:
             make_loss = partial(critic_loss, role_config)
         with phase_timer(timings, f"update_{role}"):
@@ -252,7 +277,7 @@ class PPOTrainer:
             self.logger.event(fired_at, f"guard/{action.guard}", action.message)
             self.logger.log(fired_at, {f"guard/{action.guard}": action.value if math.isfinite(action.value) else 1.0})
             if action.kind == "stop":
-                raise RuntimeError(action.message)
+                self._stop(action)
             if action.kind == "lr_backoff":
                 for role in [action.role] if action.role else list(self.schedulers):
                     self._scale_learning_rate(role, action.factor)
@@ -260,6 +285,35 @@ class PPOTrainer:
                 self.kl.scale(action.factor)
             elif action.kind == "rollback":
                 self._roll_back(action, fired_at)
+
+    def _judge_save(self, actions: list[GuardAction]) -> None:
+        """The unconfirmed save held the policy this iteration started from: good when its guards asked for no
+        rollback or stop, else passed over for good (a rollback has already loaded the good one)."""
+        if self.unconfirmed is not None and not any(a.kind in ("rollback", "stop") for a in actions):
+            self.good_checkpoint = self.unconfirmed
+        self.unconfirmed = None
+
+    def _stop(self, action: GuardAction) -> None:
+        """End the run on a guard's `stop`: `latest` names the good checkpoint (a resume continues from it, not from
+        a save the guards did not pass), and `GuardStopped` carries the one message the command line prints."""
+        good = self._good_checkpoint()
+        if good is None:
+            left = "no good checkpoint was saved: a new launch starts over"
+        else:
+            if global_rank() == 0:
+                checkpoint.point_latest_at(good)
+            barrier()
+            left = f"the good checkpoint left is {good} (`latest` names it: a new launch resumes from it)"
+        message = f"guard/{action.guard} stopped the run: {action.message}; {left}"
+        self.logger.event(self.step, "stopped", message)
+        raise GuardStopped(message)
+
+    def _good_checkpoint(self) -> Path | None:
+        """The good checkpoint, while it is complete on disk and this run's (another run may reuse its step's name)."""
+        path = None if self.good_checkpoint is None else Path(self.good_checkpoint)
+        if path is None or not checkpoint.is_complete(path) or checkpoint.run_of(path) != self.run.identity.run_id:
+            return None
+        return path
 
     def _scale_learning_rate(self, role: str, factor: float) -> None:
         """`role`'s learning rate × `factor`, never below `guards.min_lr_fraction` × its configured rate."""
@@ -270,31 +324,45 @@ class PPOTrainer:
                               f"{self.config.guards.min_lr_fraction} of its configured rate")  # fmt: skip
 
     def _roll_back(self, action: GuardAction, fired_at: int) -> None:
-        """Restore a checkpoint — the last good one, or the best evaluation's — with lower learning rates. The guards
-        keep their own counters and the out-of-memory back-off its smaller micro-batches."""
-        guards, root = self.guards, self.config.trainer.default_local_dir
+        """Restore a checkpoint — the good one, or the best evaluation's — with lower learning rates, and name it
+        in `latest`. The guards keep their own counters and the out-of-memory back-off its smaller micro-batches;
+        an evaluation saved in a checkpoint passed over is forgotten with it (its best is the loaded one's)."""
+        guards = self.guards
         if action.target == "best_eval":
             path = Path(self.best_checkpoint) if self.best_checkpoint else None
+            why = "the best evaluation's checkpoint"
         else:
-            path = checkpoint.latest_of_run(root, self.run.identity.run_id)
+            path = self._good_checkpoint()
+            why = "the newest good checkpoint: its policy passed the guards of the iteration after it"
+            if self.unconfirmed is not None:
+                why += f"; {self.unconfirmed}, saved before this iteration, is passed over"
         if path is None or guards.rollbacks >= action.max_rollbacks:
             reason = (
-                "no checkpoint to return to yet" if path is None else f"guards.max_rollbacks={action.max_rollbacks} "
-                "reached"
+                "no good checkpoint to return to yet" if path is None else f"guards.max_rollbacks="
+                f"{action.max_rollbacks} reached"
             )  # fmt: skip
             self.logger.event(fired_at, "guard/rollback", f"rollback not possible: {reason}; continuing")
             return
-        counters, memory, best = guards.state_dict(), self.memory.state_dict(), self.best_checkpoint
-        self.load_trainer_state(checkpoint.load_checkpoint(path, self.models, self.optimizers))
-        self.saved = (self.step, path)
+        counters, memory = guards.state_dict(), self.memory.state_dict()
+        best, passed = self.best_checkpoint, self.unconfirmed
+        state = checkpoint.load_checkpoint(path, self.models, self.optimizers)
+        self.load_trainer_state(state)
+        self.saved, self.good_checkpoint, self.unconfirmed = (self.step, path), str(path), None
+        if global_rank() == 0:
+            checkpoint.point_latest_at(path)  # a resume after a crash continues from here, not from a passed-over save
+        barrier()
         guards.load_state_dict(counters)
         self.memory.load_state_dict(memory)
-        self.best_checkpoint = best
+        if passed is None or best != passed:
+            self.best_checkpoint = best
+        else:
+            guards.best_eval = state["guards"]["best_eval"]
+            guards.evals_since_best = state["guards"]["evals_since_best"]
         guards.rollbacks += 1
         for role in self.schedulers:
             self._scale_learning_rate(role, action.factor)
         self.logger.event(fired_at, "guard/rollback", f"rolled back to {path}, learning rates × {action.factor}; the "
-                          f"run continues from step {self.step}")  # fmt: skip
+                          f"run continues from step {self.step}. Why this checkpoint: {why}")  # fmt: skip
         self.logger.log(fired_at, {"guard/rollback": float(guards.rollbacks)})
 
     # --- evaluation ----------------------------------------------------------------------------------------------

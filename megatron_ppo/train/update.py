@@ -67,12 +67,21 @@ def mini_batch_counts(batch: Experience) -> dict[str, float]:
 
 
 def actor_loss(
-    config: ActorConfig, counts: dict[str, float], kl_loss_coef: float, vocab_size: int, chunk_tokens: int | None = None
+    config: ActorConfig,
+    counts: dict[str, float],
+    kl_loss_coef: float,
+    vocab_size: int,
+    chunk_tokens: int | None = None,
+    ref_kl_type: str | None = None,
 ) -> LossFn:
     """loss = policy loss (`actor.policy_loss.loss_mode`, weighted by the off-policy correction's
     `rollout_is_weights` when the experience has them) + β_loss·KL(π‖π_ref) − entropy_coeff·H, each aggregated by
     `loss_agg_mode`; log-probs and entropy over the vocabulary in chunks of `chunk_tokens` tokens
-    (`model.logprob_chunk_tokens`)."""
+    (`model.logprob_chunk_tokens`).
+
+    With `ref_kl_type` (a KL estimator) and reference log-probs, also the metric `actor/ref_kl`: the KL to the
+    reference of the weights being trained, Σ_t KL_t·mask_t / Σ_t mask_t over the mini-batch's response tokens
+    (what the KL guards read, `train/guards.py`)."""
     agg = {"loss_agg_mode": config.loss_agg_mode, "loss_scale_factor": config.loss_scale_factor, **counts}
     dp = int(counts["dp_size"])
     policy_loss = algo.get_policy_loss_fn(config.policy_loss.loss_mode)
@@ -96,6 +105,9 @@ def actor_loss(
             parts["actor/kl_loss"] = MetricPart.loss_share(kl_loss, dp)
         if config.entropy_coeff > 0:
             loss = loss - config.entropy_coeff * algo.agg_loss(entropy, mask, **agg)
+        if ref_kl_type is not None and "ref_log_prob" in batch:
+            kl_to_ref = algo.kl_penalty(log_prob.detach(), batch["ref_log_prob"], ref_kl_type)
+            parts["actor/ref_kl"] = MetricPart.token_mean(kl_to_ref, mask)
         tokens = float(mask.sum())
         parts["actor/entropy"] = MetricPart.token_mean(entropy.detach(), mask)
         # policy_loss reports token means of this micro-batch: weighted by its tokens they combine to the mini-batch's

@@ -89,9 +89,6 @@ def two_runs_in_one_directory(rank: int, world_size: int, root: str) -> dict[str
     report: dict[str, Any] = {"shared": _listing(shared)}
     resumable = checkpoint.find_resumable(shared)
     report["resumable"] = (resumable.name, checkpoint.run_of(resumable))
-    report["rollback_a"] = checkpoint.latest_of_run(shared, "run-a").name
-    report["rollback_b"] = checkpoint.latest_of_run(shared, "run-b").name
-    report["rollback_new"] = checkpoint.latest_of_run(shared, "run-c")
     branch = root / "branch"  # steps 1-4 saved, the run resumes from step_2 and saves step_3 again, keeping 2
     for step in (1, 2, 3, 4):
         save(branch, step, trainer_state={"step": step}, run=run_a, keep=3)

@@ -5,8 +5,11 @@ runs that step again.
 - `nan_gradient`: one NaN in the actor's gradient on the last rank only, before the first optimizer step of the step;
 - `loss_spike`: the actor's loss × 1000 throughout the step (its gradients and its logged loss with it);
 - `out_of_memory`: `torch.OutOfMemoryError` raised on every rank as the actor update starts;
-- `kl_blowup`: every actor optimizer step of the iteration at 100 × the learning rate;
-- `eval_drop`: the evaluation after the step scores 0.5 lower.
+- `kl_blowup`: every actor optimizer step of the iteration at 100 × the learning rate (the update's own KL sees it);
+- `kl_blowup_at_save`: only the iteration's last actor optimizer step at 100 × the learning rate, in an iteration
+  that ends with a save: its update's KL cannot see it, the next iteration's guards do;
+- `eval_drop`: the evaluation after the step scores 0.5 lower;
+- `stop` (the guard-stop drill): a NaN gradient in every iteration from the step on.
 """
 
 from __future__ import annotations
@@ -29,17 +32,28 @@ class Fault:
     step: int  # the iteration it is injected in (eval_drop: the evaluation after that iteration)
     guards: tuple[str, ...]  # the guards that must answer it, the one that repairs it first
     fires_at: int  # the step at which they must fire
+    loads: int | None = None  # the step of the checkpoint its rollback must load (None: no rollback, or any)
 
 
-def schedule(nan: int, spike: int, oom: int, blowup: int, drop: int) -> list[Fault]:
+def schedule(
+    nan: int, spike: int, oom: int, blowup: tuple[int, int], drop: int, at_save: tuple[int, int]
+) -> list[Fault]:
+    """The drill's faults; `blowup` and `at_save` are (the step injected, the checkpoint its rollback loads)."""
+    kl_guards = ("kl_explosion", "kl_bump", "watch")
     return [
         Fault("nan_gradient", nan, ("nonfinite",), nan),
-        Fault("loss_spike", spike, ("loss_explosion", "grad_norm"), spike),
+        Fault("loss_spike", spike, ("loss_explosion", "grad_norm"), spike, loads=0),
         Fault("out_of_memory", oom, ("out_of_memory",), oom),
-        # the KL is measured in the next iteration's experience
-        Fault("kl_blowup", blowup, ("kl_explosion", "kl_bump", "watch"), blowup + 1),
+        Fault("kl_blowup", blowup[0], kl_guards, blowup[0], loads=blowup[1]),  # the update's own KL sees it
         Fault("eval_drop", drop, ("eval_drop",), drop),
+        # its last step is seen in the next iteration, after the save: the rollback passes that save over
+        Fault("kl_blowup_at_save", at_save[0], kl_guards, at_save[0] + 1, loads=at_save[1]),
     ]
+
+
+def stop_schedule(step: int) -> list[Fault]:
+    """The guard-stop drill: NaN gradients from `step` on stop the run there (guards.max_consecutive_skips=0)."""
+    return [Fault("stop", step, ("nonfinite",), step)]
 
 
 @dataclass
@@ -48,11 +62,16 @@ class Injector:
     step: int = 0  # the iteration under way (or just finished, during its evaluation)
     role: str | None = None
     model: Any = None
+    steps_left: int = 0  # the optimizer steps left in the role update under way
     done: set[str] = field(default_factory=set)
     applied: set[str] = field(default_factory=set)
 
     def due(self, name: str) -> bool:
-        fault = next(f for f in self.faults if f.name == name)
+        fault = next((f for f in self.faults if f.name == name), None)
+        if fault is None:
+            return False
+        if name == "stop":
+            return self.step >= fault.step
         return fault.step == self.step and name not in self.done
 
     def mark(self, name: str) -> None:
@@ -81,17 +100,21 @@ def install(injector: Injector) -> None:
             injector.mark("out_of_memory")
             injector.done.add("out_of_memory")  # the retry must run clean
             raise torch.OutOfMemoryError("drill: injected out-of-memory error")
+        rows = args[2]["input_ids"].shape[0]  # (optimizer, scheduler, experience, ...)
+        injector.steps_left = kwargs["epochs"] * -(-rows // kwargs["mini_batch_size"])
         return update_role(role, model, *args, **kwargs)
 
     def drilled_optimizer_step(optimizer: Any, clip_grad: float) -> Any:
         if injector.role != "actor":
             return optimizer_step(optimizer, clip_grad)
-        if injector.due("nan_gradient") and "nan_gradient" not in injector.applied:
-            injector.mark("nan_gradient")
-            if int(os.environ.get("RANK", "0")) == last_rank:
-                injector.actor_gradients()[0].view(-1)[0] = float("nan")
-        if injector.due("kl_blowup"):
-            injector.mark("kl_blowup")
+        injector.steps_left -= 1
+        for name in ("nan_gradient", "stop"):
+            if injector.due(name) and name not in injector.applied:
+                injector.mark(name)
+                if int(os.environ.get("RANK", "0")) == last_rank:
+                    injector.actor_gradients()[0].view(-1)[0] = float("nan")
+        if injector.due("kl_blowup") or (injector.due("kl_blowup_at_save") and injector.steps_left == 0):
+            injector.mark("kl_blowup" if injector.due("kl_blowup") else "kl_blowup_at_save")
             for group in optimizer.param_groups:
                 group["lr"] *= 100.0  # the schedule sets it again at its next step
         return optimizer_step(optimizer, clip_grad)

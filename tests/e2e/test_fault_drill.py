@@ -1,7 +1,10 @@
 """The fault drill in shortened form (`make drill` runs the full one): the tiny recipe with a NaN gradient on one
-rank, a gradient spike, an out-of-memory error, a KL blow-up and an evaluation drop injected at fixed steps. The run
-must finish, each guard must fire exactly at its step (read back from TensorBoard), and the policy must not end below
-its SFT start."""
+rank, a gradient spike, an out-of-memory error, a KL blow-up between saves, an evaluation drop and a KL blow-up in
+the last step of an iteration that ends with a save, injected at fixed steps. The run must finish, each guard must
+fire exactly at its step (read back from TensorBoard), each rollback must load the good checkpoint (never the save
+that holds the blow-up), the KL must be back under its threshold after it, and the policy must not end below its
+SFT start. Then the guard stop: two plain processes (as `srun` starts them) stopped by NaN gradients exit
+`GUARD_STOP_EXIT`, with one message and no traceback."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.drill.__main__ import SCHEDULES
+from megatron_ppo.train.guards import GUARD_STOP_EXIT
+from tests.distributed.harness import free_port
+from tests.drill.__main__ import SCHEDULES, STOP_AT
 from tests.drill.readback import check
 from tests.e2e.tiny_runs import RECIPE, REPO, scalars
 
@@ -25,15 +30,38 @@ def test_every_guard_fires_at_its_fault_and_the_run_recovers(tiny_work: Path, tm
     log = result.stdout + result.stderr
     assert result.returncode == 0, f"the drill exited {result.returncode}; log tail:\n{log[-5000:]}"
     assert "fault drill" in log and "drill passed" in log
-    rows, problems = check(tmp_path / "tb", SCHEDULES["short"])
+    rows, problems = check(tmp_path / "tb", SCHEDULES["short"], kl_threshold=1.0)
     assert not problems, problems
-    assert {row.fault: (row.guard, row.fired_at) for row in rows} == {
-        "nan_gradient": ("nonfinite", [2]), "loss_spike": ("loss_explosion + grad_norm", [3]),
-        "out_of_memory": ("out_of_memory", [5]), "kl_blowup": ("kl_explosion + kl_bump + watch", [7]),
-        "eval_drop": ("eval_drop", [8]),
+    kl = "kl_explosion + kl_bump + watch"
+    assert {row.fault: (row.guard, row.fired_at, row.loaded) for row in rows} == {
+        "nan_gradient": ("nonfinite", [2], ""), "loss_spike": ("loss_explosion + grad_norm", [3], "step_0"),
+        "out_of_memory": ("out_of_memory", [5], ""), "kl_blowup": (kl, [7, 11], "step_4"),
+        "eval_drop": ("eval_drop", [8], rows[4].loaded), "kl_blowup_at_save": (kl, [7, 11], "step_8"),
     }  # fmt: skip
     assert all(row.recovered_by is not None for row in rows), rows
     logged = scalars(tmp_path / "tb")
     evaluations = logged["eval/reward_mean"]
-    assert logged["guard/rollback"], "the KL blow-up and the evaluation drop must each roll back"
+    assert logged["guard/rollback"], "the KL blow-ups, the loss spike and the evaluation drop must each roll back"
     assert evaluations[max(evaluations)] >= evaluations[0], f"held-out reward ended below the SFT start: {evaluations}"
+
+
+def test_a_guard_stop_exits_with_its_status_and_one_message(tiny_work: Path, tmp_path: Path) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "tests.drill", str(RECIPE), "--stop", f"data.addition.work_dir={tiny_work}",
+               f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/tb"]  # fmt: skip
+    ranks = [
+        subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
+            **os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        for rank in range(2)
+    ]  # fmt: skip
+    outputs = [process.communicate(timeout=900) for process in ranks]
+    statuses = [process.returncode for process in ranks]
+    logs = [out + err for out, err in outputs]
+    assert statuses == [GUARD_STOP_EXIT] * 2, f"exit statuses {statuses}; rank 0 log tail:\n{logs[0][-4000:]}"
+    assert not any("Traceback" in log for log in logs), logs[0][-4000:]
+    stops = [line for line in outputs[0][1].splitlines() if line.startswith("stopped: ")]
+    assert len(stops) == 1 and not any(line.startswith("stopped: ") for line in outputs[1][1].splitlines()), stops
+    assert "guard/nonfinite stopped the run" in stops[0] and "max_consecutive_skips=0" in stops[0], stops
+    assert f"step_{STOP_AT - 2}" in stops[0] and f"exiting with {GUARD_STOP_EXIT}" in stops[0], stops
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step_{STOP_AT - 2}"

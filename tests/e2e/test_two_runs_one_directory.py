@@ -69,12 +69,13 @@ def test_a_second_new_run_in_the_directory_is_refused_and_changes_nothing(first_
 
 
 def test_overwrite_moves_the_first_run_aside_and_the_second_never_loads_it(first_run: Path) -> None:
-    """Run B with trainer.overwrite=true and a KL threshold every step exceeds (a rollback whenever it can); then a
-    resume, which must continue run B."""
+    """Run B with trainer.overwrite=true and a KL threshold every actor update exceeds (a rollback whenever it can:
+    the actor starts updating at step 3, so step 1's save is good, having passed step 2); then a resume, which must
+    continue run B."""
     ckpt = first_run / "ckpt"
     first_id = run_id(ckpt / "step_6")
     overrides = ["trainer.total_training_steps=3", "trainer.resume_mode=disable", "trainer.overwrite=true",
-                 "guards.kl_explosion_threshold=1e-9"]  # fmt: skip
+                 "guards.kl_explosion_threshold=1e-9", "trainer.critic_warmup=2", "trainer.save_freq=1"]  # fmt: skip
     status = train(first_run, overrides, first_run / "b.log")
     log = (first_run / "b.log").read_text()
     assert status == 0, log[-3000:]
@@ -82,7 +83,8 @@ def test_overwrite_moves_the_first_run_aside_and_the_second_never_loads_it(first
     assert sorted(p.name for p in moved.iterdir()) == ["latest", "step_4", "step_6"], "run A is kept, moved aside"
     assert {run_id(moved / "step_4"), run_id(moved / "step_6")} == {first_id}
     assert (ckpt / "latest").read_text() == "step_3", "latest names run B's last checkpoint"
-    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_2", "step_3"]
+    # the newest two, and step_1: the good checkpoint the rollbacks load, never pruned
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_1", "step_2", "step_3"]
     second_id = run_id(ckpt / "step_3")
     assert second_id != first_id and run_id(ckpt / "step_2") == second_id
     rolled_back_to = re.findall(r"rolled back to (\S+),", log)

@@ -45,6 +45,15 @@ def test_kl_above_rollback_threshold_rolls_back_with_lower_lr() -> None:
         "rollback", "kl_explosion", 0.8, 2, "latest")  # fmt: skip
 
 
+def test_the_kl_guards_read_the_updates_kl_and_a_non_finite_one_rolls_back() -> None:
+    guards = Guards(GuardsConfig(kl_explosion_threshold=0.03, kl_bump_threshold=0.02, **QUIET))
+    (bump, rollback) = sorted(guards.observe({"kl/mean": 0.01, "actor/ref_kl": 0.04}, False), key=lambda a: a.kind)
+    assert (bump.kind, rollback.kind, rollback.value) == ("kl_bump", "rollback", 0.04)
+    assert guards.observe({"kl/mean": 0.04, "actor/ref_kl": 0.01}, False) == [], "the update's KL, not the experience's"
+    assert kinds(guards.observe({"kl/mean": 0.01, "actor/ref_kl": math.nan}, False)) == [("rollback", "kl_explosion")]
+    assert guards.observe({"actor/pg_loss": 0.1}, False) == [], "no KL term: no KL guard"
+
+
 def test_stage_override_loosens_the_kl_rollback() -> None:
     guards = Guards(GuardsConfig(kl_explosion_threshold=0.03, **QUIET))
     assert guards.observe({"kl/mean": 0.05}, False, {"kl_explosion_threshold": 0.1}) == []
