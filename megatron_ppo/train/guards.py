@@ -227,10 +227,11 @@ class Guards:
 
 
 def scale_learning_rate(scheduler: Any, factor: float, floor: float = 0.0) -> float:
-    """Scale a Megatron `OptimizerParamScheduler`'s peak and floor learning rates from now on by a back-off `factor`
-    ≤ 1, never taking the peak below `floor` (nor raising it); returns the factor applied."""
-    applied = min(1.0, max(factor, floor / scheduler.max_lr if scheduler.max_lr > 0 else 0.0))
-    scheduler.max_lr *= applied
-    scheduler.min_lr *= applied
+    """Scale a `BackedOffScheduler`'s learning rates from now on by a back-off `factor` ≤ 1 (its `backoff`), never
+    taking the peak, backoff · max_lr, below `floor` (nor raising it); returns the factor applied. The optimizer's
+    groups take the new rate at once."""
+    peak = scheduler.backoff * scheduler.max_lr
+    applied = min(1.0, max(factor, floor / peak if peak > 0 else 0.0))
+    scheduler.backoff *= applied
     scheduler.step(0)
     return applied

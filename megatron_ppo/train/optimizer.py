@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
@@ -85,13 +86,36 @@ def optimizer_step(optimizer: MegatronOptimizer, clip_grad: float) -> StepResult
     return StepResult(grad_norm=grad_norm, skipped=False)
 
 
-def build_scheduler(optimizer: MegatronOptimizer, optim: OptimConfig, total_steps: int) -> OptimizerParamScheduler:
+class BackedOffScheduler(OptimizerParamScheduler):
+    """Megatron's schedule times a back-off factor that the guards lower (`guards.scale_learning_rate`):
+    lr_t = backoff · schedule_t. The factor cannot live in Megatron's own peak rate: every parameter group holds its
+    own `max_lr`/`min_lr`, which `get_lr` reads before the scheduler's (megatron-core 0.16.1 to 0.19), and Megatron
+    matches a checkpoint's optimizer groups by those values, so scaling them breaks the next load. Saved with the
+    schedule's state."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.backoff = 1.0  # before Megatron's __init__, whose step(0) already reads it
+        super().__init__(*args, **kwargs)
+
+    def get_lr(self, param_group: dict) -> float:
+        return self.backoff * super().get_lr(param_group)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "backoff": self.backoff}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.backoff = float(state_dict.get("backoff", 1.0))
+        super().load_state_dict({key: value for key, value in state_dict.items() if key != "backoff"})
+
+
+def build_scheduler(optimizer: MegatronOptimizer, optim: OptimConfig, total_steps: int) -> BackedOffScheduler:
     """Megatron's learning-rate (and constant weight-decay) schedule: linear warm-up from 0, then
-    `lr_decay_style` down to `min_lr` over the remaining optimizer steps. Stepped once per optimizer step."""
+    `lr_decay_style` down to `min_lr` over the remaining optimizer steps, times the guards' back-off. Stepped once
+    per optimizer step."""
     warmup = optim.lr_warmup_steps
     if warmup is None:
         warmup = int(optim.lr_warmup_steps_ratio * total_steps)
-    return OptimizerParamScheduler(
+    return BackedOffScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=optim.lr,

@@ -3,13 +3,16 @@ a rollback, and too many non-finite iterations in a row stop the run — each wi
 
 from __future__ import annotations
 
+import pytest
+
 from tests.distributed import guard_workers
 from tests.distributed.harness import run_distributed
 
 
 def test_guards_back_off_roll_back_and_stop() -> None:
     report = run_distributed(guard_workers.guards_act, 1)[0]
-    assert report["lr_after_spike"] == report["lr_before_spike"] * 0.5
+    before, after = report["lr_before_spike"], report["lr_after_spike"]
+    assert all(b > 0 for b in before) and after == pytest.approx([b * 0.5 for b in before]), (before, after)
     assert any("grad norm 50" in e and "learning rate × 0.5" in e for e in report["events"]), report["events"]
     assert not report["rollback_before"]
     assert report["rollback_after_stage_override"], (

@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ppo.config.compose import load_config
 from megatron_ppo.config.schema import GuardsConfig, WatchConfig
 from megatron_ppo.train.guards import Guards, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import KLCoefficients
 from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff, micro_batch_keys
+from megatron_ppo.train.optimizer import BackedOffScheduler
 
 QUIET = {"watch": []}
 
@@ -123,14 +123,31 @@ def test_skips_warn_then_stop_and_state_round_trips() -> None:
     assert copy.state_dict() == guards.state_dict()
 
 
-def test_learning_rate_scaling_keeps_its_floor() -> None:
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=0.0, lr_warmup_steps=0,
-                                        lr_decay_steps=10, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
-                                        wd_incr_steps=10, wd_incr_style="constant")  # fmt: skip
-    assert scale_learning_rate(scheduler, 0.5, floor=1e-4) == 0.5 and scheduler.max_lr == pytest.approx(5e-4)
+def test_learning_rate_scaling_keeps_its_floor_and_survives_a_reload() -> None:
+    """The back-off reaches the rate applied even though the parameter group carries its own `max_lr`, as every
+    group of Megatron's optimizer does, and the schedule's state carries it to a rebuilt scheduler."""
+
+    def scheduler_of(optimizer):
+        return BackedOffScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=0.0, lr_warmup_steps=0,
+                                  lr_decay_steps=10, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+                                  wd_incr_steps=10, wd_incr_style="constant")  # fmt: skip
+
+    def optimizer_of():
+        return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "max_lr": 1e-3, "min_lr": 0.0}])
+
+    optimizer = optimizer_of()
+    scheduler = scheduler_of(optimizer)
+    assert scale_learning_rate(scheduler, 0.5, floor=1e-4) == 0.5
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
     assert scale_learning_rate(scheduler, 0.1, floor=1e-4) == pytest.approx(0.2)
-    assert scheduler.max_lr == pytest.approx(1e-4) and optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+    scheduler.step(1)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4), "the next step forgot the back-off"
+    reloaded_optimizer = optimizer_of()
+    reloaded = scheduler_of(reloaded_optimizer)
+    reloaded.load_state_dict(scheduler.state_dict())
+    reloaded.step(0)
+    assert reloaded_optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
 
 
 def test_out_of_memory_backoff_lowers_the_micro_batch_and_persists() -> None:
