@@ -265,8 +265,6 @@ def _layout_problems(c: PPOConfig) -> list[str]:
             )
         if mg.sequence_parallel and tp < 2:
             p.append(f"{key}.sequence_parallel=True needs tensor_model_parallel_size > 1; set it to false")
-        if c.cluster.device == "cpu" and mg.sequence_parallel:
-            p.append(f"{key}.sequence_parallel=True needs Transformer Engine norms (GPU); set it to false on CPU")
         if c.cluster.device == "cpu" and mg.recompute_granularity is not None and role != "ref":  # ref: eval mode
             p.append(
                 f"{key}.recompute_granularity={mg.recompute_granularity!r} needs CUDA (Megatron's activation recompute "
@@ -360,14 +358,8 @@ def _moe_problems(c: PPOConfig) -> list[str]:
                      "add_bias_linear) only at expert TP 1; set it to 1")  # fmt: skip
         if tp > 1 and not mg.sequence_parallel:
             # without it every TP rank would hand the experts the same tokens: their gradients would count TP times
-            fix = (
-                "set it to 1 and split the experts with expert_tensor_parallel_size instead (sequence parallelism "
-                "needs Transformer Engine)"
-                if c.cluster.device == "cpu"
-                else f"set {key}.sequence_parallel=true"
-            )
             p.append(f"{key}.tensor_model_parallel_size={tp}: Megatron trains MoE layers at TP > 1 only with sequence "
-                     f"parallelism; {fix}")  # fmt: skip
+                     f"parallelism; set {key}.sequence_parallel=true")  # fmt: skip
     for role in ("actor", "critic"):
         cfg = get(c, role)
         if (

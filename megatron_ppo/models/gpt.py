@@ -15,10 +15,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_ppo.config.schema import ROLES, MegatronConfig, ModelConfig
 from megatron_ppo.models.attention import with_sdpa_attention
 from megatron_ppo.models.kernels import transformer_engine_importable, transformer_engine_usable
+from megatron_ppo.models.norms import LocalNorm, with_local_norms
 from megatron_ppo.models.transformer_config import build_transformer_config, padded_vocab_size
 from megatron_ppo.models.value_head import ValueHead
 from megatron_ppo.parallel.device import current_device, on_cuda
@@ -45,6 +47,7 @@ class RoleModel:
 def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
     """Transformer Engine's fused layers on CUDA when installed (or demanded), Megatron's local spec otherwise; with
     `model.num_experts`, each layer's MLP is a MoE layer (TE's grouped-GEMM experts, or the local SequentialMLP).
+    The local spec's norms are `LocalNorm` (sequence-parallel capable).
 
     Returns (spec, uses_te). Demanding TE where it cannot run fails with the fix in the message."""
     if model.transformer_impl == "transformer_engine" and not transformer_engine_usable():
@@ -63,9 +66,11 @@ def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
             num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=model.qk_layernorm
         )
         if use_te
-        else with_sdpa_attention(
-            get_gpt_layer_local_spec(
-                num_experts=num_experts, normalization=model.normalization, qk_layernorm=model.qk_layernorm
+        else with_local_norms(
+            with_sdpa_attention(
+                get_gpt_layer_local_spec(
+                    num_experts=num_experts, normalization=model.normalization, qk_layernorm=model.qk_layernorm
+                )
             )
         )
     )
@@ -88,12 +93,6 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
     spec, uses_te = select_layer_spec(model)
-    if layout.sequence_parallel and not uses_te:
-        raise ValueError(
-            f"{role}.megatron.sequence_parallel=true needs Transformer Engine's layer spec (Megatron's local torch "
-            f"norms refuse it), which is not usable here; set {role}.megatron.sequence_parallel=false or install "
-            "Transformer Engine on this CUDA machine"
-        )
     config = build_transformer_config(model, layout, with_aux_loss=role == "actor")
     vocab = padded_vocab_size(model, layout.tensor_model_parallel_size)
     num_chunks = layout.virtual_pipeline_model_parallel_size or 1
@@ -102,9 +101,17 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
         stage = vp_stage if layout.virtual_pipeline_model_parallel_size else None
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        # local spec: the final norm too is a LocalNorm (Megatron's block default would be its torch norm)
+        block = (
+            spec
+            if uses_te
+            else TransformerBlockSubmodules(
+                layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=stage), layer_norm=LocalNorm
+            )
+        )
         gpt = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=block,
             vocab_size=vocab,
             max_sequence_length=model.max_position_embeddings,
             pre_process=pre_process,

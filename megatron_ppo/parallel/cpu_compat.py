@@ -21,7 +21,7 @@
   7. answers `torch.cuda.current_stream()` with a host stand-in whose waits do nothing: megatron-core >= 0.19's
      `_ParamAndGradBucketGroup.start_grad_sync` always asks for the current stream (to wait on CUDA-graph events)
      before every gradient reduction, which raises "Found no NVIDIA driver" without CUDA.
-Sequence parallelism and context parallelism need Transformer Engine and stay off on CPU (config validation); so
+Context parallelism needs Transformer Engine and stays off on CPU (config validation); so
 does the alltoall MoE dispatcher, which creates a CUDA stream (allgather on CPU).
 """
 

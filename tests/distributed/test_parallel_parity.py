@@ -1,4 +1,5 @@
-"""Actor and critic under TP, PP, TP×PP, PP with virtual stages, and DP, against the same weights at TP=1 PP=1,
+"""Actor and critic under TP, TP with sequence parallelism (odd micro-batch widths: padded to a multiple of TP and
+cut back), PP, TP×PP, PP with virtual stages, and DP, against the same weights at TP=1 PP=1,
 through the trainer's own experience and update path (`forward_passes`, `update_role`, `actor_loss`,
 `critic_loss`)."""
 
@@ -16,6 +17,7 @@ from tests.distributed.parity_checks import assert_grad_norms_and_weights_match,
 
 LAYOUTS = {
     "tp2": (2, MegatronConfig(tensor_model_parallel_size=2)),
+    "tp2-sp": (2, MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True)),
     "pp2": (2, MegatronConfig(pipeline_model_parallel_size=2)),
     "pp2-vpp2": (2, MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
     "dp2-distopt": (2, MegatronConfig(use_distributed_optimizer=True)),
@@ -49,6 +51,12 @@ def test_update_metrics_match_single_process_on_every_rank(parity, name: str) ->
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_grad_norm_and_updated_weights_match_single_process(parity, name: str) -> None:
     assert_grad_norms_and_weights_match(parity, name)
+
+
+def test_sequence_parallel_parity_runs_micro_batch_widths_tp_does_not_divide() -> None:
+    lengths = [len(row.prompt_ids) + len(row.response_ids) for row in workers.rows(workers.ROWS, seed=3)]
+    widths = [max(lengths[i : i + 2]) for i in range(0, len(lengths), 2)]  # micro-batches of 2 rows (ppo_config)
+    assert any(width % 2 for width in widths), f"tp2-sp needs an odd micro-batch width to pad, got {widths}"
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2-vpp2", "tp2-pp2"])
