@@ -24,6 +24,7 @@ import torch
 from megatron.core import dist_checkpointing, tensor_parallel
 
 from megatron_ppo.models import RoleModel, unwrap
+from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel.collectives import barrier, global_rank
 from megatron_ppo.run_identity import RUN_FILE, RunIdentity
 
@@ -64,7 +65,9 @@ def save_checkpoint(
     identity of the `run` saving them (None: an initialisation, such as the SFT start, that no run resumes).
 
     With `keep`, the run's own checkpoints beyond the newest `keep` are then deleted (`_prune`), except `protect`
-    (the best evaluation's checkpoint, which an evaluation-drop rollback returns to)."""
+    (the best evaluation's checkpoint, which an evaluation-drop rollback returns to). Each model's pending
+    distributed-optimizer parameter all-gather is finished first (`sync_parameters`), so what is written is the
+    last step's weights on every rank."""
     if keep and run is None:
         raise ValueError("pruning (keep) needs the run identity: only a run's own checkpoints are pruned")
     root = Path(root)
@@ -75,6 +78,7 @@ def save_checkpoint(
     barrier()
     sharded: dict[str, Any] = {}
     for role, model in models.items():
+        sync_parameters(model)
         sharded[role] = model_sharded_state(model, f"{role}.")
     # An optimizer that has not stepped yet (the actor during critic warm-up) has no state: it is recorded as
     # fresh and left fresh on load.

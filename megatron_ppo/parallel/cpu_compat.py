@@ -12,13 +12,10 @@
      tensors themselves, see `build_transformer_config`);
   4. `seed_model_parallel_rng` installs an RNG-states tracker backed by `torch.get/set_rng_state`, so
      `get_cuda_rng_tracker().fork()` (tensor-parallel weight init and dropout) works.
-  5. defines `te_general_gemm = None` in Megatron's MoE utilities when Transformer Engine is missing: the router's
-     gating linear tests that name, which megatron-core 0.16.1 binds only when TE imports (a NameError otherwise);
-     None selects its torch path;
-  6. runs the backward of every custom autograd Function under the same mode: the autograd engine does not carry
+  5. runs the backward of every custom autograd Function under the same mode: the autograd engine does not carry
      a torch-function mode into backward, where Megatron's gathers allocate with `device=torch.cuda.current_device()`
      (the MoE dispatcher's backward does, at EP > 1);
-  7. answers `torch.cuda.current_stream()` with a host stand-in whose waits do nothing: megatron-core >= 0.19's
+  6. answers `torch.cuda.current_stream()` with a host stand-in whose waits do nothing: megatron-core >= 0.19's
      `_ParamAndGradBucketGroup.start_grad_sync` always asks for the current stream (to wait on CUDA-graph events)
      before every gradient reduction, which raises "Found no NVIDIA driver" without CUDA.
 Context parallelism needs Transformer Engine and stays off on CPU (config validation); so
@@ -170,7 +167,6 @@ def enable_cpu_compat(hide_gpus: bool = False) -> bool:
         torch.cuda.current_stream = lambda device=None: _HOST_STREAM
         _ACTIVE_MODE = _CpuDeviceMode()
         _ACTIVE_MODE.__enter__()
-        _define_missing_te_gemm()
         _backward_under_cpu_mode()
     return True
 
@@ -185,13 +181,6 @@ def _backward_under_cpu_mode() -> None:
             return apply(self, *args)
 
     BackwardCFunction.apply = apply_on_cpu
-
-
-def _define_missing_te_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 def seed_model_parallel_rng(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
