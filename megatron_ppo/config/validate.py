@@ -265,11 +265,6 @@ def _layout_problems(c: PPOConfig) -> list[str]:
             )
         if mg.sequence_parallel and tp < 2:
             p.append(f"{key}.sequence_parallel=True needs tensor_model_parallel_size > 1; set it to false")
-        if c.cluster.device == "cpu" and mg.recompute_granularity is not None and role != "ref":  # ref: eval mode
-            p.append(
-                f"{key}.recompute_granularity={mg.recompute_granularity!r} needs CUDA (Megatron's activation recompute "
-                "saves and restores the CUDA RNG state); leave it unset on CPU"
-            )
         if mg.recompute_method is not None and mg.recompute_granularity != "full":
             p.append(f"{key}.recompute_method={mg.recompute_method!r} only applies with recompute_granularity='full'")
         if mg.recompute_granularity == "full" and (mg.recompute_method is None or mg.recompute_num_layers is None):

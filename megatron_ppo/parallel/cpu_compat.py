@@ -17,7 +17,11 @@
      (the MoE dispatcher's backward does, at EP > 1);
   6. answers `torch.cuda.current_stream()` with a host stand-in whose waits do nothing: megatron-core >= 0.19's
      `_ParamAndGradBucketGroup.start_grad_sync` always asks for the current stream (to wait on CUDA-graph events)
-     before every gradient reduction, which raises "Found no NVIDIA driver" without CUDA.
+     before every gradient reduction, which raises "Found no NVIDIA driver" without CUDA;
+  7. makes Megatron's activation recompute (`tensor_parallel.checkpoint`, full and selective) save and restore no
+     CUDA generator state: `_get_cuda_rng_state` answers None and `_set_cuda_rng_state` does nothing, while the host
+     generator (which draws dropout on CPU) and the tracker's states (item 4) are saved and restored as on CUDA, so
+     the recomputed forward draws the same dropout masks.
 Context parallelism needs Transformer Engine and stays off on CPU (config validation); so
 does the alltoall MoE dispatcher, which creates a CUDA stream (allgather on CPU).
 """
@@ -168,6 +172,7 @@ def enable_cpu_compat(hide_gpus: bool = False) -> bool:
         _ACTIVE_MODE = _CpuDeviceMode()
         _ACTIVE_MODE.__enter__()
         _backward_under_cpu_mode()
+        _recompute_without_cuda_generator()
     return True
 
 
@@ -181,6 +186,13 @@ def _backward_under_cpu_mode() -> None:
             return apply(self, *args)
 
     BackwardCFunction.apply = apply_on_cpu
+
+
+def _recompute_without_cuda_generator() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def seed_model_parallel_rng(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:

@@ -177,6 +177,10 @@ def parallel_layout(
     load(critic, workdir / "initial" / "critic")
     frozen_before = weights(ref)
     expected = torch.load(workdir / "reference.pt")
+    first_layer = unwrap(actor.chunks[0]).decoder.layers[0]
+    forwards = {"layer": 0, "core_attention": 0}  # activation recompute runs them again in the backward
+    for part, module in (("layer", first_layer), ("core_attention", first_layer.self_attention.core_attention)):
+        module.register_forward_hook(lambda *_, part=part: forwards.__setitem__(part, forwards[part] + 1))
     ours = _experience_and_update(ppo_config(layout, model), actor, ref, critic)
     report: dict[str, Any] = {
         "actor_grad_norm": (ours["actor_grad_norm"], expected["actor_grad_norm"]),
@@ -187,6 +191,7 @@ def parallel_layout(
         ),
         "ref_weights_unchanged": all(torch.equal(v, frozen_before[k]) for k, v in weights(ref).items()),
         "ref_has_no_grad": all(not p.requires_grad for c in ref.chunks for p in c.parameters()),
+        "actor_first_layer_forwards": forwards,
         "metrics": {key: (value, expected[f"{key.split('/')[0]}_metrics"][key])
                     for role in ("actor", "critic") for key, value in ours[f"{role}_metrics"].items()},
     }  # fmt: skip
