@@ -23,7 +23,7 @@ from megatron_ppo.models.kernels import transformer_engine_importable, transform
 from megatron_ppo.models.norms import LocalNorm, with_local_norms
 from megatron_ppo.models.transformer_config import build_transformer_config, padded_vocab_size
 from megatron_ppo.models.value_head import ValueHead
-from megatron_ppo.parallel.device import current_device, on_cuda
+from megatron_ppo.parallel.device import current_device
 
 logger = logging.getLogger(__name__)
 
@@ -146,16 +146,15 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
 
 
 def data_parallel_config(layout: MegatronConfig) -> DistributedDataParallelConfig:
-    """Megatron DDP settings. On CUDA, gradients are reduced bucket by bucket while the backward pass still runs
-    (`overlap_grad_reduce`; 40M-element buckets, Megatron's default) and, with the distributed optimizer, the
-    updated parameters are all-gathered bucket by bucket ahead of the next forward (`overlap_param_gather`; call
-    `sync_parameters` before reading weights outside a forward). On CPU (gloo) both stay off: one reduction per
-    step keeps the CPU path simple and its results identical to the tests' references."""
-    cuda = on_cuda()
+    """Megatron DDP settings, the same on both devices: gradients are reduced bucket by bucket while the backward
+    pass still runs (`overlap_grad_reduce`; 40M-element buckets, Megatron's default) and, with the distributed
+    optimizer, the updated parameters are all-gathered bucket by bucket ahead of the next forward
+    (`overlap_param_gather`; call `sync_parameters` before reading weights outside a forward). Over gloo the
+    reductions are asynchronous too, so the CPU suite runs the path GPU runs take."""
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=cuda,
-        overlap_param_gather=cuda and layout.use_distributed_optimizer,
+        overlap_grad_reduce=True,
+        overlap_param_gather=layout.use_distributed_optimizer,
         use_distributed_optimizer=layout.use_distributed_optimizer,
     )
 
@@ -166,6 +165,24 @@ def sync_parameters(model: RoleModel) -> None:
     for chunk in model.chunks:
         if isinstance(chunk, DistributedDataParallel) and chunk.use_forward_hook:
             chunk.start_param_sync(force_sync=True)
+
+
+def zero_grad_buffers(model: RoleModel) -> None:
+    """Zero the DDP gradient buffers for a new accumulation, also after a backward that stopped half-way (an
+    out-of-memory error): with `overlap_grad_reduce` the bucket groups may then hold an all-reduce or
+    reduce-scatter still in flight (waited for here, as every rank that raised left it matched) and per-parameter
+    ready counts of a partial backward, which Megatron's `reset()` would take as the first iteration's complete
+    ("golden") counts or assert on; dropped, so the next backward counts afresh."""
+    for chunk in model.chunks:
+        if not isinstance(chunk, DistributedDataParallel):
+            continue
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            if group.grad_reduce_handle is not None:
+                group.grad_reduce_handle.wait()
+                group.grad_reduce_handle = None
+            if len(group.per_param_grad_ready_counts) != len(group.params):
+                group.per_param_grad_ready_counts = {}
+        chunk.zero_grad_buffer()
 
 
 def unwrap(chunk: torch.nn.Module) -> GPTModel:

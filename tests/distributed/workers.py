@@ -23,6 +23,7 @@ from megatron_ppo.config.schema import ActorConfig, CriticConfig, MegatronConfig
 from megatron_ppo.config.validate import resolve
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, run_micro_batches, unwrap
+from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.train.batch import collate, replica_micro_batches
 from megatron_ppo.train.experience import Experience, forward_passes
@@ -102,6 +103,7 @@ def _sharded(role_model) -> dict:
 
 
 def save(role_model, directory: Path) -> None:
+    sync_parameters(role_model)  # the distributed optimizer's overlapped parameter all-gather
     directory.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(_sharded(role_model), str(directory))
 
