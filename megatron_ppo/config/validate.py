@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_ppo.algo.kl_schedule import WARMUP
 from megatron_ppo.config.fields import choices_of, field_problems
+from megatron_ppo.config.gpu_only import cpu_problems
 from megatron_ppo.config.schema import ROLES, WATCH_ACTIONS, GuardsConfig, KLStageConfig, MegatronConfig, PPOConfig
 
 LOGGERS = ("console", "tensorboard", "wandb")
@@ -55,6 +56,7 @@ def validate(config: PPOConfig) -> list[str]:
     """Every problem in `config`, one line each (empty when it is sound)."""
     problems = field_problems(config)
     problems += _cross_key_problems(config)
+    problems += cpu_problems(config)  # the settings that need CUDA (`gpu_only.GPU_ONLY`)
     problems += _model_problems(config)
     problems += _layout_problems(config)
     problems += _moe_problems(config)
@@ -186,11 +188,6 @@ def _model_problems(c: PPOConfig) -> list[str]:
         p.append(
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups="
             f"{m.num_query_groups}; each query group must hold the same number of heads"
-        )
-    if m.transformer_impl == "transformer_engine" and c.cluster.device == "cpu":
-        p.append(
-            "model.transformer_impl='transformer_engine' needs CUDA, but cluster.device='cpu'; "
-            "use 'auto' or 'local' on CPU"
         )
     longest = c.data.max_prompt_length + c.data.max_response_length
     if m.position_embedding_type == "learned_absolute" and longest > m.max_position_embeddings:
@@ -324,9 +321,6 @@ def _moe_problems(c: PPOConfig) -> list[str]:
                  f"{m.num_experts} experts; set it (Qwen3-MoE: 8)")  # fmt: skip
     if m.moe_intermediate_size < 1:
         p.append("model.moe_intermediate_size=0: set each expert's FFN width (Qwen3-30B-A3B: 768)")
-    if c.cluster.device == "cpu" and m.moe_token_dispatcher == "alltoall":
-        p.append("model.moe_token_dispatcher='alltoall' needs CUDA (Megatron creates a CUDA stream for it), but "
-                 "cluster.device='cpu'; use 'allgather' on CPU")  # fmt: skip
     world = world_size(c)
     for role in ROLES:
         key, mg = f"{role}.megatron", get(c, f"{role}.megatron")
@@ -377,9 +371,7 @@ def _context_parallel_problems(c: PPOConfig) -> list[str]:
         return []
     setting = f"actor.megatron.context_parallel_size={cp}"
     p: list[str] = []
-    if c.cluster.device == "cpu":
-        p.append(f"{setting} needs Transformer Engine attention (GPU); use 1 on CPU")
-    elif importlib.util.find_spec("transformer_engine") is None:
+    if c.cluster.device != "cpu" and importlib.util.find_spec("transformer_engine") is None:
         p.append(f"{setting} needs Transformer Engine's attention, which exchanges keys and values between the CP "
                  "ranks (the local attention would attend within each rank's chunks only); Transformer Engine is "
                  "not installed here: install the gpu extra, or use 1")  # fmt: skip
