@@ -22,8 +22,8 @@
      CUDA generator state: `_get_cuda_rng_state` answers None and `_set_cuda_rng_state` does nothing, while the host
      generator (which draws dropout on CPU) and the tracker's states (item 4) are saved and restored as on CUDA, so
      the recomputed forward draws the same dropout masks.
-Context parallelism needs Transformer Engine and stays off on CPU (config validation); so
-does the alltoall MoE dispatcher, which creates a CUDA stream (allgather on CPU).
+What no stand-in can bring to the CPU (Transformer Engine's kernels and ring attention, the alltoall dispatcher's
+CUDA stream) is listed once, in `megatron_ppo/config/gpu_only.py`, and refused there by validation.
 """
 
 from __future__ import annotations
