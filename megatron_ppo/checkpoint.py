@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from megatron_ppo.models import RoleModel, unwrap
+from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel.collectives import barrier, global_rank
 from megatron_ppo.run_identity import RUN_FILE, RunIdentity
 
@@ -34,6 +36,8 @@ TRAINER_STATE = "trainer_state.pt"
 OPTIMIZERS_SAVED = "checkpoint/optimizers_saved"
 REPLACED_PREFIX = ".replaced_"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# Transformer Engine modules' FP8 metadata: a local-spec checkpoint (made on CPU, or converted) has none of it
+EXTRA_STATE = "_extra_state"
 
 
 def model_sharded_state(model: RoleModel, prefix: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -46,9 +50,32 @@ def model_sharded_state(model: RoleModel, prefix: str, drop: tuple[str, ...] = (
 
 
 def _load_model_state(model: RoleModel, state: dict[str, Any], prefix: str, strict: bool) -> None:
+    """Load `state` into the model's chunks; `strict`: every weight must be there (a missing `*_extra_state`, which
+    a local-spec checkpoint never wrote, keeps the module's own)."""
     for index, chunk in enumerate(model.chunks):
         chunk_state = {key.removeprefix(prefix): value for key, value in state[f"model{index}"].items()}
-        unwrap(chunk).load_state_dict(chunk_state, strict=strict)
+        result = unwrap(chunk).load_state_dict(chunk_state, strict=False)
+        missing = [key for key in result.missing_keys if not key.endswith(EXTRA_STATE)]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"the {model.role} model's chunk {index} does not match the checkpoint: missing {missing}, "
+                f"unexpected {result.unexpected_keys}; load a checkpoint of this model's architecture"
+            )
+
+
+def _load_sharded(sharded: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`dist_checkpointing.load` of `sharded` from `path`. Keys `sharded` asks for that the checkpoint lacks are
+    refused by name, except Transformer Engine's `*_extra_state` (a local-spec checkpoint loaded into a TE model:
+    TE starts its FP8 metadata fresh)."""
+    state, _, absent = dist_checkpointing.load(sharded, str(path), strict=StrictHandling.RETURN_UNEXPECTED)
+    lacking = sorted(key for key in absent if not key.endswith(EXTRA_STATE))
+    if lacking:
+        shown = ", ".join(lacking[:8]) + (f" and {len(lacking) - 8} more" if len(lacking) > 8 else "")
+        raise RuntimeError(
+            f"{path} lacks {len(lacking)} of the entries this run needs ({shown}): it holds another architecture "
+            "(model.* keys) or other roles; load a checkpoint saved with this model"
+        )
+    return state
 
 
 def save_checkpoint(
@@ -66,7 +93,8 @@ def save_checkpoint(
 
     With `keep`, the run's own checkpoints beyond the newest `keep` are then deleted (`_prune`), except those in
     `protect` (the best evaluation's, which an evaluation-drop rollback returns to, and the good one a guard
-    rollback returns to)."""
+    rollback returns to). Each model's pending distributed-optimizer parameter all-gather is finished first
+    (`sync_parameters`), so what is written is the last step's weights on every rank."""
     if keep and run is None:
         raise ValueError("pruning (keep) needs the run identity: only a run's own checkpoints are pruned")
     root = Path(root)
@@ -77,6 +105,7 @@ def save_checkpoint(
     barrier()
     sharded: dict[str, Any] = {}
     for role, model in models.items():
+        sync_parameters(model)
         sharded[role] = model_sharded_state(model, f"{role}.")
     # An optimizer that has not stepped yet (the actor during critic warm-up) has no state: it is recorded as
     # fresh and left fresh on load.
@@ -203,7 +232,7 @@ def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: 
     sharded: dict[str, Any] = {role: model_sharded_state(model, f"{role}.") for role, model in models.items()}
     for role in saved_optimizers:
         sharded[f"{role}_optimizer"] = optimizers[role].sharded_state_dict(sharded[role], is_loading=True)
-    state = dist_checkpointing.load(sharded, str(path))
+    state = _load_sharded(sharded, path)
     for role, model in models.items():
         _load_model_state(model, state[role], f"{role}.", strict=True)
     for role in saved_optimizers:
@@ -252,5 +281,5 @@ def resolve(path: str | Path) -> Path:
 def load_weights(model: RoleModel, path: str | Path, source_role: str, drop: tuple[str, ...] = ()) -> None:
     """Initialise `model` from `source_role`'s weights in a checkpoint (any layout; `path` may be a checkpoint
     root), except keys containing `drop` (the critic takes the actor's trunk but not its vocabulary output)."""
-    state = dist_checkpointing.load(model_sharded_state(model, f"{source_role}.", drop), str(resolve(path)))
+    state = _load_sharded(model_sharded_state(model, f"{source_role}.", drop), resolve(path))
     _load_model_state(model, state, f"{source_role}.", strict=not drop)

@@ -202,4 +202,4 @@ def verify(hf_dir: str | Path, megatron_dir: str | Path, layout: MegatronConfig,
     )
     if ours is None or not reporting:
         return None
-    return float((ours - hf_logits(hf_dir, input_ids)).abs().max())
+    return float((ours.cpu() - hf_logits(hf_dir, input_ids)).abs().max())  # HF's model runs on the host

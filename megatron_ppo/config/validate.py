@@ -17,6 +17,7 @@ from megatron_ppo.algo.kl_schedule import WARMUP
 from megatron_ppo.algo.policy_loss import SEQUENCE_LEVEL_LOSSES
 from megatron_ppo.algo.rollout_correction import parse_is_threshold, parse_rs_options, parse_rs_thresholds
 from megatron_ppo.config.fields import choices_of, field_problems
+from megatron_ppo.config.gpu_only import cpu_problems
 from megatron_ppo.config.schema import ROLES, WATCH_ACTIONS, GuardsConfig, KLStageConfig, MegatronConfig, PPOConfig
 
 LOGGERS = ("console", "tensorboard", "wandb")
@@ -58,6 +59,7 @@ def validate(config: PPOConfig) -> list[str]:
     """Every problem in `config`, one line each (empty when it is sound)."""
     problems = field_problems(config)
     problems += _cross_key_problems(config)
+    problems += cpu_problems(config)  # the settings that need CUDA (`gpu_only.GPU_ONLY`)
     problems += _model_problems(config)
     problems += _layout_problems(config)
     problems += _moe_problems(config)
@@ -218,11 +220,6 @@ def _model_problems(c: PPOConfig) -> list[str]:
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups="
             f"{m.num_query_groups}; each query group must hold the same number of heads"
         )
-    if m.transformer_impl == "transformer_engine" and c.cluster.device == "cpu":
-        p.append(
-            "model.transformer_impl='transformer_engine' needs CUDA, but cluster.device='cpu'; "
-            "use 'auto' or 'local' on CPU"
-        )
     longest = c.data.max_prompt_length + c.data.max_response_length
     if m.position_embedding_type == "learned_absolute" and longest > m.max_position_embeddings:
         p.append(
@@ -296,13 +293,6 @@ def _layout_problems(c: PPOConfig) -> list[str]:
             )
         if mg.sequence_parallel and tp < 2:
             p.append(f"{key}.sequence_parallel=True needs tensor_model_parallel_size > 1; set it to false")
-        if c.cluster.device == "cpu" and mg.sequence_parallel:
-            p.append(f"{key}.sequence_parallel=True needs Transformer Engine norms (GPU); set it to false on CPU")
-        if c.cluster.device == "cpu" and mg.recompute_granularity is not None and role != "ref":  # ref: eval mode
-            p.append(
-                f"{key}.recompute_granularity={mg.recompute_granularity!r} needs CUDA (Megatron's activation recompute "
-                "saves and restores the CUDA RNG state); leave it unset on CPU"
-            )
         if mg.recompute_method is not None and mg.recompute_granularity != "full":
             p.append(f"{key}.recompute_method={mg.recompute_method!r} only applies with recompute_granularity='full'")
         if mg.recompute_granularity == "full" and (mg.recompute_method is None or mg.recompute_num_layers is None):
@@ -362,9 +352,6 @@ def _moe_problems(c: PPOConfig) -> list[str]:
                  f"{m.num_experts} experts; set it (Qwen3-MoE: 8)")  # fmt: skip
     if m.moe_intermediate_size < 1:
         p.append("model.moe_intermediate_size=0: set each expert's FFN width (Qwen3-30B-A3B: 768)")
-    if c.cluster.device == "cpu" and m.moe_token_dispatcher == "alltoall":
-        p.append("model.moe_token_dispatcher='alltoall' needs CUDA (Megatron creates a CUDA stream for it), but "
-                 "cluster.device='cpu'; use 'allgather' on CPU")  # fmt: skip
     world = world_size(c)
     for role in ROLES:
         key, mg = f"{role}.megatron", get(c, f"{role}.megatron")
@@ -391,14 +378,8 @@ def _moe_problems(c: PPOConfig) -> list[str]:
                      "add_bias_linear) only at expert TP 1; set it to 1")  # fmt: skip
         if tp > 1 and not mg.sequence_parallel:
             # without it every TP rank would hand the experts the same tokens: their gradients would count TP times
-            fix = (
-                "set it to 1 and split the experts with expert_tensor_parallel_size instead (sequence parallelism "
-                "needs Transformer Engine)"
-                if c.cluster.device == "cpu"
-                else f"set {key}.sequence_parallel=true"
-            )
             p.append(f"{key}.tensor_model_parallel_size={tp}: Megatron trains MoE layers at TP > 1 only with sequence "
-                     f"parallelism; {fix}")  # fmt: skip
+                     f"parallelism; set {key}.sequence_parallel=true")  # fmt: skip
     for role in ("actor", "critic"):
         cfg = get(c, role)
         if (
@@ -421,9 +402,7 @@ def _context_parallel_problems(c: PPOConfig) -> list[str]:
         return []
     setting = f"actor.megatron.context_parallel_size={cp}"
     p: list[str] = []
-    if c.cluster.device == "cpu":
-        p.append(f"{setting} needs Transformer Engine attention (GPU); use 1 on CPU")
-    elif importlib.util.find_spec("transformer_engine") is None:
+    if c.cluster.device != "cpu" and importlib.util.find_spec("transformer_engine") is None:
         p.append(f"{setting} needs Transformer Engine's attention, which exchanges keys and values between the CP "
                  "ranks (the local attention would attend within each rank's chunks only); Transformer Engine is "
                  "not installed here: install the gpu extra, or use 1")  # fmt: skip

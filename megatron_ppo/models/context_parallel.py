@@ -20,13 +20,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_ppo.models.widths import padded_width
+
 MicroBatch = dict[str, torch.Tensor]
-
-
-def padded_width(width: int, cp_size: int, tp_for_sequence_parallel: int = 1) -> int:
-    """The smallest S ≥ `width` divisible by 2·CP·TP (TP: 1 without sequence parallelism)."""
-    multiple = 2 * cp_size * tp_for_sequence_parallel
-    return -(-width // multiple) * multiple
 
 
 def chunk_positions(width: int, cp_size: int, cp_rank: int) -> torch.Tensor:

@@ -15,13 +15,15 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_ppo.config.schema import ROLES, MegatronConfig, ModelConfig
 from megatron_ppo.models.attention import with_sdpa_attention
 from megatron_ppo.models.kernels import transformer_engine_importable, transformer_engine_usable
+from megatron_ppo.models.norms import LocalNorm, with_local_norms
 from megatron_ppo.models.transformer_config import build_transformer_config, padded_vocab_size
 from megatron_ppo.models.value_head import ValueHead
-from megatron_ppo.parallel.device import current_device, on_cuda
+from megatron_ppo.parallel.device import current_device
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class RoleModel:
 def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
     """Transformer Engine's fused layers on CUDA when installed (or demanded), Megatron's local spec otherwise; with
     `model.num_experts`, each layer's MLP is a MoE layer (TE's grouped-GEMM experts, or the local SequentialMLP).
+    The local spec's norms are `LocalNorm` (sequence-parallel capable).
 
     Returns (spec, uses_te). Demanding TE where it cannot run fails with the fix in the message."""
     if model.transformer_impl == "transformer_engine" and not transformer_engine_usable():
@@ -63,9 +66,11 @@ def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
             num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=model.qk_layernorm
         )
         if use_te
-        else with_sdpa_attention(
-            get_gpt_layer_local_spec(
-                num_experts=num_experts, normalization=model.normalization, qk_layernorm=model.qk_layernorm
+        else with_local_norms(
+            with_sdpa_attention(
+                get_gpt_layer_local_spec(
+                    num_experts=num_experts, normalization=model.normalization, qk_layernorm=model.qk_layernorm
+                )
             )
         )
     )
@@ -88,12 +93,6 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
     spec, uses_te = select_layer_spec(model)
-    if layout.sequence_parallel and not uses_te:
-        raise ValueError(
-            f"{role}.megatron.sequence_parallel=true needs Transformer Engine's layer spec (Megatron's local torch "
-            f"norms refuse it), which is not usable here; set {role}.megatron.sequence_parallel=false or install "
-            "Transformer Engine on this CUDA machine"
-        )
     config = build_transformer_config(model, layout, with_aux_loss=role == "actor")
     vocab = padded_vocab_size(model, layout.tensor_model_parallel_size)
     num_chunks = layout.virtual_pipeline_model_parallel_size or 1
@@ -102,9 +101,17 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
         stage = vp_stage if layout.virtual_pipeline_model_parallel_size else None
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        # local spec: the final norm too is a LocalNorm (Megatron's block default would be its torch norm)
+        block = (
+            spec
+            if uses_te
+            else TransformerBlockSubmodules(
+                layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=stage), layer_norm=LocalNorm
+            )
+        )
         gpt = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=block,
             vocab_size=vocab,
             max_sequence_length=model.max_position_embeddings,
             pre_process=pre_process,
@@ -139,16 +146,15 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
 
 
 def data_parallel_config(layout: MegatronConfig) -> DistributedDataParallelConfig:
-    """Megatron DDP settings. On CUDA, gradients are reduced bucket by bucket while the backward pass still runs
-    (`overlap_grad_reduce`; 40M-element buckets, Megatron's default) and, with the distributed optimizer, the
-    updated parameters are all-gathered bucket by bucket ahead of the next forward (`overlap_param_gather`; call
-    `sync_parameters` before reading weights outside a forward). On CPU (gloo) both stay off: one reduction per
-    step keeps the CPU path simple and its results identical to the tests' references."""
-    cuda = on_cuda()
+    """Megatron DDP settings, the same on both devices: gradients are reduced bucket by bucket while the backward
+    pass still runs (`overlap_grad_reduce`; 40M-element buckets, Megatron's default) and, with the distributed
+    optimizer, the updated parameters are all-gathered bucket by bucket ahead of the next forward
+    (`overlap_param_gather`; call `sync_parameters` before reading weights outside a forward). Over gloo the
+    reductions are asynchronous too, so the CPU suite runs the path GPU runs take."""
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=cuda,
-        overlap_param_gather=cuda and layout.use_distributed_optimizer,
+        overlap_grad_reduce=True,
+        overlap_param_gather=layout.use_distributed_optimizer,
         use_distributed_optimizer=layout.use_distributed_optimizer,
     )
 
@@ -159,6 +165,24 @@ def sync_parameters(model: RoleModel) -> None:
     for chunk in model.chunks:
         if isinstance(chunk, DistributedDataParallel) and chunk.use_forward_hook:
             chunk.start_param_sync(force_sync=True)
+
+
+def zero_grad_buffers(model: RoleModel) -> None:
+    """Zero the DDP gradient buffers for a new accumulation, also after a backward that stopped half-way (an
+    out-of-memory error): with `overlap_grad_reduce` the bucket groups may then hold an all-reduce or
+    reduce-scatter still in flight (waited for here, as every rank that raised left it matched) and per-parameter
+    ready counts of a partial backward, which Megatron's `reset()` would take as the first iteration's complete
+    ("golden") counts or assert on; dropped, so the next backward counts afresh."""
+    for chunk in model.chunks:
+        if not isinstance(chunk, DistributedDataParallel):
+            continue
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            if group.grad_reduce_handle is not None:
+                group.grad_reduce_handle.wait()
+                group.grad_reduce_handle = None
+            if len(group.per_param_grad_ready_counts) != len(group.params):
+                group.per_param_grad_ready_counts = {}
+        chunk.zero_grad_buffer()
 
 
 def unwrap(chunk: torch.nn.Module) -> GPTModel:

@@ -24,6 +24,8 @@ from megatron.core.transformer.moe.moe_utils import (
     track_moe_metrics,
 )
 
+from megatron_ppo.parallel.device import current_device
+
 MOE_AUX_LOSS = "load_balancing_loss"  # the router's name in Megatron's aux-loss tracker
 
 
@@ -46,7 +48,8 @@ def expert_parallel_shapes(
     group = equal_tokens_group(config)
     if group is None:
         return None
-    counts = torch.tensor([len(shapes), -len(shapes)])
+    device = current_device()  # NCCL reduces device tensors only
+    counts = torch.tensor([len(shapes), -len(shapes)], device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
     if counts[0] != -counts[1]:
         raise RuntimeError(
@@ -54,7 +57,7 @@ def expert_parallel_shapes(
             "dispatcher needs the same number on each: use fixed micro-batches (use_dynamic_bsz=false) and a "
             "batch size divisible by the data-parallel size, or the alltoall dispatcher on GPU"
         )
-    largest = torch.tensor([list(shape) for shape in shapes], dtype=torch.long).reshape(-1, 2)
+    largest = torch.tensor([list(shape) for shape in shapes], dtype=torch.long, device=device).reshape(-1, 2)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
     return [(rows, width) for rows, width in largest.tolist()]
 
@@ -99,7 +102,7 @@ def finished_everywhere(config: TransformerConfig, finished: bool) -> bool:
     group = equal_tokens_group(config)
     if group is None:
         return finished
-    flag = torch.tensor([int(finished)])
+    flag = torch.tensor([int(finished)], device=current_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag)
 

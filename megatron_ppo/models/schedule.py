@@ -27,9 +27,10 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_ppo.models.context_parallel import gather_per_token, padded_width, split_micro_batch
+from megatron_ppo.models.context_parallel import gather_per_token, split_micro_batch
 from megatron_ppo.models.gpt import RoleModel, unwrap
 from megatron_ppo.models.moe import expert_parallel_shapes, pad_tokens, routing_padding_mask
+from megatron_ppo.models.widths import padded_width
 from megatron_ppo.parallel.device import module_device, to_device
 
 MicroBatch = dict[str, torch.Tensor]
@@ -52,20 +53,23 @@ def run_micro_batches(
     `attention_mask` `[b, 1, s, s]`, True where attention is not allowed; causal without one); `loss_fn` sees the
     micro-batch on the model's device. Returns, on the last pipeline stage, the metrics dict `loss_fn` gave for each
     micro-batch (an empty list on other stages). Gradients accumulate in the DDP buffers when not `forward_only`.
-    MoE layers with the allgather dispatcher at EP > 1: tokens are padded to the expert-parallel group's shape
-    (`models.moe`) and the last stage's output cut back to the micro-batch's before `loss_fn`."""
+    Without context parallelism the model's inputs are right-padded to the layout's width (`models.widths`: a
+    multiple of TP with sequence parallelism) and, for MoE layers with the allgather dispatcher at EP > 1, to the
+    expert-parallel group's shape (`models.moe`); the last stage's output is cut back to the micro-batch's own
+    `[b, s]` before `loss_fn`, so no padding enters a loss, a metric or a log-prob."""
     num_micro_batches = len(micro_batches)
     cp_size = parallel_state.get_context_parallel_world_size()
     sp_tp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
-    seq_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
-    if cp_size > 1:
-        seq_length = padded_width(seq_length, cp_size, sp_tp)
-    micro_batch_size = max(batch["input_ids"].shape[0] for batch in micro_batches)
+    shapes = [tuple(batch["input_ids"].shape) for batch in micro_batches]
     device = module_device(model.chunks[0], f"the {model.role} model")
-    # MoE with the allgather dispatcher: one token count per micro-batch across the expert-parallel ranks
-    padded_shapes = expert_parallel_shapes(model.config, [tuple(batch["input_ids"].shape) for batch in micro_batches])
-    if padded_shapes is not None:
-        micro_batch_size, seq_length = (max(sizes) for sizes in zip(*padded_shapes, strict=True))
+    if cp_size > 1:  # split_micro_batch pads each micro-batch (every per-token tensor) before cutting it
+        model_shapes = None
+        micro_batch_size = max(rows for rows, _ in shapes)
+        seq_length = padded_width(max(width for _, width in shapes), cp_size, sp_tp)
+    else:  # the model's inputs padded to the layout's width (and, MoE allgather at EP > 1, to the EP group's shape)
+        own = [(rows, padded_width(width, 1, sp_tp)) for rows, width in shapes]
+        model_shapes = expert_parallel_shapes(model.config, own) or own
+        micro_batch_size, seq_length = (max(sizes) for sizes in zip(*model_shapes, strict=True))
 
     def forward_step(data_iterator, chunk):
         index, batch = next(data_iterator)
@@ -79,9 +83,9 @@ def run_micro_batches(
         # no mask: causal attention by the layers' mask type (the flash path of SDPA / TE, no [s, s] tensor)
         attention_mask = batch.get("attention_mask")
         rows, width = input_ids.shape
-        if padded_shapes is not None:
+        if model_shapes is not None:
             input_ids, position_ids, attention_mask = pad_tokens(
-                input_ids, position_ids, attention_mask, padded_shapes[index]
+                input_ids, position_ids, attention_mask, model_shapes[index]
             )
         if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
             lengths = batch.get("lengths", torch.full((rows,), width, device=device))
@@ -89,8 +93,8 @@ def run_micro_batches(
             output = chunk(input_ids, position_ids, attention_mask, padding_mask=mask)
         else:
             output = chunk(input_ids, position_ids, attention_mask)
-        if padded_shapes is not None and unwrap(chunk).post_process:
-            output = output[:rows, :width]
+        if model_shapes is not None and unwrap(chunk).post_process:
+            output = output[:rows, :width]  # the padding stays out of the loss, its metrics and its outputs
         return output, partial(_scaled_loss, loss_fn, batch, num_micro_batches)
 
     iterators = [iter(enumerate(micro_batches)) for _ in model.chunks]

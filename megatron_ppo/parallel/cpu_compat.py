@@ -12,17 +12,18 @@
      tensors themselves, see `build_transformer_config`);
   4. `seed_model_parallel_rng` installs an RNG-states tracker backed by `torch.get/set_rng_state`, so
      `get_cuda_rng_tracker().fork()` (tensor-parallel weight init and dropout) works.
-  5. defines `te_general_gemm = None` in Megatron's MoE utilities when Transformer Engine is missing: the router's
-     gating linear tests that name, which megatron-core 0.16.1 binds only when TE imports (a NameError otherwise);
-     None selects its torch path;
-  6. runs the backward of every custom autograd Function under the same mode: the autograd engine does not carry
+  5. runs the backward of every custom autograd Function under the same mode: the autograd engine does not carry
      a torch-function mode into backward, where Megatron's gathers allocate with `device=torch.cuda.current_device()`
      (the MoE dispatcher's backward does, at EP > 1);
-  7. answers `torch.cuda.current_stream()` with a host stand-in whose waits do nothing: megatron-core >= 0.19's
+  6. answers `torch.cuda.current_stream()` with a host stand-in whose waits do nothing: megatron-core >= 0.19's
      `_ParamAndGradBucketGroup.start_grad_sync` always asks for the current stream (to wait on CUDA-graph events)
-     before every gradient reduction, which raises "Found no NVIDIA driver" without CUDA.
-Sequence parallelism and context parallelism need Transformer Engine and stay off on CPU (config validation); so
-does the alltoall MoE dispatcher, which creates a CUDA stream (allgather on CPU).
+     before every gradient reduction, which raises "Found no NVIDIA driver" without CUDA;
+  7. makes Megatron's activation recompute (`tensor_parallel.checkpoint`, full and selective) save and restore no
+     CUDA generator state: `_get_cuda_rng_state` answers None and `_set_cuda_rng_state` does nothing, while the host
+     generator (which draws dropout on CPU) and the tracker's states (item 4) are saved and restored as on CUDA, so
+     the recomputed forward draws the same dropout masks.
+What no stand-in can bring to the CPU (Transformer Engine's kernels and ring attention, the alltoall dispatcher's
+CUDA stream) is listed once, in `megatron_ppo/config/gpu_only.py`, and refused there by validation.
 """
 
 from __future__ import annotations
@@ -170,8 +171,8 @@ def enable_cpu_compat(hide_gpus: bool = False) -> bool:
         torch.cuda.current_stream = lambda device=None: _HOST_STREAM
         _ACTIVE_MODE = _CpuDeviceMode()
         _ACTIVE_MODE.__enter__()
-        _define_missing_te_gemm()
         _backward_under_cpu_mode()
+        _recompute_without_cuda_generator()
     return True
 
 
@@ -187,11 +188,11 @@ def _backward_under_cpu_mode() -> None:
     BackwardCFunction.apply = apply_on_cpu
 
 
-def _define_missing_te_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
+def _recompute_without_cuda_generator() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def seed_model_parallel_rng(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:

@@ -16,6 +16,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.parallel.cpu_compat import seed_model_parallel_rng
 from megatron_ppo.parallel.device import select_device
+from megatron_ppo.parallel.megatron_compat import bind_missing_te_general_gemm
 
 DEFAULT_PORT = 29500
 
@@ -79,6 +80,7 @@ def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     chosen = select_device(device, env.local_rank)
+    bind_missing_te_general_gemm()  # on either device: MoE routers read the name
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if chosen.type == "cuda" else "gloo",

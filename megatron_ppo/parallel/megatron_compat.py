@@ -12,6 +12,16 @@ from megatron.core import utils as megatron_utils
 MEGATRON_CORE_VERSION: str = megatron.core.__version__
 
 
+def bind_missing_te_general_gemm() -> None:
+    """megatron-core < 0.17 (0.16.1) binds `te_general_gemm` in its MoE utilities only when Transformer Engine
+    imports, yet every router forward reads the name (a NameError on any machine without TE, GPU or not);
+    0.17 and later bind it to None there. None selects the router's torch GEMM. A no-op where the name exists."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def get_batch_on_this_cp_rank(batch: dict[str, Any], cp_group: Any) -> dict[str, Any]:
     """Megatron's load-balanced context-parallel slice of `batch`. megatron-core 0.18 added a positional
     `is_hybrid_cp` (before `cp_group`); plain context parallelism passes False."""

@@ -12,7 +12,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ppo.config.schema import MegatronConfig, OptimConfig
-from megatron_ppo.models.gpt import RoleModel
+from megatron_ppo.models.gpt import RoleModel, zero_grad_buffers
 from megatron_ppo.parallel.collectives import any_rank
 
 
@@ -56,9 +56,9 @@ def build_optimizer(model: RoleModel, optim: OptimConfig, layout: MegatronConfig
 
 
 def zero_grads(model: RoleModel, optimizer: MegatronOptimizer) -> None:
-    """Clear the DDP gradient buffers and the optimizer's main grads before a new accumulation."""
-    for chunk in model.chunks:
-        chunk.zero_grad_buffer()
+    """Clear the DDP gradient buffers (also after an interrupted backward, `zero_grad_buffers`) and the optimizer's
+    main grads before a new accumulation."""
+    zero_grad_buffers(model)
     optimizer.zero_grad()
 
 

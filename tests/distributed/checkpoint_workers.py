@@ -155,3 +155,38 @@ def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
     except ConfigError as refusal:
         report["auto_without_identity"] = str(refusal)
     return report
+
+
+def _with_transformer_engine_extra_state(module: torch.nn.Module) -> None:
+    """Make `module` carry an `_extra_state` entry as Transformer Engine's layers do (their FP8 metadata)."""
+    extras = {"get_extra_state": lambda self: torch.tensor([7.0]), "set_extra_state": lambda self, state: None}
+    module.__class__ = type(f"TE{type(module).__name__}", (type(module),), extras)
+
+
+def local_checkpoint_into_extra_state_model(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A local-spec checkpoint loaded into a model whose core attention carries an `_extra_state`, as TE's
+    `TEDotProductAttention` does and the local spec's never writes; then into a model with a weight the checkpoint
+    lacks."""
+    root = Path(root)
+    init_distributed(MegatronConfig(), seed=0)
+    actor = build_role_model("actor", MODEL, MegatronConfig())
+    saved = checkpoint.save_checkpoint(root, 1, {"actor": actor}, {}, {"step": 1})
+    te_like = build_role_model("actor", MODEL, MegatronConfig())
+    gpt = te_like.chunks[0].module
+    for layer in gpt.decoder.layers:
+        _with_transformer_engine_extra_state(layer.self_attention.core_attention)
+    report: dict[str, Any] = {
+        "extra_state_keys": sum(k.endswith("core_attention._extra_state") for k in gpt.state_dict())
+    }
+    checkpoint.load_checkpoint(saved, {"actor": te_like}, {})
+    expected = weights(actor)
+    report["weights_loaded"] = all(
+        torch.equal(v, expected[k]) for k, v in weights(te_like).items() if not k.endswith("_extra_state")
+    )
+    gpt.decoder.final_layernorm.register_parameter("extra_weight", torch.nn.Parameter(torch.ones(3)))
+    try:
+        checkpoint.load_weights(te_like, saved, "actor")
+        report["missing_weight_error"] = None
+    except RuntimeError as error:
+        report["missing_weight_error"] = str(error)
+    return report

@@ -67,3 +67,11 @@ def test_a_run_starts_only_where_no_other_run_has_checkpoints(tmp_path) -> None:
     refusal = report["auto_without_identity"]
     assert "(saved without a run id: step_1)" in refusal, refusal
     assert "trainer.resume_mode=disable trainer.overwrite=true" in refusal, refusal
+
+
+def test_local_checkpoint_loads_into_a_transformer_engine_model_but_a_missing_weight_fails(tmp_path) -> None:
+    report = run_distributed(checkpoint_workers.local_checkpoint_into_extra_state_model, 1, str(tmp_path))[0]
+    assert report["extra_state_keys"] > 0, "the stand-in TE model must ask for _extra_state entries"
+    assert report["weights_loaded"], "the local checkpoint's weights must load into the TE-like model"
+    error = report["missing_weight_error"]
+    assert error is not None and "decoder.final_layernorm.extra_weight" in error, f"missing weight not named: {error}"

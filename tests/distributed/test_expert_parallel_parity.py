@@ -1,7 +1,8 @@
-"""Mixture-of-experts actor and critic under expert parallelism — EP 2, and EP 2 × expert-TP 2 (each expert's
-weights split over two ranks; attention stays at TP 1: Megatron trains MoE at attention TP > 1 only with sequence
-parallelism, which CPU lacks) — against the same weights at EP 1 on one process, through the trainer's own
-experience and update path. Tolerances are the dense layouts' (see test_parallel_parity.py)."""
+"""Mixture-of-experts actor and critic under expert parallelism — EP 2, EP 2 × expert-TP 2 (each expert's
+weights split over two ranks), and attention TP 2 with sequence parallelism beside EP 2 (Megatron trains MoE at
+attention TP > 1 only with sequence parallelism; Qwen3-235B's layout) — against the same weights at EP 1 on one
+process, through the trainer's own experience and update path. Tolerances are the dense layouts' (see
+test_parallel_parity.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ WITH_AUX_LOSS = dataclasses.replace(MOE_MODEL, router_aux_loss_coef=0.01)
 LAYOUTS = {
     "ep2": (2, MegatronConfig(expert_model_parallel_size=2)),
     "ep2-etp2": (4, MegatronConfig(expert_model_parallel_size=2, expert_tensor_parallel_size=2)),
+    "tp2-sp-ep2": (
+        4,
+        MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2),
+    ),
 }
 
 

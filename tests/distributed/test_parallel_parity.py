@@ -1,8 +1,9 @@
-"""Actor and critic under TP, PP, TP×PP, PP with virtual stages, and DP, against the same weights at TP=1 PP=1,
-through the trainer's own experience and update path (`forward_passes`, `update_role`, `actor_loss`,
-`critic_loss`); with token-budget micro-batches (use_dynamic_bsz) under virtual stages and DP, where each
-replica's own packing gives an odd count that the interleaved schedule refuses unless it is evened out; then GSPO
-with sequence-level importance weights (`rollout_correction`), whose ratios and weights are per whole row."""
+"""Actor and critic under TP, TP with sequence parallelism (odd micro-batch widths: padded to a multiple of TP and
+cut back), full and selective activation recompute, PP, TP×PP, PP with virtual stages, and DP, against the same
+weights at TP=1 PP=1, through the trainer's own experience and update path (`forward_passes`, `update_role`,
+`actor_loss`, `critic_loss`); with token-budget micro-batches (use_dynamic_bsz) under virtual stages and DP, where
+each replica's own packing gives an odd count that the interleaved schedule refuses unless it is evened out; then
+GSPO with sequence-level importance weights (`rollout_correction`), whose ratios and weights are per whole row."""
 
 from __future__ import annotations
 
@@ -18,6 +19,18 @@ from tests.distributed.parity_checks import assert_grad_norms_and_weights_match,
 
 LAYOUTS = {
     "tp2": (2, MegatronConfig(tensor_model_parallel_size=2)),
+    "tp2-sp": (2, MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "tp2-sp-recompute-full": (
+        2,
+        MegatronConfig(
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=1,
+        ),
+    ),
+    "pp2-recompute-selective": (2, MegatronConfig(pipeline_model_parallel_size=2, recompute_granularity="selective")),
     "pp2": (2, MegatronConfig(pipeline_model_parallel_size=2)),
     "pp2-vpp2": (2, MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
     "dp2-distopt": (2, MegatronConfig(use_distributed_optimizer=True)),
@@ -41,8 +54,8 @@ def _selected_layouts(request: pytest.FixtureRequest) -> list[str]:
     wanted = set()
     for item in request.session.items:
         callspec = getattr(item, "callspec", None)
-        if item.module is request.module and callspec is not None and "name" in callspec.params:
-            wanted.add(callspec.params["name"])
+        if item.module is request.module and callspec is not None:
+            wanted |= {callspec.params[key] for key in ("name", "without") if key in callspec.params}
     return [name for name in LAYOUTS if name in wanted]
 
 
@@ -78,6 +91,25 @@ def test_update_metrics_match_single_process_on_every_rank(parity, name: str) ->
 @pytest.mark.parametrize("name", layouts(LAYOUTS))
 def test_grad_norm_and_updated_weights_match_single_process(parity, name: str) -> None:
     assert_grad_norms_and_weights_match(parity, name)
+
+
+def test_sequence_parallel_parity_runs_micro_batch_widths_tp_does_not_divide() -> None:
+    lengths = [len(row.prompt_ids) + len(row.response_ids) for row in workers.rows(workers.ROWS, seed=3)]
+    widths = [max(lengths[i : i + 2]) for i in range(0, len(lengths), 2)]  # micro-batches of 2 rows (ppo_config)
+    assert any(width % 2 for width in widths), f"tp2-sp needs an odd micro-batch width to pad, got {widths}"
+
+
+@pytest.mark.parametrize(
+    ("name", "without", "recomputed"),
+    [("tp2-sp-recompute-full", "tp2-sp", "layer"), ("pp2-recompute-selective", "pp2", "core_attention")],
+)
+def test_activation_recompute_runs_the_forward_again_in_the_backward(
+    parity, name: str, without: str, recomputed: str
+) -> None:
+    ours, plain = (parity["reports"][layout][0]["actor_first_layer_forwards"] for layout in (name, without))
+    assert ours[recomputed] > plain[recomputed], f"{name}: no {recomputed} forward was recomputed ({ours} vs {plain})"
+    if recomputed == "core_attention":
+        assert ours["layer"] == plain["layer"], f"{name}: selective recompute reran whole layers ({ours} vs {plain})"
 
 
 @pytest.mark.parametrize("name", layouts(["pp2", "pp2-vpp2", "tp2-pp2"]))

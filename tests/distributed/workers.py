@@ -33,6 +33,7 @@ from megatron_ppo.config.schema import (
 from megatron_ppo.config.validate import resolve
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, run_micro_batches, unwrap
+from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.train.batch import collate, replica_micro_batches
 from megatron_ppo.train.experience import Experience, forward_passes, rollout_correction
@@ -134,6 +135,7 @@ def _sharded(role_model) -> dict:
 
 
 def save(role_model, directory: Path) -> None:
+    sync_parameters(role_model)  # the distributed optimizer's overlapped parameter all-gather
     directory.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(_sharded(role_model), str(directory))
 
@@ -223,6 +225,10 @@ def parallel_layout(
     load(critic, workdir / "initial" / "critic")
     frozen_before = weights(ref)
     expected = torch.load(workdir / "reference.pt")
+    first_layer = unwrap(actor.chunks[0]).decoder.layers[0]
+    forwards = {"layer": 0, "core_attention": 0}  # activation recompute runs them again in the backward
+    for part, module in (("layer", first_layer), ("core_attention", first_layer.self_attention.core_attention)):
+        module.register_forward_hook(lambda *_, part=part: forwards.__setitem__(part, forwards[part] + 1))
     config = ppo_config(layout, model)
     if max_tokens is not None:
         for role in (config.actor, config.critic):
@@ -237,6 +243,7 @@ def parallel_layout(
         ),
         "ref_weights_unchanged": all(torch.equal(v, frozen_before[k]) for k, v in weights(ref).items()),
         "ref_has_no_grad": all(not p.requires_grad for c in ref.chunks for p in c.parameters()),
+        "actor_first_layer_forwards": forwards,
         "metrics": {(f"gspo:{key}" if role == "gspo" else key): (value, expected[f"{role}_metrics"][key])
                     for role in roles for key, value in ours[f"{role}_metrics"].items()},
     }  # fmt: skip

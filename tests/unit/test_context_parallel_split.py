@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ppo.models.context_parallel import chunk_positions, merge_chunks, padded_width, split_micro_batch
+from megatron_ppo.models.context_parallel import chunk_positions, merge_chunks, split_micro_batch
+from megatron_ppo.models.widths import padded_width
 
 
 def _batch(width: int) -> dict[str, torch.Tensor]:
@@ -48,6 +49,12 @@ def test_each_rank_gets_the_same_causal_attention_work(cp: int) -> None:
 def test_sequence_parallel_pads_for_the_tensor_parallel_split_too() -> None:
     assert padded_width(13, cp_size=2, tp_for_sequence_parallel=4) == 16
     assert padded_width(17, cp_size=2, tp_for_sequence_parallel=4) == 32
+
+
+def test_sequence_parallel_alone_pads_to_a_multiple_of_tp_and_nothing_else_pads() -> None:
+    assert [padded_width(w, 1, 2) for w in (11, 12, 13)] == [12, 12, 14]
+    assert padded_width(13, 1, 4) == 16
+    assert padded_width(13) == 13, "without context or sequence parallelism the width is the micro-batch's own"
 
 
 def test_an_explicit_attention_mask_is_refused() -> None:

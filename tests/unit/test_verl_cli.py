@@ -146,14 +146,11 @@ def test_gradient_checkpointing_sets_that_roles_recompute(written: str, section:
     assert untouched.megatron.recompute_granularity == "selective"
 
 
-def test_gradient_checkpointing_takes_a_boolean_and_needs_cuda() -> None:
+def test_gradient_checkpointing_takes_a_boolean_and_runs_on_cpu() -> None:
     with pytest.raises(ConfigError, match="enable_gradient_checkpointing=0: give true or false"):
         load_config(RECIPE_7B, ["actor_rollout_ref.model.enable_gradient_checkpointing=0"])
-    with pytest.raises(ConfigError) as refused:
-        load_config(TINY, ["critic.model.enable_gradient_checkpointing=True"])
-    (problem,) = refused.value.problems
-    assert problem.startswith("critic.megatron.recompute_granularity='full' needs CUDA"), problem
-    assert "critic.model.enable_gradient_checkpointing sets critic.megatron.recompute_granularity" in problem, problem
+    config = load_config(TINY, ["critic.model.enable_gradient_checkpointing=True"])  # the CPU recipe
+    assert config.critic.megatron.recompute_granularity == "full"
 
 
 @pytest.mark.parametrize(
