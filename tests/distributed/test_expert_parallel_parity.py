@@ -38,8 +38,7 @@ LAYOUTS = {
 def parity(tmp_path_factory) -> dict:
     workdir = str(tmp_path_factory.mktemp("ep-parity"))
     run_distributed(workers.reference, 1, workdir, MOE_MODEL)
-    reports = {name: run_distributed(workers.parallel_layout, world, workdir, name, layout, MOE_MODEL)
-               for name, (world, layout) in LAYOUTS.items()}  # fmt: skip
+    reports = workers.run_layouts(run_distributed, workdir, LAYOUTS, model=MOE_MODEL)
     weights = run_distributed(workers.compare_updated_weights, 1, workdir, list(LAYOUTS), MOE_MODEL)[0]
     aux = run_distributed(moe_workers.load_balancing_loss_by_layout, 2, workdir, WITH_AUX_LOSS)
     table = ["layout   old_log_prob  ref_log_prob  values    actor grad norm  critic grad norm  weights a/c"]

@@ -61,15 +61,14 @@ def _selected_layouts(request: pytest.FixtureRequest) -> list[str]:
 
 @pytest.fixture(scope="module")
 def parity(request, tmp_path_factory) -> dict:
-    """Every selected layout's update against the single-process reference, each layout launched once (only the
-    layouts some selected test asks for: `-m floor` runs two)."""
+    """Every selected layout's update against the single-process reference: one launch per world size, re-laid out
+    between layouts (only the layouts some selected test asks for: `-m floor` runs two)."""
     names = _selected_layouts(request)
     workdir = tmp_path_factory.mktemp("parity")
     # sequence_level: a second actor update with GSPO and sequence-level importance weights, one ratio per whole row
     run_distributed(workers.reference, 1, str(workdir), workers.MODEL, True)
-    reports = {name: run_distributed(workers.parallel_layout, LAYOUTS[name][0], str(workdir), name, LAYOUTS[name][1],
-                                     workers.MODEL, MAX_TOKENS.get(name), True)
-               for name in names}  # fmt: skip
+    reports = workers.run_layouts(run_distributed, str(workdir), {name: LAYOUTS[name] for name in names}, MAX_TOKENS,
+                                  workers.MODEL, sequence_level=True)  # fmt: skip
     weights = run_distributed(workers.compare_updated_weights, 1, str(workdir), names)[0]
     return {"reports": reports, "weights": weights, "workdir": Path(workdir)}
 

@@ -255,6 +255,38 @@ def parallel_layout(
     return report
 
 
+def parallel_layouts(
+    rank: int,
+    world_size: int,
+    workdir: str,
+    runs: list[tuple],
+    model: ModelConfig = MODEL,
+    sequence_level: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """`parallel_layout` for each (name, layout, max_tokens) of `runs` in turn, in one process group re-laid out
+    between them (one launch for every layout of a world size)."""
+    return {name: parallel_layout(rank, world_size, workdir, name, layout, model, max_tokens, sequence_level)
+            for name, layout, max_tokens in runs}  # fmt: skip
+
+
+def run_layouts(
+    launch,
+    workdir: str,
+    layouts: dict[str, tuple],
+    max_tokens: dict[str, int] | None = None,
+    model: ModelConfig = MODEL,
+    sequence_level: bool = False,
+) -> dict[str, list[dict[str, Any]]]:
+    """Every layout of {name: (world size, layout)} through `parallel_layouts`, one launch (`launch`, the harness's
+    `run_distributed`) per world size; {name: the reports of its ranks}."""
+    reports: dict[str, list[dict[str, Any]]] = {}
+    for world in sorted({world for world, _ in layouts.values()}):
+        runs = [(name, layout, (max_tokens or {}).get(name)) for name, (w, layout) in layouts.items() if w == world]
+        by_rank = launch(parallel_layouts, world, workdir, runs, model, sequence_level)
+        reports |= {name: [ranks[name] for ranks in by_rank] for name, _, _ in runs}
+    return {name: reports[name] for name in layouts}
+
+
 def compare_updated_weights(
     rank: int, world_size: int, workdir: str, names: list[str], model: ModelConfig = MODEL
 ) -> dict[str, float]:

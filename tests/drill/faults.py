@@ -7,7 +7,8 @@ runs that step again.
 - `out_of_memory`: `torch.OutOfMemoryError` raised on every rank as the actor update starts;
 - `kl_blowup`: every actor optimizer step of the iteration at 100 × the learning rate (the update's own KL sees it);
 - `kl_blowup_at_save`: only the iteration's last actor optimizer step at 100 × the learning rate, in an iteration
-  that ends with a save: its update's KL cannot see it, the next iteration's guards do;
+  that ends with a save: its update's KL cannot see it, the next iteration's guards do. "The learning rate" is the
+  schedule's before the guards' back-offs, so a blow-up after a rollback is as large as one before it;
 - `eval_drop`: the evaluation after the step scores 0.5 lower;
 - `stop` (the guard-stop drill): a NaN gradient in every iteration from the step on.
 """
@@ -62,6 +63,7 @@ class Injector:
     step: int = 0  # the iteration under way (or just finished, during its evaluation)
     role: str | None = None
     model: Any = None
+    scheduler: Any = None  # the role update's learning-rate schedule (its back-off)
     steps_left: int = 0  # the optimizer steps left in the role update under way
     done: set[str] = field(default_factory=set)
     applied: set[str] = field(default_factory=set)
@@ -100,7 +102,8 @@ def install(injector: Injector) -> None:
             injector.mark("out_of_memory")
             injector.done.add("out_of_memory")  # the retry must run clean
             raise torch.OutOfMemoryError("drill: injected out-of-memory error")
-        rows = args[2]["input_ids"].shape[0]  # (optimizer, scheduler, experience, ...)
+        injector.scheduler = args[1]  # (optimizer, scheduler, experience, ...)
+        rows = args[2]["input_ids"].shape[0]
         injector.steps_left = kwargs["epochs"] * -(-rows // kwargs["mini_batch_size"])
         return update_role(role, model, *args, **kwargs)
 
@@ -115,8 +118,9 @@ def install(injector: Injector) -> None:
                     injector.actor_gradients()[0].view(-1)[0] = float("nan")
         if injector.due("kl_blowup") or (injector.due("kl_blowup_at_save") and injector.steps_left == 0):
             injector.mark("kl_blowup" if injector.due("kl_blowup") else "kl_blowup_at_save")
+            # 100 × the schedule's own rate, whatever the guards have backed it off to: every blow-up is as large
             for group in optimizer.param_groups:
-                group["lr"] *= 100.0  # the schedule sets it again at its next step
+                group["lr"] *= 100.0 / injector.scheduler.backoff  # the schedule sets it again at its next step
         return optimizer_step(optimizer, clip_grad)
 
     def drilled_actor_loss(*args: Any, **kwargs: Any) -> Any:
