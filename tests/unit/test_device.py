@@ -11,7 +11,7 @@ from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.models import build_transformer_config
 from megatron_ppo.models.gpt import build_role_model, data_parallel_config
 from megatron_ppo.models.kernels import FUSIONS, describe_kernels, importable_fusions
-from megatron_ppo.parallel.device import module_device, select_device, to_device
+from megatron_ppo.parallel.device import module_device, select_device, set_cuda_max_connections, to_device
 
 
 @pytest.fixture
@@ -83,3 +83,12 @@ def test_data_parallel_communication_overlaps_only_on_cuda(monkeypatch: pytest.M
 def test_sequence_parallel_without_transformer_engine_is_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"critic\.megatron\.sequence_parallel=false"):
         build_role_model("critic", ModelConfig(), MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True))
+
+
+def test_cuda_max_connections_is_one_unless_the_user_set_it() -> None:
+    environ: dict[str, str] = {}
+    assert set_cuda_max_connections(environ) == "1"
+    assert environ == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    mine = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+    assert set_cuda_max_connections(mine) == "8", "a value the user exported must be kept"
+    assert mine == {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
