@@ -65,9 +65,21 @@ def test_a_model_on_another_device_than_the_run_is_caught() -> None:
 def test_the_start_line_names_spec_attention_fusions_optimizer_and_dtype() -> None:
     config = PPOConfig(model=ModelConfig(params_dtype="fp32"))
     line = describe_kernels(config)
-    for part in ("device cpu", "spec Megatron local", "scaled_dot_product_attention", "fusions none",
-                 "optimizer torch AdamW", "dtype fp32"):  # fmt: skip
+    for part in ("device cpu", "spec Megatron local", "scaled_dot_product_attention (flash, CPU kernel",
+                 "fusions none", "optimizer torch AdamW", "dtype fp32"):  # fmt: skip
         assert part in line, f"{part!r} missing from {line!r}"
+
+
+def test_the_attention_kernel_named_is_the_one_sdpa_dispatches_to() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_ppo.models.kernels import sdpa_backend
+
+    config = PPOConfig(model=ModelConfig(params_dtype="bf16", num_attention_heads=4, num_query_groups=2))
+    assert sdpa_backend(config) == "flash", "PyTorch's CPU kernel for causal attention is its flash kernel"
+    with sdpa_kernel([SDPBackend.MATH]):  # the dispatcher's choice, not a guess: it follows what is enabled
+        assert sdpa_backend(config) == sdpa_backend(config, masked=True) == "math"
+        assert "scaled_dot_product_attention (math, CPU kernel; with a mask math)" in describe_kernels(config)
 
 
 def test_data_parallel_communication_overlaps_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
