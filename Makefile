@@ -95,8 +95,8 @@ bench: setup
 # The GPU check (one CUDA GPU, no network, ~8 min on an H100/H200): the tiny recipe on CUDA, a 1.5B-shaped PPO
 # iteration (tokens/s, MFU, peak memory against the planner), GPU bf16 against CPU fp32 log-probs; one table and
 # outputs/gpu_check.json. `make gpu-check DRY_RUN=1` runs it on the CPU with a tiny model (CI does).
-# Works without `make setup` on a bare machine: wheels in .whl/ (../shared/gpu/fetch-wheels.sh .whl) are installed
-# once into .whl/site and put on PYTHONPATH with the source tree (see NOTES-gpu.md).
+# Works without `make setup` on a bare machine: wheels placed in .whl/ are installed once into .whl/site and put on
+# PYTHONPATH with the source tree (README, "On a bare CUDA machine").
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then \
