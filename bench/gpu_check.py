@@ -7,7 +7,9 @@
         forward/backward passes, their ratio, peak memory beside the planner's prediction;
     (c) log-probs of the same weights, GPU bf16 against CPU fp32 (a subprocess with the GPUs hidden);
     (d) the (b) iteration at its first length with host offload off and on: peak memory beside the planner's
-        (`bench/offload_check.py`).
+        (`bench/offload_check.py`);
+    (e) one actor mini-batch's gradient norm cut into 1, 2 and 4 micro-batches: equal within 1e-3 relative
+        (`bench/grad_cut_check.py`).
 It prints one table, writes JSON (`--out`), names the path that ran (Transformer Engine or local + SDPA) and exits
 1 when a part failed. `--dry-run` runs every part's code on the CPU with a tiny model in a minute or two (CI).
 
@@ -33,6 +35,8 @@ from typing import Any
 import torch
 
 from bench.gpu_plan import DRY, GIB, REAL, Plan, ppo_config, synthetic_rows, timed
+from bench.grad_cut_check import check_grad_norm_by_cut
+from bench.grad_cut_check import table_lines as grad_cut_table_lines
 from bench.offload_check import check_offload
 from bench.offload_check import table_lines as offload_table_lines
 
@@ -294,6 +298,7 @@ def table(results: dict[str, Any]) -> str:
     else:
         lines.append(f"(c) log-probs                       FAILED {c.get('error', '')[:300]}")
     lines += offload_table_lines(results["d_offload"])
+    lines += grad_cut_table_lines(results["e_grad_norm_by_cut"])
     return "\n".join(lines)
 
 
@@ -318,12 +323,14 @@ def run(plan: Plan, out_path: Path, work: Path) -> int:
         gc.collect()  # the trainer of this length, before the next one is built
     _part(results, "c_logprobs", lambda: check_logprobs(plan, work))
     _part(results, "d_offload", lambda: check_offload(plan, work))
+    _part(results, "e_grad_norm_by_cut", lambda: check_grad_norm_by_cut(plan, work))
     destroy_distributed()
     print(table(results), flush=True)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=2, default=str))
     print(f"results: {out_path}")
-    parts = [results["a_tiny_recipe"], *results["b_ppo_iteration"], results["c_logprobs"], results["d_offload"]]
+    parts = [results["a_tiny_recipe"], *results["b_ppo_iteration"], results["c_logprobs"], results["d_offload"],
+             results["e_grad_norm_by_cut"]]  # fmt: skip
     return 0 if all(p.get("ok") for p in parts) else 1
 
 
