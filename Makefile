@@ -98,6 +98,7 @@ bench: setup
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_actor_step
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_ppo_step
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_logprob_chunks
+	$(PY) -m bench.bench_gae
 
 # The GPU check (one CUDA GPU, no network, ~8 min on an H100/H200): the tiny recipe on CUDA, a 1.5B-shaped PPO
 # iteration (tokens/s, MFU, peak memory against the planner), GPU bf16 against CPU fp32 log-probs; one table and

@@ -7,11 +7,13 @@
         forward/backward passes, their ratio, peak memory beside the planner's prediction;
     (c) log-probs of the same weights, GPU bf16 against CPU fp32 (a subprocess with the GPUs hidden);
     (d) the (b) iteration at its first length with host offload off and on: peak memory beside the planner's
-        (`bench/offload_check.py`).
+        (`bench/offload_check.py`);
+    (e) one actor mini-batch's gradient norm cut into 1, 2 and 4 micro-batches: equal within 1e-3 relative
+        (`bench/grad_cut_check.py`).
 It prints one table, writes JSON (`--out`), names the path that ran (Transformer Engine or local + SDPA) and exits
 1 when a part failed. `--dry-run` runs every part's code on the CPU with a tiny model in a minute or two (CI).
 
-Run: make gpu-check   (or: python -m bench.gpu_check [--dry-run] [--out FILE]); see NOTES-gpu.md.
+Run: make gpu-check   (or: python -m bench.gpu_check [--dry-run] [--out FILE]); the README's GPU check section.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import argparse
 import gc
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -28,51 +29,18 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.gpu_plan import DRY, GIB, REAL, Plan, ppo_config, synthetic_rows, timed
+from bench.grad_cut_check import check_grad_norm_by_cut
+from bench.grad_cut_check import table_lines as grad_cut_table_lines
 from bench.offload_check import check_offload
 from bench.offload_check import table_lines as offload_table_lines
 
 REPO = Path(__file__).resolve().parents[1]
-GIB = 1024**3
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A GPT shape for (b) and (c); `layers_c` layers of it are compared in (c) (a CPU fp32 forward)."""
-
-    num_layers: int
-    hidden: int
-    heads: int
-    groups: int
-    ffn: int
-    vocab: int
-    layers_c: int
-
-
-QWEN_1_5B = Shape(num_layers=28, hidden=1536, heads=12, groups=2, ffn=8960, vocab=151_936, layers_c=4)
-TINY = Shape(num_layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=512, layers_c=2)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one run of the check does: the real sizes, or the dry run's."""
-
-    device: str
-    dtype: str
-    shape: Shape
-    rows: int
-    seq_lengths: tuple[int, ...]
-    micro_batch: int
-    recipe_steps: int
-
-
-REAL = Plan("cuda", "bf16", QWEN_1_5B, rows=64, seq_lengths=(1024, 4096), micro_batch=4, recipe_steps=16)
-DRY = Plan("cpu", "bf16", TINY, rows=8, seq_lengths=(32, 64), micro_batch=4, recipe_steps=0)
 
 
 def _free_port() -> int:
@@ -129,78 +97,6 @@ def check_tiny_recipe(plan: Plan, work: Path) -> dict[str, Any]:
 
 
 # --- (b) the PPO iteration at a 1.5B shape ---------------------------------------------------------------------
-def gpu_type_and_memory() -> tuple[str, float]:
-    from megatron_ppo.config.gpus import GPU_SPECS, gpu_type_named
-
-    if not torch.cuda.is_available():
-        return "cpu", GPU_SPECS["cpu"].memory_gib
-    memory = torch.cuda.get_device_properties(0).total_memory / GIB
-    return gpu_type_named(torch.cuda.get_device_name()), memory
-
-
-def ppo_config(plan: Plan, seq: int, work: Path):
-    """The PPO config of (b): GAE with a KL loss (actor, reference and critic), one epoch, one mini-batch."""
-    from megatron_ppo.config.schema import ClusterConfig, ModelConfig, PPOConfig
-    from megatron_ppo.config.validate import resolve, validate
-
-    s = plan.shape
-    config = PPOConfig(
-        model=ModelConfig(
-            name="qwen2.5-1.5b-shape", num_layers=s.num_layers, hidden_size=s.hidden, num_attention_heads=s.heads,
-            num_query_groups=s.groups, ffn_hidden_size=s.ffn, vocab_size=s.vocab, max_position_embeddings=32768,
-            rotary_base=1_000_000.0, add_qkv_bias=True, params_dtype=plan.dtype,
-        ),
-    )  # fmt: skip
-    gpu_type, memory = gpu_type_and_memory()
-    config.cluster = ClusterConfig(device=plan.device, gpus_per_node=1, gpu_type=gpu_type, gpu_memory_gib=memory)
-    config.data.max_prompt_length, config.data.max_response_length = seq // 4, seq - seq // 4
-    config.data.train_batch_size = plan.rows
-    for role in (config.actor, config.critic):
-        role.ppo_mini_batch_size, role.ppo_micro_batch_size_per_gpu, role.ppo_epochs = plan.rows, plan.micro_batch, 1
-    config.trainer.total_training_steps = 3
-    config.trainer.logger = []
-    config.trainer.default_local_dir, config.trainer.log_dir = str(work / "ckpt"), str(work / "tb")
-    resolve(config)
-    problems = validate(config)
-    if problems:
-        raise RuntimeError(f"the check's own config is invalid: {problems}")
-    return config
-
-
-def synthetic_rows(plan: Plan, seq: int, seed: int) -> list:
-    """`plan.rows` rows of exactly `seq` tokens (a quarter prompt), random tokens (never the pad id 0), ±1 rewards."""
-    from megatron_ppo.data.rows import Row
-
-    rng = random.Random(seed)
-    vocab, prompt = plan.shape.vocab, seq // 4
-    return [
-        Row(
-            [rng.randrange(1, vocab) for _ in range(prompt)],
-            [rng.randrange(1, vocab) for _ in range(seq - prompt)],
-            float(rng.choice([-1, 1])),
-            None,
-            None,
-            f"g{i}",
-            "gpu-check",
-            f"synthetic row {i}",
-        )
-        for i in range(plan.rows * 2)
-    ]
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    _synchronize()
-    start = time.perf_counter()
-    fn()
-    _synchronize()
-    return time.perf_counter() - start
-
-
 def bare_passes(trainer, plan: Plan, seq: int) -> None:
     """What the iteration must compute, nothing else: forwards of actor, reference (log-probs) and critic (values),
     then one forward+backward epoch of actor and critic over the same micro-batches (no optimizer step)."""
@@ -248,10 +144,10 @@ def check_ppo_iteration(plan: Plan, seq: int, work: Path) -> dict[str, Any]:
     trainer = PPOTrainer(config, synthetic_rows(plan, seq, seed=seq), pad_id=0)
     build_s = time.perf_counter() - started
     try:
-        warmup_s = _timed(trainer.iteration)  # kernels chosen, allocator warmed, optimizer states created
-        iteration_s = _timed(trainer.iteration)
+        warmup_s = timed(trainer.iteration)  # kernels chosen, allocator warmed, optimizer states created
+        iteration_s = timed(trainer.iteration)
         bare_passes(trainer, plan, seq)  # warm
-        bare_s = _timed(lambda: bare_passes(trainer, plan, seq))
+        bare_s = timed(lambda: bare_passes(trainer, plan, seq))
     finally:
         trainer.close()
     lengths = [seq] * plan.rows
@@ -403,6 +299,7 @@ def table(results: dict[str, Any]) -> str:
     else:
         lines.append(f"(c) log-probs                       FAILED {c.get('error', '')[:300]}")
     lines += offload_table_lines(results["d_offload"])
+    lines += grad_cut_table_lines(results["e_grad_norm_by_cut"])
     return "\n".join(lines)
 
 
@@ -427,12 +324,14 @@ def run(plan: Plan, out_path: Path, work: Path) -> int:
         gc.collect()  # the trainer of this length, before the next one is built
     _part(results, "c_logprobs", lambda: check_logprobs(plan, work))
     _part(results, "d_offload", lambda: check_offload(plan, work))
+    _part(results, "e_grad_norm_by_cut", lambda: check_grad_norm_by_cut(plan, work))
     destroy_distributed()
     print(table(results), flush=True)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=2, default=str))
     print(f"results: {out_path}")
-    parts = [results["a_tiny_recipe"], *results["b_ppo_iteration"], results["c_logprobs"], results["d_offload"]]
+    parts = [results["a_tiny_recipe"], *results["b_ppo_iteration"], results["c_logprobs"], results["d_offload"],
+             results["e_grad_norm_by_cut"]]  # fmt: skip
     return 0 if all(p.get("ok") for p in parts) else 1
 
 

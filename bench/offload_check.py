@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-GIB = 1024**3
+from bench.gpu_plan import GIB, ppo_config, synthetic_rows, timed
 
 
 def _offloaded(config):
@@ -69,13 +69,11 @@ def _measure(config, rows: list, timed) -> dict[str, Any]:
 
 def check_offload(plan, work: Path) -> dict[str, Any]:
     """(d): the first sequence length of (b), offload off then on."""
-    from bench.gpu_check import _timed, ppo_config, synthetic_rows
-
     seq = plan.seq_lengths[0]
     base = ppo_config(plan, seq, work / "offload_off")
     rows = synthetic_rows(plan, seq, seed=seq)
-    off = _measure(base, rows, _timed)
-    on = _measure(_offloaded(ppo_config(plan, seq, work / "offload_on")), rows, _timed)
+    off = _measure(base, rows, timed)
+    on = _measure(_offloaded(ppo_config(plan, seq, work / "offload_on")), rows, timed)
     return {"seq": seq, "rows": plan.rows, "off": off, "on": on, "ok": True}
 
 

@@ -5,7 +5,8 @@ softmax: at 4096 tokens that alone is 1 GiB per micro-batch row and layer. SDPA 
 
     out = softmax(q·kᵀ · scale + mask) · v
 
-with flash or memory-efficient kernels on a GPU (no `s × s` tensor), and an exact math kernel on CPU. Grouped-
+with the backend PyTorch's dispatcher picks for the shape, dtype and mask — flash, cuDNN or memory-efficient on a
+GPU (no `s × s` tensor), its flash kernel on CPU (`models.kernels.sdpa_backend` names the one that runs). Grouped-
 query attention is passed as is to the (causal, unmasked) flash kernel (`enable_gqa`: key/value heads are shared
 by consecutive query heads, as in Megatron's `repeat_interleave`); with an explicit mask, keys and values are
 repeated per query head for the memory-efficient kernel.

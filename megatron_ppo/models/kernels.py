@@ -2,12 +2,23 @@
 
 Each Megatron fusion flag is turned on only on CUDA and only where its kernel imports (Megatron's own probes):
 
-    bias_activation_fusion        torch-scripted bias+SwiGLU/GeLU in megatron.core.fusions (ships with Megatron)
-    bias_dropout_fusion           torch-scripted bias+dropout+add (ships with Megatron)
+    bias_activation_fusion        bias+SwiGLU/GeLU in megatron.core.fusions (ships with Megatron)
+    bias_dropout_fusion           bias+dropout+add in megatron.core.fusions (ships with Megatron)
     masked_softmax_fusion         the `scaled_masked_softmax_cuda` extensions (apex / Megatron-LM kernels)
     apply_rope_fusion             Transformer Engine's fused RoPE (megatron.core rope_utils finds it)
     gradient_accumulation_fusion  the `fused_weight_gradient_mlp_cuda` extension (apex)
     persist_layer_norm            apex's persistent layer norm (megatron.core.fusions.fused_layer_norm finds it)
+
+The first two are not TorchScript: their functions are decorated with `megatron.core.jit.jit_fuser`, which is
+`torch.compile` on torch ≥ 2.2 (megatron-core 0.16 and 0.19 alike). Each is compiled by Inductor (Triton kernels)
+at its first call, in every process; a second input shape recompiles it once with that dimension dynamic
+(torch's automatic dynamic shapes), and later widths reuse that graph.
+
+The attention kernel of the local spec is the backend PyTorch's SDPA dispatcher picks for the run's shape, dtype
+and mask (`sdpa_backend`: its own `_fused_sdp_choice`, which honours `torch.backends.cuda.*_sdp_enabled` and
+`sdpa_kernel`); on a recent GPU that may be cuDNN rather than flash, on CPU it is PyTorch's CPU flash kernel.
+Under the Transformer Engine spec, TE chooses among its flash, cuDNN-fused and unfused backends at the first
+forward (`NVTE_FLASH_ATTN` / `NVTE_FUSED_ATTN` steer it).
 
 The optimizer follows Megatron's own choice: Transformer Engine's or apex's FusedAdam when importable, torch's
 (multi-tensor) AdamW otherwise.
@@ -88,15 +99,51 @@ def uses_transformer_engine(model: ModelConfig) -> bool:
     return model.transformer_impl != "local" and transformer_engine_usable()
 
 
+SDPA_BACKENDS = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "memory-efficient", "CUDNN_ATTENTION": "cuDNN",
+                 "MATH": "math", "OVERRIDEABLE": "overrideable (a device's own)"}  # fmt: skip
+
+
+def sdpa_backend(config: PPOConfig, masked: bool = False) -> str:
+    """The backend `torch.nn.functional.scaled_dot_product_attention` runs for the actor's attention on this
+    device: `SDPAttention`'s call (per tensor-parallel rank: query heads and key/value groups `[1, heads, s, hn]`,
+    s the run's longest sequence, the parameters' dtype), causal without a mask, or with a boolean mask (`[s, s]`,
+    s at most 4096 here) and keys repeated per query head when `masked`; asked of PyTorch's dispatcher itself."""
+    from torch.nn.attention import SDPBackend
+
+    from megatron_ppo.models.transformer_config import DTYPES
+    from megatron_ppo.parallel.device import current_device
+
+    model, tp = config.model, config.actor.megatron.tensor_model_parallel_size
+    heads, groups = model.num_attention_heads // tp, (model.num_query_groups or model.num_attention_heads) // tp
+    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+    seq = min(config.data.max_prompt_length + config.data.max_response_length, model.max_position_embeddings)
+    seq = min(seq, 4096) if masked else seq
+    options = {"dtype": DTYPES[model.params_dtype], "device": current_device()}
+    query = torch.zeros(1, heads, seq, head_dim, **options)
+    key = torch.zeros(1, heads if masked else groups, seq, head_dim, **options)
+    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=options["device"]).tril() if masked else None
+    choice = torch._fused_sdp_choice(query, key, key, mask, 0.0, not masked, enable_gqa=groups != heads and not masked)
+    name = SDPBackend(choice).name
+    return SDPA_BACKENDS.get(name, name)
+
+
 def describe_kernels(config: PPOConfig) -> str:
-    """One line for the start of a run: layer spec, attention kernel, fusions on, optimizer, dtype."""
+    """One line for the start of a run: layer spec, attention kernel (the backend SDPA really picks), fusions on
+    (those compiled with torch.compile marked), optimizer, dtype."""
     te = uses_transformer_engine(config.model)
     if te:
-        spec, attention = "Transformer Engine", "TEDotProductAttention (flash/fused)"
+        spec, attention = "Transformer Engine", "TEDotProductAttention (TE picks flash / cuDNN fused / unfused)"
     else:
-        backend = "flash / memory-efficient" if on_cuda() else "math (CPU)"
-        spec, attention = "Megatron local", f"torch scaled_dot_product_attention ({backend})"
-    fused = [name.removesuffix("_fusion") for name, on in fusion_flags(config.model).items() if on]
+        where = "" if on_cuda() else ", CPU kernel"
+        spec = "Megatron local"
+        attention = (f"torch scaled_dot_product_attention ({sdpa_backend(config)}{where}; with a mask "
+                     f"{sdpa_backend(config, masked=True)})")  # fmt: skip
+    compiled = ("bias_activation_fusion", "bias_dropout_fusion")  # megatron.core.jit.jit_fuser: torch.compile
+    fused = [
+        name.removesuffix("_fusion") + (" (torch.compile)" if name in compiled else "")
+        for name, on in fusion_flags(config.model).items()
+        if on
+    ]
     device = f"cuda ({torch.cuda.get_device_name()})" if on_cuda() else "cpu"
     return (
         f"kernels: device {device}; spec {spec}; attention {attention}; fusions {', '.join(fused) or 'none'}; "

@@ -7,12 +7,20 @@ normaliser is assembled from per-rank pieces, so no rank ever holds a `[tokens, 
     log p_v = z_v − lse,      log p(y) = log p_y  (taken on the rank that owns y, then all-reduce SUM)
     H = −Σ_v p_v log p_v      (all-reduce SUM)
 
-The tokens are processed `chunk_tokens` at a time: each chunk is cast to float32, reduced, and dropped, so the
-memory above the (bf16) logits is two float32 buffers of one chunk, `[chunk_tokens, vocab / TP]`, in the forward
-and in the backward. Only `lse` and `H` per token are kept; the backward recomputes log p chunk by chunk and needs
-no communication (lse and H are already global):
+The tokens are processed `chunk_tokens` at a time: each chunk is cast to float32, reduced, and dropped. The forward
+holds one float32 chunk `[chunk_tokens, vocab / TP]` of shifted logits y = z − m and takes exp(y) in row blocks
+(`_EXP_ROWS`), so the memory above the logits is one chunk plus one block. With S = Σ_v e^{y_v} (all-reduced):
+
+    log p(y) = y_label − log S,      H = log S − Σ_v e^{y_v}·y_v / S
+
+(the entropy only when asked for: `with_entropy`). Only `lse` and `H` per token are kept; the backward recomputes
+log p chunk by chunk and needs no communication (lse and H are already global):
 
     ∂L/∂z_v = g_lp · (1[v = y] − p_v) − g_H · p_v (log p_v + H),     ∂L/∂logits = ∂L/∂z / T
+
+and, like Megatron's fused cross-entropy, writes the gradient into the logits' own storage (they are not needed
+again), so no second `[tokens, vocab / TP]` tensor exists — unless the logits are a leaf or a view of another
+tensor (then a fresh one); float32 logits are even reduced in place, chunk by chunk, without a float32 copy.
 
 Columns at or beyond the true vocabulary size (padding for TP divisibility) get probability zero and gradient zero.
 """
@@ -41,9 +49,12 @@ def _scaled_chunk(logits: torch.Tensor, temperature: float, padding: torch.Tenso
     return z
 
 
+_EXP_ROWS = 256  # rows of a chunk whose exp(y) exists at once: the forward's second buffer, [256, vocab / TP]
+
+
 class _ChunkedVocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, vocab_size, temperature, chunk_tokens):
+    def forward(ctx, logits, labels, vocab_size, temperature, chunk_tokens, with_entropy):
         local_vocab = logits.shape[-1]
         start = parallel_state.get_tensor_model_parallel_rank() * local_vocab
         columns = torch.arange(start, start + local_vocab, device=logits.device)
@@ -54,21 +65,29 @@ class _ChunkedVocabParallelLogProbEntropy(torch.autograd.Function):
         owned = (flat_labels >= start) & (flat_labels < start + local_vocab)
         local_label = (flat_labels - start).clamp(0, local_vocab - 1)
         lse = torch.empty(tokens, dtype=torch.float32, device=logits.device)
-        picked_and_entropy = torch.empty(2, tokens, dtype=torch.float32, device=logits.device)
+        picked_and_entropy = torch.zeros(2, tokens, dtype=torch.float32, device=logits.device)
         for begin in range(0, tokens, step):
             end = min(begin + step, tokens)
-            log_p = _scaled_chunk(flat[begin:end], temperature, padding)
-            max_z = _all_reduce(log_p.max(dim=-1).values, dist.ReduceOp.MAX)
-            log_p -= max_z.unsqueeze(-1)
-            p = log_p.exp()
-            sum_exp = _all_reduce(p.sum(dim=-1))
-            log_p -= sum_exp.log().unsqueeze(-1)
-            p /= sum_exp.unsqueeze(-1)
-            lse[begin:end] = max_z + sum_exp.log()
-            picked = log_p.gather(-1, local_label[begin:end].unsqueeze(-1)).squeeze(-1)
+            shifted = _scaled_chunk(flat[begin:end], temperature, padding)
+            max_z = _all_reduce(shifted.max(dim=-1).values, dist.ReduceOp.MAX)
+            shifted -= max_z.unsqueeze(-1)
+            sum_exp = torch.empty_like(max_z)
+            exp_dot_shifted = torch.empty_like(max_z) if with_entropy else None
+            for row in range(0, end - begin, _EXP_ROWS):
+                block = shifted[row : row + _EXP_ROWS]
+                exp_block = block.exp()
+                sum_exp[row : row + _EXP_ROWS] = exp_block.sum(dim=-1)
+                if exp_dot_shifted is not None:
+                    exp_dot_shifted[row : row + _EXP_ROWS] = torch.einsum("tv,tv->t", exp_block, block)
+                del exp_block
+            local_sum_exp = sum_exp.clone() if with_entropy else None
+            log_sum_exp = _all_reduce(sum_exp).log()
+            lse[begin:end] = max_z + log_sum_exp
+            picked = shifted.gather(-1, local_label[begin:end].unsqueeze(-1)).squeeze(-1) - log_sum_exp
             picked_and_entropy[0, begin:end] = torch.where(owned[begin:end], picked, 0.0)
-            picked_and_entropy[1, begin:end] = -torch.einsum("tv,tv->t", p, log_p)
-            del log_p, p
+            if with_entropy:  # this slice's −Σ p log p = Σ e^y (log S − y) / S
+                picked_and_entropy[1, begin:end] = (log_sum_exp * local_sum_exp - exp_dot_shifted) / sum_exp
+            del shifted
         log_probs, entropy = _all_reduce(picked_and_entropy)  # the owner's log p(y), and Σ over vocab slices
         ctx.save_for_backward(logits, local_label, owned, lse, entropy)
         ctx.temperature, ctx.step, ctx.padding = temperature, step, padding
@@ -78,29 +97,45 @@ class _ChunkedVocabParallelLogProbEntropy(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy):
         logits, local_label, owned, lse, entropy = ctx.saved_tensors
         local_vocab = logits.shape[-1]
+        # the gradient goes where the logits were (Megatron's cross-entropy does the same with its softmax): only a
+        # tensor of their own — not a leaf the caller holds, not a view into another tensor
+        in_place = not logits.is_leaf and logits._base is None and logits.is_contiguous()
         flat = logits.reshape(-1, local_vocab)
-        g_lp = grad_log_probs.reshape(-1).float() if grad_log_probs is not None else torch.zeros_like(lse)
-        g_h = grad_entropy.reshape(-1).float() if grad_entropy is not None else None
-        grad = torch.empty_like(flat)
+        grad = flat if in_place else torch.empty_like(flat)
+        # 1/T folded into the incoming gradients: ∂L/∂logits = −p (g_lp/T + g_H/T (log p + H)) + g_lp/T at the label
+        g_lp = grad_log_probs.reshape(-1).float() / ctx.temperature if grad_log_probs is not None else None
+        g_h = grad_entropy.reshape(-1).float() / ctx.temperature if grad_entropy is not None else None
+        if g_lp is None:
+            g_lp = torch.zeros_like(lse)
         for begin in range(0, flat.shape[0], ctx.step):
             end = min(begin + ctx.step, flat.shape[0])
-            log_p = _scaled_chunk(flat[begin:end], ctx.temperature, ctx.padding)
-            log_p -= lse[begin:end].unsqueeze(-1)
-            # ∂L/∂z = −p · (g_lp + g_H (log p + H)), then + g_lp at the label
-            if g_h is not None:
-                chunk_grad = (log_p + entropy[begin:end].unsqueeze(-1)).mul_(g_h[begin:end].unsqueeze(-1))
-                chunk_grad += g_lp[begin:end].unsqueeze(-1)
+            chunk = flat[begin:end]
+            if in_place and chunk.dtype == torch.float32 and ctx.temperature == 1.0:
+                log_p = chunk  # reduced in the storage that becomes the gradient: no float32 copy
+                if ctx.padding is not None:
+                    log_p.masked_fill_(ctx.padding, _NEG)
             else:
-                chunk_grad = g_lp[begin:end].unsqueeze(-1).expand_as(log_p).clone()
-            chunk_grad *= log_p.exp_()  # log p is not needed again: its buffer becomes p
-            chunk_grad.neg_()
+                log_p = _scaled_chunk(chunk, ctx.temperature, ctx.padding)
+            log_p -= lse[begin:end].unsqueeze(-1)
+            minus_g_lp = -g_lp[begin:end].unsqueeze(-1)
+            if g_h is None:
+                log_p.exp_().mul_(minus_g_lp)  # log p is not needed again: its buffer becomes p, then the gradient
+            else:
+                for row in range(0, end - begin, _EXP_ROWS):  # the factor needs log p and p: a block at a time
+                    block = log_p[row : row + _EXP_ROWS]
+                    rows = slice(begin + row, begin + row + block.shape[0])
+                    factor = (block + entropy[rows].unsqueeze(-1)).mul_(-g_h[rows].unsqueeze(-1))
+                    factor += minus_g_lp[row : row + _EXP_ROWS]
+                    block.exp_().mul_(factor)
+                    del factor
             label_grad = (g_lp[begin:end] * owned[begin:end]).unsqueeze(-1)
-            chunk_grad.scatter_add_(-1, local_label[begin:end].unsqueeze(-1), label_grad)
+            log_p.scatter_add_(-1, local_label[begin:end].unsqueeze(-1), label_grad)
             if ctx.padding is not None:
-                chunk_grad.masked_fill_(ctx.padding, 0.0)
-            grad[begin:end] = chunk_grad.div_(ctx.temperature)
-            del log_p, chunk_grad
-        return grad.view(logits.shape), None, None, None, None
+                log_p.masked_fill_(ctx.padding, 0.0)
+            if log_p is not chunk:
+                grad[begin:end] = log_p
+            del log_p
+        return grad.view(logits.shape), None, None, None, None, None
 
 
 def vocab_parallel_log_probs(
@@ -116,6 +151,6 @@ def vocab_parallel_log_probs(
     slice `[batch, seq, vocab / TP]`; `vocab_size` is the true vocabulary (padding columns excluded).
     `chunk_tokens` (`model.logprob_chunk_tokens`, on `RoleModel`): tokens per float32 chunk; None: all at once."""
     log_probs, entropy = _ChunkedVocabParallelLogProbEntropy.apply(
-        logits, labels, vocab_size, temperature, chunk_tokens
+        logits, labels, vocab_size, temperature, chunk_tokens, with_entropy
     )
     return log_probs, entropy if with_entropy else None

@@ -9,7 +9,8 @@ there it hides them, so nothing lands on a GPU half-way through a CPU run.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -19,12 +20,25 @@ from megatron_ppo.parallel.cpu_compat import enable_cpu_compat
 
 logger = logging.getLogger(__name__)
 DEVICES = ("cuda", "cpu")
+# One hardware work queue per CUDA context, so kernels start in the order they are issued: Megatron's TP/SP/CP
+# communication overlap relies on it (a collective issued before a GEMM starts before it). Megatron-LM refuses
+# TP > 1 or CP > 1 without it (before Blackwell); megatron-core itself never sets it.
+CUDA_MAX_CONNECTIONS = ("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def set_cuda_max_connections(environ: MutableMapping[str, str] = os.environ) -> str:
+    """`CUDA_DEVICE_MAX_CONNECTIONS=1` unless the user set it (their value is kept); returns the value in force.
+    The driver reads it when the process's CUDA context is created, so this runs before the first
+    `torch.cuda.set_device` (`select_device`); `slurm/ppo.sbatch` exports it for the whole job as well."""
+    name, value = CUDA_MAX_CONNECTIONS
+    return environ.setdefault(name, value)
 
 
 def select_device(requested: str, local_rank: int) -> torch.device:
     """This process's device for `cluster.device=requested`.
 
-    cuda: refused where no GPU is visible (with the fix); otherwise GPU `local_rank`, made current.
+    cuda: refused where no GPU is visible (with the fix); otherwise GPU `local_rank`, made current (with
+    `CUDA_DEVICE_MAX_CONNECTIONS=1` unless set, before the context exists: `set_cuda_max_connections`).
     cpu: the CPU compatibility layer; where GPUs are visible, a warning names the key that would use them.
     """
     if requested not in DEVICES:
@@ -42,6 +56,7 @@ def select_device(requested: str, local_rank: int) -> torch.device:
                 [f"local rank {local_rank} has no GPU: only {visible} visible; set cluster.gpus_per_node <= {visible} "
                  "or check CUDA_VISIBLE_DEVICES"]
             )  # fmt: skip
+        set_cuda_max_connections()
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     if visible:

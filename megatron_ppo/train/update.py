@@ -5,7 +5,9 @@ replicas; see `megatron_ppo.algo.aggregation`), and `seq-mean-token-sum-norm` by
 (default `data.max_response_length`), so in every mode the gradient does not depend on how the mini-batch is cut
 into micro-batches or spread over replicas. Metrics come back from each
 micro-batch as parts that say how they combine (`MetricPart`) and are reduced to mini-batch values, then averaged
-over the mini-batches of the update.
+over the mini-batches of the update. The parts stay tensors on the model's device through Megatron's schedule: a
+Python number taken inside a loss function would synchronise the device once per micro-batch (the next one could
+not be queued while the GPU works); they reach the host in one transfer per mini-batch (`reduce_parts`).
 """
 
 from __future__ import annotations
@@ -34,22 +36,24 @@ Metrics = dict[str, float]
 @dataclass(frozen=True)
 class MetricPart:
     """One micro-batch's contribution to a mini-batch metric, and how contributions combine over the
-    micro-batches of every data-parallel replica: "sum" Σ value; "mean" Σ value / Σ weight; "max" max value."""
+    micro-batches of every data-parallel replica: "sum" Σ value; "mean" Σ value / Σ weight; "max" max value.
+    Inside the schedule `value` and `weight` are detached 0-dim tensors on the model's device (no host
+    synchronisation; products in float64, as Python floats would be); `reduce_parts` turns them into floats."""
 
-    value: float
-    weight: float = 1.0
+    value: torch.Tensor | float
+    weight: torch.Tensor | float = 1.0
     reduce: Literal["sum", "mean", "max"] = "sum"
 
     @classmethod
     def token_mean(cls, values: torch.Tensor, mask: torch.Tensor) -> MetricPart:
         """Contributes to the mean of `values` over the mini-batch's response tokens."""
-        return cls(float((values * mask).sum()), float(mask.sum()), "mean")
+        return cls((values.detach() * mask).sum(), mask.sum(), "mean")
 
     @classmethod
     def loss_share(cls, loss: torch.Tensor, dp_size: int) -> MetricPart:
         """A micro-batch loss normalised by global counts × DP (`agg_loss`): the shares sum to DP × the mini-batch
         loss over all replicas."""
-        return cls(float(loss.detach()) / dp_size, 1.0, "sum")
+        return cls(loss.detach().double() / dp_size, 1.0, "sum")
 
 
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, MetricPart]]]
@@ -108,10 +112,10 @@ def actor_loss(
         if ref_kl_type is not None and "ref_log_prob" in batch:
             kl_to_ref = algo.kl_penalty(log_prob.detach(), batch["ref_log_prob"], ref_kl_type)
             parts["actor/ref_kl"] = MetricPart.token_mean(kl_to_ref, mask)
-        tokens = float(mask.sum())
+        tokens = mask.sum()
         parts["actor/entropy"] = MetricPart.token_mean(entropy.detach(), mask)
         # policy_loss reports token means of this micro-batch: weighted by its tokens they combine to the mini-batch's
-        parts |= {f"actor/{k}": MetricPart(float(v) * tokens, tokens, "mean") for k, v in pg_metrics.items()}
+        parts |= {f"actor/{k}": MetricPart(v.double() * tokens, tokens, "mean") for k, v in pg_metrics.items()}
         return loss, parts
 
     return loss_fn
@@ -140,10 +144,10 @@ def critic_loss(config: CriticConfig, counts: dict[str, float]) -> LossFn:
         loss, clipfrac = algo.value_loss(
             values, batch["returns"], batch["values"], mask, cliprange_value=config.cliprange_value, **agg
         )
-        tokens = float(mask.sum())
+        tokens = mask.sum()
         return loss, {
             "critic/vf_loss": MetricPart.loss_share(loss, dp),
-            "critic/vf_clipfrac": MetricPart(float(clipfrac) * tokens, tokens, "mean"),
+            "critic/vf_clipfrac": MetricPart(clipfrac.double() * tokens, tokens, "mean"),
             "critic/vpred_mean": MetricPart.token_mean(values.detach(), mask),
         }
 
@@ -152,9 +156,9 @@ def critic_loss(config: CriticConfig, counts: dict[str, float]) -> LossFn:
 
 def reduce_parts(outputs: list[dict[str, MetricPart]]) -> Metrics:
     """Mini-batch values from the micro-batch parts of every data-parallel replica (and context-parallel rank: each
-    holds its tokens' share of every sequence)."""
+    holds its tokens' share of every sequence); this replica's parts reach the host in one transfer."""
     parts: dict[str, list[MetricPart]] = defaultdict(list)
-    for replica in gather_data_parallel(outputs, with_context_parallel=True):
+    for replica in gather_data_parallel(_parts_on_host(outputs), with_context_parallel=True):
         for output in replica:
             for key, part in output.items():
                 parts[key].append(part)
@@ -168,6 +172,17 @@ def reduce_parts(outputs: list[dict[str, MetricPart]]) -> Metrics:
         else:
             out[key] = sum(p.value for p in items) / max(sum(p.weight for p in items), 1e-9)
     return out
+
+
+def _parts_on_host(outputs: list[dict[str, MetricPart]]) -> list[dict[str, MetricPart]]:
+    """The same parts with Python floats for values and weights: every tensor among them stacked (as float64, so
+    each float is the exact value of its float32 tensor) and copied to the host at once."""
+    numbers = [x for output in outputs for part in output.values() for x in (part.value, part.weight)]
+    device = next((x.device for x in numbers if isinstance(x, torch.Tensor)), None)
+    if device is None:
+        return outputs
+    host = iter(torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in numbers]).tolist())
+    return [{key: MetricPart(next(host), next(host), part.reduce) for key, part in out.items()} for out in outputs]
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The trainer's update path: the gradient of a mini-batch does not depend on how it is cut into micro-batches
 (every loss_agg_mode, actor and critic, through the real loss functions and Megatron's schedule), and a skipped
 SFT step holds the learning-rate schedule; GRPO through the trainer keeps its groups whole and logs the off-policy
-diagnostics of rows with behaviour log-probs."""
+diagnostics of rows with behaviour log-probs; the metrics leave the device once per mini-batch, however many
+micro-batches it has."""
 
 from __future__ import annotations
 
@@ -45,3 +46,15 @@ def test_grpo_through_the_trainer_keeps_groups_whole_with_zero_mean_advantages()
         assert "rollout_corr/kl" in metrics and "rollout_corr/chi2_seq" in metrics
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         assert not bad, f"non-finite metrics: {bad}"
+
+
+def test_metrics_reach_the_host_once_per_mini_batch_whatever_the_micro_batch_cut() -> None:
+    report = run_distributed(update_workers.host_conversions_by_cut, 1)[0]
+    print(f"\ntensor → Python conversions in the schedule and the metric reduction, by micro-batches: {report}")
+    for role, by_cut in report.items():
+        for micro_batches, counts in by_cut.items():
+            total = sum(counts.values())
+            assert total <= 1, (
+                f"{role}, {micro_batches} micro-batch(es) in one mini-batch: {total} host conversions {counts}; a "
+                "loss function must return tensors (MetricPart), reduce_parts moves them to the host in one transfer"
+            )

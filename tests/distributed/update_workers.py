@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
 from collections import Counter
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -142,4 +144,81 @@ def grpo_through_the_trainer(rank: int, world_size: int) -> dict[str, Any]:
     )
     report["history"] = [trainer.iteration() for _ in range(2)]
     trainer.close()
+    return report
+
+
+HOST_CONVERSIONS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+@contextlib.contextmanager
+def counting_host_conversions() -> Iterator[tuple[Counter, Callable]]:
+    """Counts tensor → Python conversions (each a device synchronisation on CUDA) by method, inside the functions
+    wrapped with the yielded `watched(fn)` only; a conversion inside another (float() calls item()) counts once."""
+    counts: Counter = Counter()
+    state = {"watching": 0, "converting": False}
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_CONVERSIONS}
+
+    def counted(name: str):
+        def method(self, *args, **kwargs):
+            if state["converting"]:
+                return originals[name](self, *args, **kwargs)
+            if state["watching"]:
+                counts[name] += 1
+            state["converting"] = True
+            try:
+                return originals[name](self, *args, **kwargs)
+            finally:
+                state["converting"] = False
+
+        return method
+
+    def watched(fn: Callable) -> Callable:
+        def inner(*args, **kwargs):
+            state["watching"] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                state["watching"] -= 1
+
+        return inner
+
+    for name in HOST_CONVERSIONS:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        yield counts, watched
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def host_conversions_by_cut(rank: int, world_size: int) -> dict[str, dict[int, dict[str, int]]]:
+    """Tensor → Python conversions in one real `update_role` (an 8-row mini-batch; actor with KL loss and entropy
+    bonus, critic; cut into 1 and into 4 micro-batches) made by Megatron's schedule with the loss functions
+    (`run_micro_batches`) and by the metric reduction (`reduce_parts`); the optimizer step is not counted (its
+    norm is one number per step, and CPU Adam converts its host-side step counters)."""
+    from megatron_ppo.train import update
+
+    init_distributed(MegatronConfig(), seed=0)
+    batch = experience(8, seed=3)
+    actor_config = ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, entropy_coeff=0.01, use_kl_loss=True,
+                               loss_scale_factor=16)  # fmt: skip
+    losses = {"actor": lambda counts: actor_loss(actor_config, counts, 0.1, MODEL.vocab_size),
+              "critic": lambda counts: critic_loss(CriticConfig(loss_scale_factor=16), counts)}  # fmt: skip
+    report: dict[str, dict[int, dict[str, int]]] = {}
+    schedule, reduce = update.run_micro_batches, update.reduce_parts
+    for role, make_loss in losses.items():
+        model = build_role_model(role, MODEL, MegatronConfig())
+        optimizer = build_optimizer(model, OptimConfig(), MegatronConfig())
+        scheduler = build_scheduler(optimizer, OptimConfig(), total_steps=10)
+        report[role] = {}
+        for micro_batch_size in (8, 2):
+            with counting_host_conversions() as (counts, watched):
+                update.run_micro_batches, update.reduce_parts = watched(schedule), watched(reduce)
+                try:
+                    update.update_role(role, model, optimizer, scheduler, batch, epochs=1, mini_batch_size=8,
+                                micro_batch_size=micro_batch_size, max_tokens=None, clip_grad=1.0,
+                                make_loss=make_loss)  # fmt: skip
+                finally:
+                    update.run_micro_batches, update.reduce_parts = schedule, reduce
+            report[role][8 // micro_batch_size] = dict(counts)
     return report

@@ -11,7 +11,7 @@ from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.models import build_transformer_config
 from megatron_ppo.models.gpt import data_parallel_config
 from megatron_ppo.models.kernels import FUSIONS, describe_kernels, importable_fusions
-from megatron_ppo.parallel.device import module_device, select_device, to_device
+from megatron_ppo.parallel.device import module_device, select_device, set_cuda_max_connections, to_device
 
 
 @pytest.fixture
@@ -65,12 +65,33 @@ def test_a_model_on_another_device_than_the_run_is_caught() -> None:
 def test_the_start_line_names_spec_attention_fusions_optimizer_and_dtype() -> None:
     config = PPOConfig(model=ModelConfig(params_dtype="fp32"))
     line = describe_kernels(config)
-    for part in ("device cpu", "spec Megatron local", "scaled_dot_product_attention", "fusions none",
-                 "optimizer torch AdamW", "dtype fp32"):  # fmt: skip
+    for part in ("device cpu", "spec Megatron local", "scaled_dot_product_attention (flash, CPU kernel",
+                 "fusions none", "optimizer torch AdamW", "dtype fp32"):  # fmt: skip
         assert part in line, f"{part!r} missing from {line!r}"
+
+
+def test_the_attention_kernel_named_is_the_one_sdpa_dispatches_to() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_ppo.models.kernels import sdpa_backend
+
+    config = PPOConfig(model=ModelConfig(params_dtype="bf16", num_attention_heads=4, num_query_groups=2))
+    assert sdpa_backend(config) == "flash", "PyTorch's CPU kernel for causal attention is its flash kernel"
+    with sdpa_kernel([SDPBackend.MATH]):  # the dispatcher's choice, not a guess: it follows what is enabled
+        assert sdpa_backend(config) == sdpa_backend(config, masked=True) == "math"
+        assert "scaled_dot_product_attention (math, CPU kernel; with a mask math)" in describe_kernels(config)
 
 
 def test_data_parallel_communication_overlaps_on_both_devices() -> None:
     on_cpu = data_parallel_config(MegatronConfig(use_distributed_optimizer=True))
     assert on_cpu.overlap_grad_reduce and on_cpu.overlap_param_gather and on_cpu.use_distributed_optimizer
     assert not data_parallel_config(MegatronConfig()).overlap_param_gather, "param gather overlap needs the dist opt"
+
+
+def test_cuda_max_connections_is_one_unless_the_user_set_it() -> None:
+    environ: dict[str, str] = {}
+    assert set_cuda_max_connections(environ) == "1"
+    assert environ == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    mine = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+    assert set_cuda_max_connections(mine) == "8", "a value the user exported must be kept"
+    assert mine == {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
 from megatron.core import parallel_state
 
 from megatron_ppo import algo
@@ -21,10 +22,8 @@ def sft_loss(vocab_size: int, dp_size: int, num_tokens: float):
     def loss_fn(batch, logits):
         log_prob, _ = vocab_parallel_log_probs(logits, batch["labels"], vocab_size=vocab_size)
         loss = algo.agg_loss(-log_prob, batch["loss_mask"], "token-mean", dp_size=dp_size, batch_num_tokens=num_tokens)
-        return loss, {
-            "nll_sum": float((-log_prob.detach() * batch["loss_mask"]).sum()),
-            "tokens": float(batch["loss_mask"].sum()),
-        }
+        # tensors: a Python number here would synchronise the device once per micro-batch
+        return loss, {"nll_sum": (-log_prob.detach() * batch["loss_mask"]).sum(), "tokens": batch["loss_mask"].sum()}
 
     return loss_fn
 
@@ -56,8 +55,9 @@ def run_sft(
         )
         if not optimizer_step(optimizer, clip_grad).skipped:  # a skipped step holds the schedule, as in PPO
             scheduler.step(1)
-        if outputs:
-            nll = sum(o["nll_sum"] for o in outputs) / max(sum(o["tokens"] for o in outputs), 1.0)
+        if outputs:  # one transfer to the host per step
+            nll_sum, tokens = torch.stack([torch.stack((o["nll_sum"], o["tokens"])) for o in outputs]).double().sum(0)
+            nll = float(nll_sum / tokens.clamp(min=1.0))
         nll = broadcast_from_last_stage(nll)
         if on_step is not None:
             on_step(step, nll)

@@ -1,0 +1,121 @@
+"""What the GPU check's parts share: the shapes and plans of a real and a dry run, the PPO config and synthetic rows
+of part (b), and a device-synchronised timer (`bench.gpu_check` and `bench.offload_check` both import it, neither
+imports the other)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A GPT shape for (b) and (c); `layers_c` layers of it are compared in (c) (a CPU fp32 forward)."""
+
+    num_layers: int
+    hidden: int
+    heads: int
+    groups: int
+    ffn: int
+    vocab: int
+    layers_c: int
+
+
+QWEN_1_5B = Shape(num_layers=28, hidden=1536, heads=12, groups=2, ffn=8960, vocab=151_936, layers_c=4)
+TINY = Shape(num_layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=512, layers_c=2)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run of the check does: the real sizes, or the dry run's."""
+
+    device: str
+    dtype: str
+    shape: Shape
+    rows: int
+    seq_lengths: tuple[int, ...]
+    micro_batch: int
+    recipe_steps: int
+
+
+REAL = Plan("cuda", "bf16", QWEN_1_5B, rows=64, seq_lengths=(1024, 4096), micro_batch=4, recipe_steps=16)
+DRY = Plan("cpu", "bf16", TINY, rows=8, seq_lengths=(32, 64), micro_batch=4, recipe_steps=0)
+
+
+def gpu_type_and_memory() -> tuple[str, float]:
+    from megatron_ppo.config.gpus import GPU_SPECS, gpu_type_named
+
+    if not torch.cuda.is_available():
+        return "cpu", GPU_SPECS["cpu"].memory_gib
+    memory = torch.cuda.get_device_properties(0).total_memory / GIB
+    return gpu_type_named(torch.cuda.get_device_name()), memory
+
+
+def ppo_config(plan: Plan, seq: int, work: Path):
+    """The PPO config of (b): GAE with a KL loss (actor, reference and critic), one epoch, one mini-batch."""
+    from megatron_ppo.config.schema import ClusterConfig, ModelConfig, PPOConfig
+    from megatron_ppo.config.validate import resolve, validate
+
+    s = plan.shape
+    config = PPOConfig(
+        model=ModelConfig(
+            name="qwen2.5-1.5b-shape", num_layers=s.num_layers, hidden_size=s.hidden, num_attention_heads=s.heads,
+            num_query_groups=s.groups, ffn_hidden_size=s.ffn, vocab_size=s.vocab, max_position_embeddings=32768,
+            rotary_base=1_000_000.0, add_qkv_bias=True, params_dtype=plan.dtype,
+        ),
+    )  # fmt: skip
+    gpu_type, memory = gpu_type_and_memory()
+    config.cluster = ClusterConfig(device=plan.device, gpus_per_node=1, gpu_type=gpu_type, gpu_memory_gib=memory)
+    config.data.max_prompt_length, config.data.max_response_length = seq // 4, seq - seq // 4
+    config.data.train_batch_size = plan.rows
+    for role in (config.actor, config.critic):
+        role.ppo_mini_batch_size, role.ppo_micro_batch_size_per_gpu, role.ppo_epochs = plan.rows, plan.micro_batch, 1
+    config.trainer.total_training_steps = 3
+    config.trainer.logger = []
+    config.trainer.default_local_dir, config.trainer.log_dir = str(work / "ckpt"), str(work / "tb")
+    resolve(config)
+    problems = validate(config)
+    if problems:
+        raise RuntimeError(f"the check's own config is invalid: {problems}")
+    return config
+
+
+def synthetic_rows(plan: Plan, seq: int, seed: int) -> list:
+    """`plan.rows` rows of exactly `seq` tokens (a quarter prompt), random tokens (never the pad id 0), ±1 rewards."""
+    from megatron_ppo.data.rows import Row
+
+    rng = random.Random(seed)
+    vocab, prompt = plan.shape.vocab, seq // 4
+    return [
+        Row(
+            [rng.randrange(1, vocab) for _ in range(prompt)],
+            [rng.randrange(1, vocab) for _ in range(seq - prompt)],
+            float(rng.choice([-1, 1])),
+            None,
+            None,
+            f"g{i}",
+            "gpu-check",
+            f"synthetic row {i}",
+        )
+        for i in range(plan.rows * 2)
+    ]
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object]) -> float:
+    _synchronize()
+    start = time.perf_counter()
+    fn()
+    _synchronize()
+    return time.perf_counter() - start
