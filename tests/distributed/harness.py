@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -26,7 +27,9 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, res
 
     torch.set_num_threads(1)
     try:
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # plain pickle (bytes): a tensor put on the queue as is travels as a shared-memory handle, which fails to
+        # open once this process has exited before the parent reads it
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -71,7 +74,7 @@ def _launch(fn: Callable, world_size: int, args: tuple, timeout_s: float) -> lis
                 )
                 break
             if status == "ok":
-                collected[rank] = value
+                collected[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break
