@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from megatron_ppo.algo.masked import masked_whiten
+from megatron_ppo.algo.registry import registrar
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
@@ -31,16 +32,8 @@ ROLLOUT_ONLY_ESTIMATORS = {
 }
 
 
-def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator: the function becomes `ADV_ESTIMATORS[name]`."""
-
-    def decorate(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADV_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is registered twice")
-        ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return decorate
+# Decorator: the function becomes `ADV_ESTIMATORS[name]` (a new entry is one decorated function).
+register_adv_est = registrar(ADV_ESTIMATORS, "advantage estimator")
 
 
 def get_adv_estimator_fn(name: str) -> AdvantageFn:

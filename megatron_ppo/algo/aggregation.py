@@ -23,23 +23,15 @@ from collections.abc import Callable
 import torch
 
 from megatron_ppo.algo.masked import masked_sum
+from megatron_ppo.algo.registry import registrar
 
 Count = int | float | torch.Tensor | None
 Aggregation = Callable[[torch.Tensor, torch.Tensor, int, Count, Count, Count], torch.Tensor]
 LOSS_AGGREGATIONS: dict[str, Aggregation] = {}
 
 
-def register_agg(name: str) -> Callable[[Aggregation], Aggregation]:
-    """Decorator: `fn(loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)` becomes
-    the `loss_agg_mode` `name`."""
-
-    def decorate(fn: Aggregation) -> Aggregation:
-        if name in LOSS_AGGREGATIONS:
-            raise ValueError(f"loss_agg_mode {name!r} is registered twice")
-        LOSS_AGGREGATIONS[name] = fn
-        return fn
-
-    return decorate
+# Decorator: the function becomes `LOSS_AGGREGATIONS[name]` (a new entry is one decorated function).
+register_agg = registrar(LOSS_AGGREGATIONS, "loss_agg_mode")
 
 
 def agg_loss(

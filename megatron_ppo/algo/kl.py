@@ -19,23 +19,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron_ppo.algo.registry import registrar
+
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATES: dict[str, KLEstimator] = {}  # verl's names (and aliases) → estimator
 _LOG_RATIO_CLAMP = 20.0  # exp(±20) keeps float32 finite
 _K3_CLAMP = 10.0
 
 
-def register_kl(*names: str) -> Callable[[KLEstimator], KLEstimator]:
-    """Decorator: the estimator becomes `KL_ESTIMATES[name]` for each of its names."""
-
-    def decorate(fn: KLEstimator) -> KLEstimator:
-        for name in names:
-            if name in KL_ESTIMATES:
-                raise ValueError(f"KL estimator {name!r} is registered twice")
-            KL_ESTIMATES[name] = fn
-        return fn
-
-    return decorate
+# Decorator: the function becomes `KL_ESTIMATES[name]` (a new entry is one decorated function).
+register_kl = registrar(KL_ESTIMATES, "KL estimator")
 
 
 @register_kl("k1", "kl")

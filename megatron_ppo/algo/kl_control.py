@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from megatron_ppo.algo.registry import registrar
+
 
 class KLController:
     """Base: a coefficient clamped to [min_coef, max_coef]; subclasses define `_next(kl, n_steps)`."""
@@ -133,16 +135,8 @@ ControllerBuilder = Callable[..., "KLController"]
 KL_CONTROLLERS: dict[str, ControllerBuilder] = {}
 
 
-def register_kl_controller(kind: str) -> Callable[[ControllerBuilder], ControllerBuilder]:
-    """Decorator: `builder(kl_coef, target_kl, horizon, alpha, band, bounds)` becomes the controller type `kind`."""
-
-    def decorate(builder: ControllerBuilder) -> ControllerBuilder:
-        if kind in KL_CONTROLLERS:
-            raise ValueError(f"KL controller {kind!r} is registered twice")
-        KL_CONTROLLERS[kind] = builder
-        return builder
-
-    return decorate
+# Decorator: the function becomes `KL_CONTROLLERS[name]` (a new entry is one decorated function).
+register_kl_controller = registrar(KL_CONTROLLERS, "KL controller")
 
 
 def _needs_target(kind: str, target_kl: float | None) -> float:

@@ -26,6 +26,7 @@ import torch
 
 from megatron_ppo.algo.aggregation import agg_loss
 from megatron_ppo.algo.masked import masked_mean
+from megatron_ppo.algo.registry import registrar
 
 _LOG_RATIO_CLAMP = 20.0
 _GSPO_LOG_RATIO_MAX = 10.0
@@ -64,16 +65,8 @@ class PolicyLossConfig:
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: the function becomes `POLICY_LOSSES[name]` (a new loss is one decorated function)."""
-
-    def decorate(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is registered twice")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return decorate
+# Decorator: the function becomes `POLICY_LOSSES[name]` (a new entry is one decorated function).
+register_policy_loss = registrar(POLICY_LOSSES, "policy loss")
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
