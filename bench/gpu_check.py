@@ -22,7 +22,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,14 +38,10 @@ from bench.grad_cut_check import check_grad_norm_by_cut
 from bench.grad_cut_check import table_lines as grad_cut_table_lines
 from bench.offload_check import check_offload
 from bench.offload_check import table_lines as offload_table_lines
+from tests.support.ports import free_port
+from tests.support.tiny import SHORT
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -58,10 +53,7 @@ def _env(**extra: str) -> dict[str, str]:
 TINY_ON_CUDA = [
     "cluster.device=cuda", "cluster.gpus_per_node=1", "cluster.gpu_type=h100-80gb", "model.params_dtype=bf16",
     *(f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")),
-    # the shortened recipe of the end-to-end tests: half the prompts, half-size batches, a dozen-odd steps
-    "data.addition.num_prompts=1000", "data.addition.num_heldout=200", "data.train_batch_size=256",
-    "actor.ppo_mini_batch_size=64", "actor.ppo_micro_batch_size_per_gpu=64", "critic.ppo_mini_batch_size=64",
-    "critic.ppo_micro_batch_size_per_gpu=64", "trainer.test_freq=4",
+    *SHORT,  # the shortened recipe of the end-to-end tests
 ]  # fmt: skip
 
 
@@ -73,7 +65,7 @@ def check_tiny_recipe(plan: Plan, work: Path) -> dict[str, Any]:
         overrides = [o for o in TINY_ON_CUDA if not o.startswith("cluster.device")] + ["cluster.device=cpu"]
         command = [sys.executable, "-m", "megatron_ppo", "validate", "recipes/tiny-cpu.yaml", *overrides, *dirs]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
                    "-m", "megatron_ppo", "train", "recipes/tiny-cpu.yaml", *TINY_ON_CUDA,
                    f"trainer.total_training_steps={plan.recipe_steps}", *dirs]  # fmt: skip
     started = time.perf_counter()
@@ -220,7 +212,7 @@ def check_logprobs(plan: Plan, work: Path) -> dict[str, Any]:
         "--shape",
         "dry" if plan is DRY else "real",
     ]
-    result = subprocess.run(command, cwd=REPO, env=_env(CUDA_VISIBLE_DEVICES="", MASTER_PORT=str(_free_port())),
+    result = subprocess.run(command, cwd=REPO, env=_env(CUDA_VISIBLE_DEVICES="", MASTER_PORT=str(free_port())),
                             capture_output=True, text=True, check=False)  # fmt: skip
     if result.returncode != 0:
         raise RuntimeError(f"CPU fp32 subprocess exit {result.returncode}:\n{(result.stdout + result.stderr)[-3000:]}")
@@ -310,7 +302,7 @@ def run(plan: Plan, out_path: Path, work: Path) -> int:
     shape = "tiny (dry run)" if plan is DRY else "1.5B shape"
     results: dict[str, Any] = {"dry_run": plan is DRY, "dtype": plan.dtype, "shape": shape}
     _part(results, "a_tiny_recipe", lambda: check_tiny_recipe(plan, work))
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     config = ppo_config(plan, plan.seq_lengths[0], work)
     init_distributed(config.actor.megatron, seed=0, device=plan.device)
     results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

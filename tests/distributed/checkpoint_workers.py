@@ -6,6 +6,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from megatron_ppo import checkpoint
@@ -49,6 +50,7 @@ def publish_and_recover(rank: int, world_size: int, root: str) -> dict[str, Any]
     report["with_step_2_broken"] = checkpoint.find_resumable(root).name
     checkpoint.save_checkpoint(root, 4, {"actor": actor}, {"actor": optimizer}, {"step": 4}, run=RUN, keep=1)
     report["kept_after_prune"] = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    report["processes_started"] = [" ".join(child.cmdline()) for child in psutil.Process().children(recursive=True)]
     return report
 
 

@@ -1,5 +1,5 @@
-"""Small random `transformers` reward models (one-label sequence classifiers) and causal LMs, and spawned-rank code
-that initialises our critic from them and reads its values."""
+"""Spawned-rank code that initialises our critic from a small `transformers` reward model or causal LM
+(`tests.support.hf_models.save_hf_scorer`) and reads its values, and the reward model's own values to compare."""
 
 from __future__ import annotations
 
@@ -15,23 +15,7 @@ from megatron_ppo.critic_init import converted_critic_checkpoint, load_critic
 from megatron_ppo.models import build_role_model, run_micro_batches
 from megatron_ppo.parallel import init_distributed
 
-CONFIG = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)  # fmt: skip
 INPUT_IDS = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(3))
-
-
-def save_hf(kind: str, directory: Path, num_labels: int = 1) -> Path:
-    """A random Qwen2 (`kind`: "qwen2", with QKV bias) or Llama sequence classifier of `num_labels` labels, its score
-    drawn large enough that a misplaced head shows, or (num_labels 0) a causal LM."""
-    config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[kind]
-    config = config_class(**CONFIG, num_labels=max(num_labels, 1), initializer_range=0.2)
-    torch.manual_seed(0)
-    if num_labels == 0:
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    else:
-        model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    model.save_pretrained(directory)
-    return directory
 
 
 def hf_token_values(hf_dir: str) -> torch.Tensor:

@@ -10,22 +10,16 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.support.ports import free_port
 
 # What the forkserver imports before it forks anything: the heavy libraries and every worker module here.
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron_ppo.train.run", "megatron_ppo.convert",
            *sorted(f"tests.distributed.{path.stem}" for path in Path(__file__).parent.glob("*workers.py"))]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: mp.Queue) -> None:

@@ -19,6 +19,8 @@ def test_resume_skips_unfinished_and_broken_checkpoints(tmp_path) -> None:
     assert report["with_step_2_broken"] == "step_1", "latest names a broken checkpoint: fall back to the previous one"
     # keep=1 prunes complete checkpoints only; the broken step_2 is left for a person to inspect
     assert report["kept_after_prune"] == ["step_2", "step_4"]
+    # Megatron's writer would otherwise start a Manager server process (a second copy of the program) per rank
+    assert report["processes_started"] == [], report["processes_started"]
 
 
 def test_a_second_run_in_the_same_directory_neither_prunes_nor_is_pruned_by_the_first(tmp_path) -> None:

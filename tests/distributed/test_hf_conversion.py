@@ -21,12 +21,13 @@ from megatron_ppo.convert import hf_logits
 from megatron_ppo.models.hf_conversion import model_config_from_hf
 from tests.distributed import conversion_workers
 from tests.distributed.harness import run_distributed
+from tests.support.hf_models import LLAMA31_ROPE, offline_recipe, save_hf_model
 
 MODELS = {
     "llama-untied": ("llama", False, None),
     "qwen2-tied": ("qwen2", True, None),
     "qwen3-untied": ("qwen3", False, None),
-    "llama3.1-rope-scaled": ("llama", False, conversion_workers.LLAMA31_ROPE),
+    "llama3.1-rope-scaled": ("llama", False, LLAMA31_ROPE),
 }
 LAYOUTS = {
     "tp1": (1, MegatronConfig()),
@@ -42,7 +43,7 @@ def converted(request, tmp_path_factory) -> dict:
     there, and verify those conversions back at TP 1)."""
     kind, tied, rope = MODELS[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    hf_dir = conversion_workers.save_hf_model(kind, root / "hf", tied, rope)
+    hf_dir = save_hf_model(kind, root / "hf", tied, rope)
     single = run_distributed(conversion_workers.in_one_process, 1, str(hf_dir), str(root))[0]
     parallel = {name: LAYOUTS[name][1] for name in ("tp2", "pp2")}
     ranks = run_distributed(conversion_workers.dense_under_layouts, 2, str(hf_dir), single["megatron"], str(root),
@@ -96,7 +97,7 @@ TRAINER_MODELS = pytest.mark.parametrize("converted", ["llama-untied", "qwen2-ti
 def test_the_trainer_converts_on_first_use_under_its_layout_and_caches(converted) -> None:
     root = converted["root"] / "first-use"
     root.mkdir()
-    recipe = str(conversion_workers.offline_recipe(root, Path(converted["hf"]), tp=2))
+    recipe = str(offline_recipe(root, Path(converted["hf"]), tp=2))
     assert run_distributed(conversion_workers.train_recipe, 2, recipe, []) == [1, 1]
     cache = root / "ckpt" / "hf_init" / "step_0"
     (difference,) = run_distributed(
@@ -112,16 +113,16 @@ def test_the_trainer_converts_on_first_use_under_its_layout_and_caches(converted
 def test_a_recipe_that_disagrees_with_the_checkpoint_is_refused(converted) -> None:
     root = converted["root"] / "mismatch"
     root.mkdir()
-    recipe = str(conversion_workers.offline_recipe(root, Path(converted["hf"]), tp=1))
+    recipe = str(offline_recipe(root, Path(converted["hf"]), tp=1))
     with pytest.raises(AssertionError, match=r"model\.hidden_size=128, but .*config\.json says 64"):
         run_distributed(conversion_workers.train_recipe, 1, recipe, ["model.hidden_size=128"])
 
 
 def test_the_rope_scaled_test_model_depends_on_its_scaling(tmp_path: Path) -> None:
     """The llama3.1 parity above is a test of the scaling: without it the same weights give other logits."""
-    scaled = conversion_workers.save_hf_model("llama", tmp_path / "scaled", False, conversion_workers.LLAMA31_ROPE)
-    plain = conversion_workers.save_hf_model("llama", tmp_path / "plain", False, {"rope_type": "default",
-                                             "rope_theta": conversion_workers.LLAMA31_ROPE["rope_theta"]})  # fmt: skip
+    scaled = save_hf_model("llama", tmp_path / "scaled", False, LLAMA31_ROPE)
+    plain = save_hf_model("llama", tmp_path / "plain", False, {"rope_type": "default",
+                                             "rope_theta": LLAMA31_ROPE["rope_theta"]})  # fmt: skip
     input_ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     difference = float((hf_logits(scaled, input_ids) - hf_logits(plain, input_ids)).abs().max())
     assert difference > 1e-2, f"dropping the RoPE scaling changes the logits by only {difference:.2e}"
@@ -129,7 +130,7 @@ def test_the_rope_scaled_test_model_depends_on_its_scaling(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "linear", "longrope"])
 def test_conversion_refuses_a_rope_type_megatron_cannot_express(tmp_path: Path, rope_type: str) -> None:
-    hf_dir = conversion_workers.save_hf_model("llama", tmp_path, False, conversion_workers.LLAMA31_ROPE)
+    hf_dir = save_hf_model("llama", tmp_path, False, LLAMA31_ROPE)
     config = json.loads((hf_dir / "config.json").read_text())
     config["rope_parameters"]["rope_type"] = rope_type
     (hf_dir / "config.json").write_text(json.dumps(config))
@@ -138,10 +139,8 @@ def test_conversion_refuses_a_rope_type_megatron_cannot_express(tmp_path: Path, 
 
 
 def test_conversion_reads_llama31_and_qwen3_configs_as_megatron_expresses_them(tmp_path: Path) -> None:
-    llama = model_config_from_hf(
-        conversion_workers.save_hf_model("llama", tmp_path / "llama", False, conversion_workers.LLAMA31_ROPE)
-    )
-    qwen3 = model_config_from_hf(conversion_workers.save_hf_model("qwen3", tmp_path / "qwen3", False))
+    llama = model_config_from_hf(save_hf_model("llama", tmp_path / "llama", False, LLAMA31_ROPE))
+    qwen3 = model_config_from_hf(save_hf_model("qwen3", tmp_path / "qwen3", False))
     assert (llama["rope_scaling_factor"], llama["rotary_base"], llama["qk_layernorm"]) == (8.0, 500000.0, False)
     assert (qwen3["qk_layernorm"], qwen3["add_qkv_bias"], qwen3["kv_channels"]) == (True, False, 32)
     assert qwen3["rope_scaling_factor"] is None
@@ -163,7 +162,7 @@ def moe(tmp_path_factory) -> dict:
     """Two multi-process runs in all: one process (convert, verify, the way back), then two processes re-laid out
     through `MOE_LAYOUTS` (convert under each, verify each conversion under another layout)."""
     root = tmp_path_factory.mktemp("qwen3-moe")
-    hf_dir = conversion_workers.save_hf_model("qwen3_moe", root / "hf", False)
+    hf_dir = save_hf_model("qwen3_moe", root / "hf", False)
     single = run_distributed(conversion_workers.in_one_process, 1, str(hf_dir), str(root))[0]
     ranks = run_distributed(
         conversion_workers.moe_under_layouts, 2, str(hf_dir), single["megatron"], str(root), MOE_LAYOUTS

@@ -28,6 +28,7 @@ from megatron_ppo.train.guards import GuardStopped
 from megatron_ppo.train.run import distributed_run
 from tests.drill.faults import Injector, install, schedule, stop_schedule
 from tests.drill.readback import check, check_stop, drill_table
+from tests.support.tiny import SHORT as TINY_SHORT
 
 SCHEDULES = {
     # 30 steps, evaluations every 10, checkpoints every 5: the KL blow-up at 12 (between saves) rolls back to step
@@ -38,12 +39,7 @@ SCHEDULES = {
     "short": schedule(nan=2, spike=3, oom=5, blowup=(7, 4), drop=8, at_save=(10, 8)),
 }
 FULL = ["trainer.save_freq=5"]
-SHORT = [
-    "data.addition.num_prompts=1000", "data.addition.num_heldout=200", "data.train_batch_size=256",
-    "actor.ppo_mini_batch_size=64", "actor.ppo_micro_batch_size_per_gpu=64", "critic.ppo_mini_batch_size=64",
-    "critic.ppo_micro_batch_size_per_gpu=64", "trainer.total_training_steps=12", "trainer.test_freq=4",
-    "trainer.save_freq=2",
-]  # fmt: skip
+SHORT = [*TINY_SHORT, "trainer.total_training_steps=12", "trainer.save_freq=2"]
 # The guard stop (on the drill's own task: its cache is reused): NaN gradients from step 3 with no skip allowed;
 # steps 1 and 2 are saved, and step 2's save is the one step 3 judges, so the checkpoint left is step 1's. No
 # evaluation: nothing to measure.

@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 from megatron_ppo.train.guards import GUARD_STOP_EXIT
-from tests.distributed.harness import free_port
 from tests.drill.__main__ import SCHEDULES, STOP_AT
 from tests.drill.readback import check
-from tests.e2e.tiny_runs import RECIPE, REPO, scalars
+from tests.support.ports import free_port
+from tests.support.tensorboard import scalars
+from tests.support.tiny import RECIPE, REPO
 
 
 def test_every_guard_fires_at_its_fault_and_the_run_recovers(tiny_work: Path, tmp_path: Path) -> None:

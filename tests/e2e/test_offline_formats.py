@@ -21,8 +21,8 @@ import yaml
 from megatron_ppo.data.tokenizer import load_tokenizer
 from megatron_ppo.models.hf_conversion import model_config_from_hf
 from megatron_ppo.report import read_run
-from tests.e2e.tiny_runs import scalars
-from tests.unit.data_fixtures import GSM8K, INSTRUCTION, tokenizer_dir, verl_row
+from tests.support.data_fixtures import GSM8K, INSTRUCTION, tokenizer_dir, verl_row
+from tests.support.tensorboard import scalars
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = 16  # 8 token-id rows + 8 verl-format rows, all in the one batch

@@ -1,6 +1,6 @@
 """The tiny recipe end to end through the real CLI, judged by its TensorBoard logs; resume after SIGKILL and after a
-preemption signal; resume across a change of layout; the same first steps under TP=1, TP=2 and PP=2. Nine launches
-share one task cache and one uninterrupted reference run."""
+preemption signal; resume across a change of layout; the same first steps under TP=1, TP=2 and PP=2. Eight launches
+share one task cache, and the first run is the uninterrupted reference of the others."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.tiny_runs import run, run_and_kill_after_checkpoint, run_and_signal_after_step, scalars
+from tests.e2e.tiny_runs import run, run_and_kill_after_checkpoint, run_and_signal_after_step
+from tests.support.tensorboard import scalars
 
 METRICS = [
     "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/kl_loss", "actor/entropy",
@@ -22,13 +23,17 @@ METRICS = [
 ]  # fmt: skip
 
 
+# The one uninterrupted run: every resume below runs this config and is compared with it step by step.
+TWELVE_STEPS = ["trainer.total_training_steps=12", "trainer.save_freq=2"]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tiny_work) -> dict:
-    """One shortened run (TP=2 on 2 processes), on the shared task cache."""
+    """One shortened run (TP=2 on 2 processes, 12 steps, a checkpoint every 2), on the shared task cache: judged on
+    its own, and the uninterrupted reference of the resumes."""
     root = tmp_path_factory.mktemp("tiny")
-    common = [f"data.addition.work_dir={tiny_work}"]
-    run(2, [*common, "trainer.total_training_steps=12", f"trainer.default_local_dir={root}/ckpt",
-            f"trainer.log_dir={root}/tb"], root / "train.log")  # fmt: skip
+    common = [f"data.addition.work_dir={tiny_work}", *TWELVE_STEPS]
+    run(2, [*common, f"trainer.default_local_dir={root}/ckpt", f"trainer.log_dir={root}/tb"], root / "train.log")
     return {"root": root, "common": common, "scalars": scalars(root / "tb"), "log": (root / "train.log").read_text()}
 
 
@@ -62,18 +67,16 @@ def test_the_run_ends_with_the_summary_table(tiny) -> None:
     assert "held-out reward (mean)" in tiny["log"] and "TensorBoard" in tiny["log"]
 
 
-SIX_STEPS = ["trainer.total_training_steps=6", "trainer.save_freq=2", "trainer.test_freq=0"]
 COMPARED = ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "critic/vf_loss", "kl/mean", "kl/coef", "reward/mean",
             "actor/grad_norm")  # fmt: skip
+# A resumed job stops at step 6 or 4 (`trainer.exit_interval`): what it must show is in its first steps.
+UNTIL_6, UNTIL_4 = "trainer.exit_interval=6", "trainer.exit_interval=4"
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny, tmp_path_factory) -> dict[str, dict[int, float]]:
-    """The reference: six steps at TP=2, never stopped."""
-    directory = tmp_path_factory.mktemp("uninterrupted")
-    run(2, [*tiny["common"], *SIX_STEPS, f"trainer.default_local_dir={directory}/ckpt",
-            f"trainer.log_dir={directory}/tb"], directory / "train.log")  # fmt: skip
-    return scalars(directory / "tb")
+def uninterrupted(tiny) -> dict[str, dict[int, float]]:
+    """The reference: the tiny run, never stopped."""
+    return tiny["scalars"]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def killed_at_step_2(tiny, tmp_path_factory) -> Path:
     """The same run at TP=2, SIGKILLed (workers included) as soon as `latest` names `step_2`: its checkpoint folder,
     which each test that resumes it copies first."""
     directory = tmp_path_factory.mktemp("killed")
-    run_and_kill_after_checkpoint(2, [*tiny["common"], *SIX_STEPS, f"trainer.default_local_dir={directory}/ckpt",
+    run_and_kill_after_checkpoint(2, [*tiny["common"], f"trainer.default_local_dir={directory}/ckpt",
                                       f"trainer.log_dir={directory}/tb"], directory / "ckpt", 2,
                                   directory / "killed.log")  # fmt: skip
     return directory / "ckpt"
@@ -100,11 +103,11 @@ def test_resume_after_sigkill_then_a_preemption_signal_reproduces_the_uninterrup
 ) -> None:
     """One run in three jobs: killed after its step-2 checkpoint; resumed, then preempted (SIGUSR1 to the training
     processes, as Slurm sends it) after step 3 with the regular saves off, so the checkpoint it leaves is the
-    preemption's own and the job exits 75 for the requeue; resumed again to the end. Same layout and processes as
-    the uninterrupted run, so every step after each resume equals it to float precision."""
+    preemption's own and the job exits 75 for the requeue; resumed again to step 6 (its job budget). Same layout
+    and processes as the uninterrupted run, so every step after each resume equals it to float precision."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(killed_at_step_2, ckpt)
-    common = [*tiny["common"], *SIX_STEPS, f"trainer.default_local_dir={ckpt}"]
+    common = [*tiny["common"], f"trainer.default_local_dir={ckpt}"]
     status = run_and_signal_after_step(2, [*common, "trainer.save_freq=0", f"trainer.log_dir={tmp_path}/tb1"], 3,
                                        signal.SIGUSR1, tmp_path / "b.log")  # fmt: skip
     log = (tmp_path / "b.log").read_text()
@@ -114,7 +117,7 @@ def test_resume_after_sigkill_then_a_preemption_signal_reproduces_the_uninterrup
     assert 3 <= saved_step < 6, f"the preemption checkpoint is at step {saved_step}"
     resumed_once = scalars(tmp_path / "tb1")
     _assert_same_after(resumed_once, uninterrupted, steps=range(3, saved_step + 1))
-    run(2, [*common, f"trainer.log_dir={tmp_path}/tb2"], tmp_path / "c.log")
+    run(2, [*common, UNTIL_6, f"trainer.log_dir={tmp_path}/tb2"], tmp_path / "c.log")
     assert f"step_{saved_step}" in (tmp_path / "c.log").read_text()
     _assert_same_after(scalars(tmp_path / "tb2"), uninterrupted, steps=range(saved_step + 1, 7))
 
@@ -141,32 +144,32 @@ def _assert_same_step_across_layouts(ours, reference, steps) -> None:
 
 def test_resume_at_tp1_from_a_tp2_checkpoint_continues_the_run(tiny, uninterrupted, killed_at_step_2, tmp_path) -> None:
     """Saved at TP=2 on 2 processes, resumed at TP=1 on 1 process, optimizer states included: Megatron reshards the
-    checkpoint; the first step after it equals the uninterrupted TP=2 run's, and the run goes on to its end."""
+    checkpoint; the first step after it equals the uninterrupted TP=2 run's, and the run goes on."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(killed_at_step_2, ckpt)
-    run(1, [*tiny["common"], *SIX_STEPS, *TP1, f"trainer.default_local_dir={ckpt}", f"trainer.log_dir={tmp_path}/tb"],
+    run(1, [*tiny["common"], *TP1, UNTIL_4, f"trainer.default_local_dir={ckpt}", f"trainer.log_dir={tmp_path}/tb"],
         tmp_path / "b.log")  # fmt: skip
     assert "resumed from" in (tmp_path / "b.log").read_text()
     resumed = scalars(tmp_path / "tb")
     _assert_same_step_across_layouts(resumed, uninterrupted, steps=[3])
-    assert sorted(resumed["actor/pg_loss"]) == [3, 4, 5, 6]
+    assert sorted(resumed["actor/pg_loss"]) == [3, 4]
 
 
 def test_tp1_first_steps_then_a_resume_at_tp2_follow_the_tp2_run(tiny, uninterrupted, tmp_path: Path) -> None:
     """Two steps at TP=1 on 1 process (the job stops at trainer.exit_interval=2) agree with the TP=2 run's first two
     steps; the run resumed at TP=2 on 2 processes then agrees with it at its first step."""
-    common = [*tiny["common"], *SIX_STEPS, f"trainer.default_local_dir={tmp_path}/ckpt"]
+    common = [*tiny["common"], f"trainer.default_local_dir={tmp_path}/ckpt"]
     run(1, [*common, *TP1, "trainer.exit_interval=2", f"trainer.log_dir={tmp_path}/tb0"], tmp_path / "a.log")
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_2"
     _assert_same_step_across_layouts(scalars(tmp_path / "tb0"), uninterrupted, steps=[1, 2])
-    run(2, [*common, f"trainer.log_dir={tmp_path}/tb1"], tmp_path / "b.log")
+    run(2, [*common, UNTIL_4, f"trainer.log_dir={tmp_path}/tb1"], tmp_path / "b.log")
     assert "resumed from" in (tmp_path / "b.log").read_text()
     resumed = scalars(tmp_path / "tb1")
     _assert_same_step_across_layouts(resumed, uninterrupted, steps=[3])
-    assert sorted(resumed["actor/pg_loss"]) == [3, 4, 5, 6]
+    assert sorted(resumed["actor/pg_loss"]) == [3, 4]
 
 
 def test_pp2_first_steps_agree_with_the_tp2_run(tiny, uninterrupted, tmp_path: Path) -> None:
-    run(2, [*tiny["common"], *SIX_STEPS, *PP2, "trainer.exit_interval=2", f"trainer.default_local_dir={tmp_path}/ckpt",
+    run(2, [*tiny["common"], *PP2, "trainer.exit_interval=2", f"trainer.default_local_dir={tmp_path}/ckpt",
             f"trainer.log_dir={tmp_path}/tb"], tmp_path / "train.log")  # fmt: skip
     _assert_same_step_across_layouts(scalars(tmp_path / "tb"), uninterrupted, steps=[1, 2])

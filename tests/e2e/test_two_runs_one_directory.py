@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import free_port
-from tests.e2e.tiny_runs import RECIPE, REPO
+from tests.support.ports import free_port
+from tests.support.tiny import RECIPE, REPO
 
 QUICK = [
     "data.addition.num_prompts=64", "data.addition.num_heldout=16", "data.addition.samples_per_prompt=2",

@@ -19,9 +19,9 @@ import yaml
 
 from megatron_ppo.config import load_config
 from megatron_ppo.report import read_run
-from tests.distributed import conversion_workers, critic_init_workers
-from tests.e2e.tiny_runs import scalars
 from tests.e2e.wandb_files import read_wandb_run
+from tests.support.hf_models import offline_recipe, save_hf_model, save_hf_scorer
+from tests.support.tensorboard import scalars
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,9 +43,9 @@ def _train(recipe: Path, overrides: list[str], log: Path) -> str:
 
 
 def test_verl_overrides_train_with_wandb_offline_and_its_run_file_matches_tensorboard(tmp_path: Path) -> None:
-    actor_hf = conversion_workers.save_hf_model("llama", tmp_path / "actor-hf", tied=False)
-    reward_model = critic_init_workers.save_hf("llama", tmp_path / "reward-model")
-    recipe_path = conversion_workers.offline_recipe(tmp_path, actor_hf, tp=1)
+    actor_hf = save_hf_model("llama", tmp_path / "actor-hf", tied=False)
+    reward_model = save_hf_scorer("llama", tmp_path / "reward-model")
+    recipe_path = offline_recipe(tmp_path, actor_hf, tp=1)
     recipe = yaml.safe_load(recipe_path.read_text())
     del recipe["model"]["hf_checkpoint"]  # named below the verl way
     recipe_path.write_text(yaml.safe_dump(recipe))

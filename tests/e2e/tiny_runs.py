@@ -1,5 +1,5 @@
-"""Running the real CLI (`torchrun -m megatron_ppo train recipes/tiny-cpu.yaml ...`) in tests, and reading back
-the TensorBoard event files it writes with TensorBoard's own reader."""
+"""Running the real CLI (`torchrun -m megatron_ppo train recipes/tiny-cpu.yaml ...`, shortened as
+`tests.support.tiny.SHORT`) in tests: to completion, killed after a checkpoint, or signalled after a step."""
 
 from __future__ import annotations
 
@@ -12,19 +12,8 @@ import time
 from pathlib import Path
 
 import psutil
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron_ppo.report import find_runs
-
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
-# A shortened tiny recipe: half the prompts, half-size batches, and (set per test) a dozen PPO steps or fewer.
-# The SFT stage keeps its full length: a weaker start policy gives PPO too little signal to improve on.
-SHORT = [
-    "data.addition.num_prompts=1000", "data.addition.num_heldout=200",
-    "data.train_batch_size=256", "actor.ppo_mini_batch_size=64", "actor.ppo_micro_batch_size_per_gpu=64",
-    "critic.ppo_mini_batch_size=64", "critic.ppo_micro_batch_size_per_gpu=64", "trainer.test_freq=4",
-]  # fmt: skip
+from tests.support.tiny import RECIPE, REPO, SHORT
 
 
 def command(nproc: int, overrides: list[str], recipe: Path = RECIPE) -> list[str]:
@@ -91,13 +80,3 @@ def _kill_tree(pid: int) -> None:
     for process in [*parent.children(recursive=True), parent]:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.send_signal(signal.SIGKILL)
-
-
-def scalars(log_dir: Path) -> dict[str, dict[int, float]]:
-    """tag → {step: value} of the run written last under `log_dir` (`trainer.log_dir`; each run writes its own
-    folder there), the last value written for a step winning."""
-    accumulator = EventAccumulator(str(find_runs(log_dir)[-1]), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {
-        tag: {event.step: event.value for event in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]
-    }

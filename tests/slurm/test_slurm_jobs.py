@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from slurm.local_cluster import LocalSlurm, SlurmUnavailable
-from tests.distributed.harness import free_port
-from tests.e2e.tiny_runs import scalars
+from tests.support.ports import free_port
+from tests.support.tensorboard import scalars
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-cpu.yaml"

@@ -15,7 +15,7 @@ import transformers
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data import DataError, read_rows, render_builtin_chat
 from megatron_ppo.data.tokenizer import load_tokenizer
-from tests.unit.data_fixtures import CHATML, tokenizer_dir
+from tests.support.data_fixtures import CHATML, tokenizer_dir
 
 CONVERSATIONS = {
     "user": [{"role": "user", "content": "What is 2+3?"}],

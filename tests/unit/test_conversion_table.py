@@ -22,7 +22,7 @@ from megatron_ppo.models.hf_conversion import (
     mapping_of,
     megatron_to_hf,
 )
-from tests.distributed.conversion_workers import save_hf_model
+from tests.support.hf_models import save_hf_model
 
 
 def _megatron_names(reader: SafetensorsReader, layers: int, experts: int) -> list[str]:

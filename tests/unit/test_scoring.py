@@ -15,7 +15,7 @@ from megatron_ppo.config.schema import CustomRewardFnConfig, DataConfig, PPOConf
 from megatron_ppo.config.validate import validate
 from megatron_ppo.data import DataError, build_scorer, read_rows
 from megatron_ppo.data.tokenizer import HFTokenizer, load_tokenizer
-from tests.unit.data_fixtures import GSM8K, INSTRUCTION, tokenizer_dir, verl_row
+from tests.support.data_fixtures import GSM8K, INSTRUCTION, tokenizer_dir, verl_row
 
 
 def _write_parquet(path: Path, rows: list[dict]) -> Path:

@@ -13,7 +13,7 @@ import pytest
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data import DataError, Row, read_rows
 from megatron_ppo.data.tokenizer import HFTokenizer, load_tokenizer
-from tests.unit.data_fixtures import tokenizer_dir
+from tests.support.data_fixtures import tokenizer_dir
 
 # "Hel" + "lo there" merges across the boundary when tokenized together; "Hello" + " there" does not.
 MERGING = {"prompt": "Hel", "response": "lo there"}
