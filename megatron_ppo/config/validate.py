@@ -105,7 +105,7 @@ def _guard_problems(c: PPOConfig) -> list[str]:
     for index, rule in enumerate(c.guards.watch):
         if rule.action not in WATCH_ACTIONS:
             p.append(f"guards.watch[{index}].action={rule.action!r} is not one of {', '.join(WATCH_ACTIONS)}")
-        if rule.action == "kl_bump" and not (c.actor.use_kl_loss or c.algorithm.use_kl_in_reward):
+        if rule.action == "kl_bump" and not c.needs_reference:
             p.append(f"guards.watch[{index}] ({rule.metric}): action kl_bump needs a KL term (actor.use_kl_loss or "
                      "algorithm.use_kl_in_reward); use warn or lr_backoff")  # fmt: skip
     if c.data.val_files and c.data.task is not None:
@@ -148,7 +148,7 @@ def _cross_key_problems(c: PPOConfig) -> list[str]:
             f"critic.model.hf_checkpoint={critic_model.hf_checkpoint!r} and critic.model.init_checkpoint="
             f"{critic_model.init_checkpoint!r} both name the critic's initial weights; set one of them"
         )
-    if (critic_model.hf_checkpoint or critic_model.init_checkpoint) and c.algorithm.adv_estimator != "gae":
+    if (critic_model.hf_checkpoint or critic_model.init_checkpoint) and not c.needs_critic:
         p.append(
             f"critic.model initialises a critic, but algorithm.adv_estimator={c.algorithm.adv_estimator!r} trains "
             "none; unset critic.model.hf_checkpoint / init_checkpoint or use adv_estimator=gae"

@@ -24,6 +24,7 @@ from megatron_ppo.models.generation import generate
 from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.train.batch import collate
 from megatron_ppo.train.experience import forward_per_token, log_prob_fn
+from megatron_ppo.train.micro_batching import MicroBatching
 
 
 class Evaluator(Protocol):
@@ -86,7 +87,7 @@ def _log_probs(model: RoleModel, batch, micro_batch_size: int | None) -> torch.T
     for chunk in model.chunks:
         chunk.eval()
     try:
-        return forward_per_token(model, batch, log_prob_fn(model), micro_batch_size, None)
+        return forward_per_token(model, batch, log_prob_fn(model), MicroBatching(rows=micro_batch_size))
     finally:
         for chunk in model.chunks:
             chunk.train(model.is_trained)

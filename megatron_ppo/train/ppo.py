@@ -24,6 +24,7 @@ from megatron_ppo import algo, checkpoint
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.critic_init import load_critic
 from megatron_ppo.data.rows import Row
+from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.models import build_role_model, copy_weights
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.models.kernels import describe_kernels
@@ -41,7 +42,7 @@ from megatron_ppo.train.experience import (
 )
 from megatron_ppo.train.guards import EXPERIENCE_KL, GuardAction, Guards, GuardStopped, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import KLCoefficients
-from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff, micro_batch_keys
+from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff
 from megatron_ppo.train.metrics import MetricsLogger
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, zero_grads
 from megatron_ppo.train.preemption import (
@@ -60,8 +61,18 @@ from megatron_ppo.train.update import RoleUpdate, actor_loss, critic_loss, updat
 class PPOTrainer:
     """Owns the three models, their optimizers and schedules, the KL coefficients, the data order and the logs."""
 
-    def __init__(self, config: PPOConfig, rows: Sequence[Row], pad_id: int, evaluate: Evaluator | None = None) -> None:
+    def __init__(
+        self,
+        config: PPOConfig,
+        rows: Sequence[Row],
+        pad_id: int,
+        evaluate: Evaluator | None = None,
+        weights: InitialWeights | None = None,
+    ) -> None:
+        """`weights`: the checkpoints the models start from (chosen at the run's start, `train/run.py`); by default
+        those the config names."""
         self.config, self.rows, self.pad_id, self.evaluate = config, rows, pad_id, evaluate
+        weights = InitialWeights.of(config) if weights is None else weights
         trainer, layout = config.trainer, config.actor.megatron
         self.sampler, sampled_rows, grouping = build_sampler(config, rows)
         steps_per_epoch = sampled_rows // config.data.train_batch_size
@@ -74,21 +85,16 @@ class PPOTrainer:
         self.logger = MetricsLogger(
             self.run.log_dir, trainer.logger, self.total_steps, config=config, run_id=self.run.identity.run_id
         )
-        uses_kl = config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.actor = build_role_model("actor", config.model, layout)
-        self.ref = build_role_model("ref", config.model, config.ref.megatron) if uses_kl else None
-        self.critic = (
-            build_role_model("critic", config.model, config.critic.megatron)
-            if config.algorithm.adv_estimator == "gae"
-            else None
-        )
-        if config.model.init_checkpoint:
+        self.ref = build_role_model("ref", config.model, config.ref.megatron) if config.needs_reference else None
+        self.critic = build_role_model("critic", config.model, config.critic.megatron) if config.needs_critic else None
+        if weights.actor:
             for model in (self.actor, self.ref):
                 if model is not None:
-                    checkpoint.load_weights(model, config.model.init_checkpoint, "actor")
+                    checkpoint.load_weights(model, weights.actor, "actor")
         elif self.ref is not None:  # model.allow_random_init: the reference is the actor's starting point
             copy_weights(self.actor, self.ref)
-        critic_source = load_critic(self.critic, config) if self.critic is not None else None
+        critic_source = load_critic(self.critic, weights) if self.critic is not None else None
         self.models = {"actor": self.actor} | ({"critic": self.critic} if self.critic else {})
         self.logger.event(0, "kernels", describe_kernels(config))
         self.optimizers, self.schedulers = {}, {}
@@ -191,9 +197,9 @@ class PPOTrainer:
             with phase_timer(timings, "experience"):
                 # 2. experience: log-probs of actor and reference, values of the critic (no grad; on every rank)
                 self.offload.enter("experience")
-                passes = self._retry_out_of_memory(
-                    "experience", lambda: forward_passes(config, batch, self.actor, self.ref, self.critic)
-                )
+                passes = self._retry_out_of_memory("experience", lambda: forward_passes(
+                    config, batch, self.actor, self.ref, self.critic, self.memory.micro_batching("experience")
+                ))  # fmt: skip
                 # 3. advantages: token rewards (clipped score, minus β·KL when the KL is in the reward), GAE or GRPO
                 experience, metrics = compute_advantages(config, batch, passes, self.kl.coef("reward"), self.normalizer)
             if self.step == 0 and (report := offpolicy_report(config, metrics)):
@@ -247,11 +253,12 @@ class PPOTrainer:
             make_loss = partial(critic_loss, role_config)
         with phase_timer(timings, f"update_{role}"):
             self.offload.enter(f"{role} update")
-            return self._retry_out_of_memory(f"update_{role}", lambda: update_role(
+            phase = f"update_{role}"
+            return self._retry_out_of_memory(phase, lambda: update_role(
                 role, self.models[role], self.optimizers[role], self.schedulers[role], experience,
                 epochs=role_config.ppo_epochs, mini_batch_size=role_config.ppo_mini_batch_size,
-                micro_batch_size=role_config.ppo_micro_batch_size_per_gpu,
-                max_tokens=role_config.ppo_max_token_len_per_gpu if role_config.use_dynamic_bsz else None,
+                micro_batch_size=self.memory.micro_batching(phase)[role].rows,
+                max_tokens=self.memory.micro_batching(phase)[role].max_tokens,
                 clip_grad=role_config.optim.clip_grad, make_loss=make_loss,
             ))  # fmt: skip
 
@@ -267,7 +274,7 @@ class PPOTrainer:
             self.logger.event(self.step + 1, "guard/out_of_memory", message)
             self.logger.log(self.step + 1, {"guard/out_of_memory": float(self.memory.retries)})
 
-        return self.memory.run(phase, micro_batch_keys(self.config, phase), attempt, free, log)
+        return self.memory.run(phase, attempt, free, log)
 
     def _act(self, actions: list[GuardAction]) -> None:
         """Carry out what the guards asked for, each logged as a `guard/<guard>` event and scalar (the value that

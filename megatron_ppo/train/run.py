@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Iterator
@@ -17,15 +18,17 @@ from megatron_ppo.critic_init import converted_critic_checkpoint
 from megatron_ppo.data.rows import read_rows
 from megatron_ppo.data.scoring import build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
+from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 from megatron_ppo.train.evaluation import ValidationSet
 from megatron_ppo.train.ppo import PPOTrainer
 
 
 @contextmanager
-def distributed_run(config: PPOConfig) -> Iterator[None]:
+def distributed_run(config: PPOConfig) -> Iterator[InitialWeights]:
     """Check the launch against the config, start the process groups, convert `model.hf_checkpoint` (and the
-    critic's `critic.model.hf_checkpoint`) on first use; tear the groups down on the way out."""
+    critic's `critic.model.hf_checkpoint`) on first use; yields the run's initial weights (`InitialWeights`: the
+    configured checkpoints, or those conversions); tears the groups down on the way out."""
     env = dist_env_from_environment()
     expected = world_size(config)
     if env.world_size != expected:
@@ -44,18 +47,17 @@ def distributed_run(config: PPOConfig) -> Iterator[None]:
             f"{parallel_state.get_data_parallel_rank()}",
             flush=True,
         )
-        if config.model.hf_checkpoint and not config.model.init_checkpoint:
+        weights = InitialWeights.of(config)
+        if config.model.hf_checkpoint and not weights.actor:
             cache = os.path.join(config.trainer.default_local_dir, "hf_init")
-            config.model.init_checkpoint = str(
-                converted_init_checkpoint(config.model.hf_checkpoint, cache, config.model, config.actor.megatron)
-            )
+            actor = converted_init_checkpoint(config.model.hf_checkpoint, cache, config.model, config.actor.megatron)
+            weights = dataclasses.replace(weights, actor=str(actor))
         critic = config.critic.model
-        if critic.hf_checkpoint and not critic.init_checkpoint:
+        if critic.hf_checkpoint and not weights.critic:
             cache = os.path.join(config.trainer.default_local_dir, "hf_init_critic")
-            critic.init_checkpoint = str(
-                converted_critic_checkpoint(critic.hf_checkpoint, cache, config.model, config.critic.megatron)
-            )
-        yield
+            converted = converted_critic_checkpoint(critic.hf_checkpoint, cache, config.model, config.critic.megatron)
+            weights = dataclasses.replace(weights, critic=str(converted))
+        yield weights
     finally:
         destroy_distributed()
 
@@ -72,7 +74,7 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
             "(or model.allow_random_init=true for a smoke test: the reference then copies the actor)"
         ])  # fmt: skip
     scorer = build_scorer(config.reward)  # before any process group: a missing verl or custom file fails at once
-    with distributed_run(config):
+    with distributed_run(config) as weights:
         tokenizer = load_tokenizer(config.model.tokenizer)
         rows, report = read_rows(
             config.data.train_files, tokenizer, config.data,
@@ -86,7 +88,7 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
             )  # fmt: skip
             validation = ValidationSet(val_rows, tokenizer, scorer, config.data.max_response_length,
                                        config.actor.log_prob_micro_batch_size_per_gpu)  # fmt: skip
-        trainer = PPOTrainer(config, rows, tokenizer.pad_id, evaluate=validation)
+        trainer = PPOTrainer(config, rows, tokenizer.pad_id, evaluate=validation, weights=weights)
         trainer.logger.event(0, "data", report.summary())
         if validation is not None:
             trainer.logger.event(0, "data", f"validation: {val_report.summary()}")

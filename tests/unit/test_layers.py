@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "plan": 2,
     "report": 2,
     "run_identity": 2,
+    "initial_weights": 2,
     "models": 3,
     "checkpoint": 4,
     "convert": 5,
