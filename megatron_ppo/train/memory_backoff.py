@@ -17,10 +17,10 @@ from operator import attrgetter
 from typing import Any, TypeVar
 
 import torch
-from megatron.core import parallel_state
 
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.parallel.collectives import any_rank
+from megatron_ppo.parallel.ranks import data_parallel
 from megatron_ppo.train.micro_batching import TOKEN_BUDGET, MicroBatching, micro_batch_keys, micro_batching
 
 T = TypeVar("T")
@@ -93,7 +93,7 @@ class OutOfMemoryBackoff:
             rows = attrgetter(section)(self.config).ppo_mini_batch_size
         else:
             rows = self.config.data.train_batch_size
-        return max(1, rows // parallel_state.get_data_parallel_world_size())
+        return max(1, rows // data_parallel().size)
 
     def state_dict(self) -> dict[str, Any]:
         return {"retries": self.retries, "overrides": dict(self.overrides)}

@@ -8,11 +8,9 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from megatron.core import parallel_state
-
 from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.config.validate import world_size
 from megatron_ppo.convert import converted_init_checkpoint
 from megatron_ppo.critic_init import converted_critic_checkpoint
 from megatron_ppo.data.rows import read_rows
@@ -20,6 +18,7 @@ from megatron_ppo.data.scoring import build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
 from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
+from megatron_ppo.parallel.ranks import describe_rank
 from megatron_ppo.train.evaluation import ValidationSet
 from megatron_ppo.train.ppo import PPOTrainer
 
@@ -39,14 +38,8 @@ def distributed_run(config: PPOConfig) -> Iterator[InitialWeights]:
     os.makedirs(config.trainer.default_local_dir, exist_ok=True)
     init_distributed(config.actor.megatron, seed=config.trainer.seed, device=config.cluster.device)
     try:
-        print(
-            f"rank {env.rank}/{env.world_size} (local {env.local_rank}) on "
-            f"{os.environ.get('SLURMD_NODENAME', socket.gethostname())}: tensor-parallel rank "
-            f"{parallel_state.get_tensor_model_parallel_rank()}, pipeline stage "
-            f"{parallel_state.get_pipeline_model_parallel_rank()}, data-parallel rank "
-            f"{parallel_state.get_data_parallel_rank()}",
-            flush=True,
-        )
+        host = os.environ.get("SLURMD_NODENAME", socket.gethostname())
+        print(f"rank {env.rank}/{env.world_size} (local {env.local_rank}) on {host}: {describe_rank()}", flush=True)
         weights = InitialWeights.of(config)
         if config.model.hf_checkpoint and not weights.actor:
             cache = os.path.join(config.trainer.default_local_dir, "hf_init")

@@ -4,7 +4,7 @@
     perf/mfu/critic     = FLOPs(critic update) / (timing/update_critic_s · GPUs · peak)
     perf/tflops_per_gpu = FLOPs(iteration) / (iteration seconds · GPUs) / 10¹²
 
-FLOPs come from `megatron_ppo.plan.iteration_flops` (the same function the planner's step-time estimate uses),
+FLOPs come from `megatron_ppo.flops.iteration_flops` (the same function the planner's step-time estimate uses),
 over the batch's real tokens: Σ row lengths, with attention by Σ (row length)². The peak is the dense bf16
 tensor-core peak of `cluster.gpu_type` (`config/gpus.py`).
 
@@ -26,10 +26,10 @@ from contextlib import contextmanager
 import torch
 
 from megatron_ppo.config.gpus import gpu_spec
+from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.config.validate import world_size
+from megatron_ppo.flops import flop_parameter_count, iteration_flops
 from megatron_ppo.parallel.device import on_cuda
-from megatron_ppo.plan import flop_parameter_count, iteration_flops
 
 PHASES = ("experience", "update_actor", "update_critic")
 

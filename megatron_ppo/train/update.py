@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from megatron.core import parallel_state
 
 from megatron_ppo import algo
 from megatron_ppo.config.schema import ActorConfig, CriticConfig
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
 from megatron_ppo.models.moe import clear_moe_aux_losses, moe_aux_loss_metrics
 from megatron_ppo.parallel.collectives import broadcast_from_last_stage, gather_data_parallel
+from megatron_ppo.parallel.ranks import data_parallel
 from megatron_ppo.train.batch import replica_micro_batches, select
 from megatron_ppo.train.experience import Experience
 from megatron_ppo.train.optimizer import StepResult, optimizer_step, zero_grads
@@ -64,7 +64,7 @@ def mini_batch_counts(batch: Experience) -> dict[str, float]:
     its constant `loss_scale_factor`."""
     mask = batch["loss_mask"]
     return {
-        "dp_size": parallel_state.get_data_parallel_world_size(),
+        "dp_size": data_parallel().size,
         "batch_num_tokens": float(mask.sum()),
         "global_batch_size": float((mask.sum(-1) > 0).sum()),
     }
