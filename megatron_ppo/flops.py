@@ -4,6 +4,7 @@ planner's step-time estimate and the trainer's measured MFU (`train/throughput.p
 from __future__ import annotations
 
 from megatron_ppo.config.schema import ModelConfig, PPOConfig
+from megatron_ppo.phases import Phase
 
 
 def parameter_count(model: ModelConfig) -> int:
@@ -64,17 +65,17 @@ def pass_flops(model: ModelConfig, params: int, tokens: float, tokens_times_seq:
 
 def iteration_flops(
     config: PPOConfig, params: dict[str, int], tokens: float, tokens_times_seq: float
-) -> dict[str, float]:
+) -> dict[Phase, float]:
     """FLOPs of one PPO iteration by phase, for the roles in `params` (role → parameter count):
-    experience = a forward of each role (the reference has the actor's shape), update_<role> = `ppo_epochs`
+    experience = a forward of each role (the reference has the actor's shape), a role's update = `ppo_epochs`
     training passes of the actor / critic. The planner and the measured MFU (`train/throughput.py`) both use it."""
     m = config.model
-    flops = {"experience": sum(pass_flops(m, n, tokens, tokens_times_seq, train=False) for n in params.values())}
+    flops = {Phase.EXPERIENCE: sum(pass_flops(m, n, tokens, tokens_times_seq, train=False) for n in params.values())}
     for role in ("actor", "critic"):
         if role in params:
             role_config = getattr(config, role)
             full = role_config.megatron.recompute_granularity == "full"
-            flops[f"update_{role}"] = role_config.ppo_epochs * pass_flops(
+            flops[Phase.update(role)] = role_config.ppo_epochs * pass_flops(
                 m, params[role], tokens, tokens_times_seq, train=True, full_recompute=full
             )
     return flops

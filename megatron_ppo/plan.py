@@ -45,7 +45,7 @@ from megatron_ppo.flops import (
     iteration_flops,
     parameter_count,
 )
-from megatron_ppo.phases import PHASE_NEEDS, offload_switches, resident_kinds
+from megatron_ppo.phases import PHASE_NEEDS, Phase, offload_switches, resident_kinds
 
 GIB = 1024**3
 RESERVED_GIB = 3.0
@@ -184,7 +184,7 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
     )
 
 
-def resident_gib(plan: RolePlan, phase: str) -> float:
+def resident_gib(plan: RolePlan, phase: Phase) -> float:
     """GiB of the role's state on the GPU during `phase` (`resident_kinds`), activations aside."""
     sizes = {"params": plan.weights_gib, "grads": plan.grads_gib, "optimizer": plan.optimizer_gib}
     return sum(sizes[kind] for kind in resident_kinds(phase, plan.role, plan.layout))
@@ -198,8 +198,8 @@ def phase_gib(config: PPOConfig, roles: dict[str, RolePlan]) -> dict[str, float]
         _activations_gib(config, getattr(config, r).megatron, micro_batch_rows(config, r, train=False), train=False)
         for r in roles
     )
-    activations = {"experience": forward, "critic update": roles["critic"].activations_gib,
-                   "actor update": roles["actor"].activations_gib, "between iterations": 0.0}  # fmt: skip
+    activations = {Phase.EXPERIENCE: forward, Phase.UPDATE_CRITIC: roles["critic"].activations_gib,
+                   Phase.UPDATE_ACTOR: roles["actor"].activations_gib, Phase.BETWEEN_ITERATIONS: 0.0}  # fmt: skip
     return {
         phase: sum(resident_gib(r, phase) for r in roles.values()) + activations[phase] + RESERVED_GIB
         for phase in PHASE_NEEDS

@@ -31,7 +31,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.models.gpt import RoleModel, sync_parameters
 from megatron_ppo.parallel.device import current_device
-from megatron_ppo.phases import OFFLOAD_KINDS, PHASE_NEEDS, offload_switches, resident_kinds
+from megatron_ppo.phases import OFFLOAD_KINDS, PHASE_NEEDS, Phase, offload_switches, resident_kinds
 
 
 @dataclass
@@ -70,7 +70,7 @@ class HostOffload:
         self.report = report
         self.enabled = any(any(offload_switches(r.layout).values()) for r in self.roles.values())
 
-    def enter(self, phase: str) -> dict[str, dict[str, int]]:
+    def enter(self, phase: Phase) -> dict[str, dict[str, int]]:
         """Move every role's kinds to where `phase` wants them: first what leaves the device, then what comes back
         (so the peak of the move is the phase's own). Returns the resident bytes, role → kind → bytes."""
         if phase not in PHASE_NEEDS:

@@ -11,12 +11,13 @@ import torch
 
 from megatron_ppo import algo
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
+from megatron_ppo.models import RoleModel, eval_mode, run_micro_batches, vocab_parallel_log_probs
 from megatron_ppo.parallel.collectives import (
     broadcast_tensor_from_last_stage,
     gather_rows_data_parallel,
     is_last_stage,
 )
+from megatron_ppo.phases import Phase
 from megatron_ppo.train.batch import Batch, replica_micro_batches
 from megatron_ppo.train.micro_batching import MicroBatching, micro_batching
 
@@ -92,20 +93,13 @@ def forward_passes(
     role in micro-batches of its own size (`log_prob_micro_batch_size_per_gpu`, the critic's
     `forward_micro_batch_size_per_gpu`) or token budget: `micro` (role → its micro-batching, the out-of-memory
     back-off's), by default the config's."""
-    micro = micro_batching(config, "experience") if micro is None else micro
-    for model in (actor, ref, critic):
-        if model is not None:
-            for chunk in model.chunks:
-                chunk.eval()
-    out = ForwardPasses(old_log_prob=forward_per_token(actor, batch, log_prob_fn(actor), micro["actor"]))
-    if ref is not None:
-        out["ref_log_prob"] = forward_per_token(ref, batch, log_prob_fn(ref), micro["ref"])
-    if critic is not None:
-        out["values"] = forward_per_token(critic, batch, values_fn, micro["critic"])
-    for model in (actor, critic):
-        if model is not None:
-            for chunk in model.chunks:
-                chunk.train()
+    micro = micro_batching(config, Phase.EXPERIENCE) if micro is None else micro
+    with eval_mode(actor, ref, critic):
+        out = ForwardPasses(old_log_prob=forward_per_token(actor, batch, log_prob_fn(actor), micro["actor"]))
+        if ref is not None:
+            out["ref_log_prob"] = forward_per_token(ref, batch, log_prob_fn(ref), micro["ref"])
+        if critic is not None:
+            out["values"] = forward_per_token(critic, batch, values_fn, micro["critic"])
     return out
 
 

@@ -21,6 +21,7 @@ import torch
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.parallel.collectives import any_rank
 from megatron_ppo.parallel.ranks import data_parallel
+from megatron_ppo.phases import Phase
 from megatron_ppo.train.micro_batching import TOKEN_BUDGET, MicroBatching, micro_batch_keys, micro_batching
 
 T = TypeVar("T")
@@ -36,7 +37,7 @@ class OutOfMemoryBackoff:
         self.retries = 0
         self.overrides: dict[str, int] = {}
 
-    def micro_batching(self, phase: str) -> dict[str, MicroBatching]:
+    def micro_batching(self, phase: Phase) -> dict[str, MicroBatching]:
         """role → its micro-batching in `phase`, as lowered so far."""
         return micro_batching(self.config, phase, self.overrides)
 
@@ -44,7 +45,7 @@ class OutOfMemoryBackoff:
         """The micro-batch size (or token budget) `key` stands for now: the lowered one, else the config's."""
         return self.overrides.get(key, attrgetter(key)(self.config))
 
-    def run(self, phase: str, attempt: Callable[[], T], free: Callable[[], None], log: Callable[[str], None]) -> T:
+    def run(self, phase: Phase, attempt: Callable[[], T], free: Callable[[], None], log: Callable[[str], None]) -> T:
         """`attempt()` until no rank runs out of memory; after a failure, `free()` and lower the micro-batch sizes
         of `phase` (`micro_batch_keys`: a micro-batch size, or a token budget when the role batches by tokens), which
         `attempt` reads from `micro_batching(phase)`."""
@@ -69,7 +70,7 @@ class OutOfMemoryBackoff:
                                    f"lower {', '.join(keys)} or spread the model wider (TP/PP)")  # fmt: skip
             log(f"{phase}: out of memory on some rank; retry {self.retries}/{limit} with " + self._shrink(phase, keys))
 
-    def _shrink(self, phase: str, keys: list[str]) -> str:
+    def _shrink(self, phase: Phase, keys: list[str]) -> str:
         changes = []
         for key in keys:
             current = self.size(key)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.phases import Phase
 
 TOKEN_BUDGET = ".ppo_max_token_len_per_gpu"  # the key ending of a role's token budget (dynamic batching)
 
@@ -22,19 +23,20 @@ class MicroBatching:
     max_tokens: int | None = None
 
 
-def micro_batch_keys(config: PPOConfig, phase: str) -> dict[str, str]:
-    """role → the config key that sizes its micro-batches in `phase` ("experience", "update_actor",
-    "update_critic"), which an out-of-memory error there lowers: the role's micro-batch size of that pass, or its
-    token budget with `use_dynamic_bsz` (the reference's forward follows the actor's batching)."""
-    if phase == "experience":
+def micro_batch_keys(config: PPOConfig, phase: Phase) -> dict[str, str]:
+    """role → the config key that sizes its micro-batches in `phase` (the experience or an update), which an
+    out-of-memory error there lowers: the role's micro-batch size of that pass, or its token budget with
+    `use_dynamic_bsz` (the reference's forward follows the actor's batching)."""
+    if phase == Phase.EXPERIENCE:
         keys = {"actor": "actor.log_prob_micro_batch_size_per_gpu"}
         if config.needs_reference:
             keys["ref"] = "ref.log_prob_micro_batch_size_per_gpu"
         if config.needs_critic:
             keys["critic"] = "critic.forward_micro_batch_size_per_gpu"
-    else:
-        role = phase.removeprefix("update_")
+    elif (role := phase.trained_role) is not None:
         keys = {role: f"{role}.ppo_micro_batch_size_per_gpu"}
+    else:
+        raise ValueError(f"{phase!r} runs no model: no micro-batches")
     owner = {"actor": "actor", "ref": "actor", "critic": "critic"}
     return {
         role: f"{owner[role]}{TOKEN_BUDGET}" if getattr(config, owner[role]).use_dynamic_bsz else key
@@ -42,9 +44,11 @@ def micro_batch_keys(config: PPOConfig, phase: str) -> dict[str, str]:
     }
 
 
-def micro_batching(config: PPOConfig, phase: str, lowered: Mapping[str, int] | None = None) -> dict[str, MicroBatching]:
-    """role → its micro-batching in `phase` ("experience", "update_actor", "update_critic"): the config's sizes
-    (`micro_batch_keys`), or those `lowered` gives by key (the back-off's)."""
+def micro_batching(
+    config: PPOConfig, phase: Phase, lowered: Mapping[str, int] | None = None
+) -> dict[str, MicroBatching]:
+    """role → its micro-batching in `phase`: the config's sizes (`micro_batch_keys`), or those `lowered` gives by
+    key (the back-off's)."""
     out = {}
     for role, key in micro_batch_keys(config, phase).items():
         size = (lowered or {}).get(key, attrgetter(key)(config))

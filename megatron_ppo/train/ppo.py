@@ -31,6 +31,7 @@ from megatron_ppo.models.kernels import describe_kernels
 from megatron_ppo.models.offload import HostOffload
 from megatron_ppo.parallel.collectives import barrier, global_rank
 from megatron_ppo.parallel.device import current_device, to_device
+from megatron_ppo.phases import Phase
 from megatron_ppo.train.batch import build_sampler, collate
 from megatron_ppo.train.evaluation import Evaluator
 from megatron_ppo.train.experience import (
@@ -194,11 +195,11 @@ class PPOTrainer:
             # 1. batch: the next train_batch_size rows, tokenized, right-padded and on the run's device
             rows = [self.rows[i] for i in self.sampler.next_batch(config.data.train_batch_size)]
             batch = to_device(collate(rows, self.pad_id), current_device(), "the PPO batch")
-            with phase_timer(timings, "experience"):
+            with phase_timer(timings, Phase.EXPERIENCE.metric):
                 # 2. experience: log-probs of actor and reference, values of the critic (no grad; on every rank)
-                self.offload.enter("experience")
-                passes = self._retry_out_of_memory("experience", lambda: forward_passes(
-                    config, batch, self.actor, self.ref, self.critic, self.memory.micro_batching("experience")
+                self.offload.enter(Phase.EXPERIENCE)
+                passes = self._retry_out_of_memory(Phase.EXPERIENCE, lambda: forward_passes(
+                    config, batch, self.actor, self.ref, self.critic, self.memory.micro_batching(Phase.EXPERIENCE)
                 ))  # fmt: skip
                 # 3. advantages: token rewards (clipped score, minus β·KL when the KL is in the reward), GAE or GRPO
                 experience, metrics = compute_advantages(config, batch, passes, self.kl.coef("reward"), self.normalizer)
@@ -213,7 +214,7 @@ class PPOTrainer:
             for update in updates:
                 metrics |= update.metrics
                 self.skipped_steps += update.skipped
-            self.offload.enter("between iterations")  # checkpoints, rollbacks, evaluation read weights and optimizers
+            self.offload.enter(Phase.BETWEEN_ITERATIONS)  # checkpoints, rollbacks, evaluation read weights, optimizers
             self.step += 1
             # 6. KL control: β for the next iteration from this one's experience KL, KL(π_old‖π_ref) — the KL the
             #    reward penalty of this batch used, and verl's controller input. The guards read the update's KL
@@ -241,7 +242,7 @@ class PPOTrainer:
         }  # fmt: skip
 
     def _update(self, role: str, experience: Experience, timings: dict[str, float]) -> RoleUpdate:
-        """`ppo_epochs` passes of `role` over the mini-batches of `experience`, timed as `update_<role>`."""
+        """`ppo_epochs` passes of `role` over the mini-batches of `experience` (`Phase.update(role)`)."""
         role_config = getattr(self.config, role)
         if role == "actor":
             actor = self.actor
@@ -251,18 +252,15 @@ class PPOTrainer:
                                 ref_kl_type=kind if self.ref is not None else None)  # fmt: skip
         else:
             make_loss = partial(critic_loss, role_config)
-        with phase_timer(timings, f"update_{role}"):
-            self.offload.enter(f"{role} update")
-            phase = f"update_{role}"
+        phase = Phase.update(role)
+        with phase_timer(timings, phase.metric):
+            self.offload.enter(phase)
             return self._retry_out_of_memory(phase, lambda: update_role(
                 role, self.models[role], self.optimizers[role], self.schedulers[role], experience,
-                epochs=role_config.ppo_epochs, mini_batch_size=role_config.ppo_mini_batch_size,
-                micro_batch_size=self.memory.micro_batching(phase)[role].rows,
-                max_tokens=self.memory.micro_batching(phase)[role].max_tokens,
-                clip_grad=role_config.optim.clip_grad, make_loss=make_loss,
+                config=role_config, micro=self.memory.micro_batching(phase)[role], make_loss=make_loss,
             ))  # fmt: skip
 
-    def _retry_out_of_memory(self, phase: str, attempt):
+    def _retry_out_of_memory(self, phase: Phase, attempt):
         """`attempt()`, run again with smaller micro-batches while any rank runs out of memory (`memory_backoff.py`)."""
 
         def free() -> None:

@@ -14,6 +14,7 @@ from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.models import build_role_model, unwrap
 from megatron_ppo.parallel import init_distributed
+from megatron_ppo.phases import Phase
 from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.update import actor_loss, update_role
@@ -45,12 +46,11 @@ def _update(config, actor, optimizer, backoff: OutOfMemoryBackoff):
     make_loss = partial(actor_loss, config.actor, kl_loss_coef=0.1, vocab_size=MODEL.vocab_size)
 
     def attempt():
-        micro = backoff.micro_batching("update_actor")["actor"]
-        return update_role("actor", actor, optimizer, scheduler, batch, epochs=1, mini_batch_size=ROWS,
-                           micro_batch_size=micro.rows, max_tokens=micro.max_tokens,
-                           clip_grad=OPTIM.clip_grad, make_loss=make_loss)  # fmt: skip
+        micro = backoff.micro_batching(Phase.UPDATE_ACTOR)["actor"]
+        return update_role("actor", actor, optimizer, scheduler, batch, config=config.actor, micro=micro,
+                           make_loss=make_loss)  # fmt: skip
 
-    return backoff.run("update_actor", attempt, lambda: None, print)
+    return backoff.run(Phase.UPDATE_ACTOR, attempt, lambda: None, print)
 
 
 def overlapped_update(rank: int, world_size: int, workdir: str, inject: bool) -> dict[str, Any]:
