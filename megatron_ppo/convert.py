@@ -16,7 +16,6 @@ import re
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_ppo import checkpoint
@@ -34,6 +33,7 @@ from megatron_ppo.models.hf_conversion import (
     save_hf,
 )
 from megatron_ppo.parallel.device import on_cuda
+from megatron_ppo.parallel.ranks import expert_parallel, expert_tensor_parallel, is_first_of_last_stage, tensor_parallel
 
 SINGLE = MegatronConfig()
 
@@ -112,12 +112,8 @@ def fill_from_hf(
     targets = {name: t for name, t in _local_targets(shard, model).items() if not name.startswith(skip)}
     reader = SafetensorsReader(hf_dir)
     shapes = Shapes.of(model, layout.tensor_model_parallel_size)
-    part = TensorParallelPart(
-        parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    )
-    expert_part = TensorParallelPart(
-        parallel_state.get_expert_tensor_parallel_world_size(), parallel_state.get_expert_tensor_parallel_rank()
-    )
+    part = TensorParallelPart(*tensor_parallel())
+    expert_part = TensorParallelPart(*expert_tensor_parallel())
     for name, tensor in hf_to_megatron(reader, targets, shapes, part, expert_part):
         for local_name, param in targets[name]:
             if tensor.shape != param.shape:
@@ -136,11 +132,7 @@ def _local_targets(shard: RoleModel, model: ModelConfig) -> dict[str, list[tuple
     number their layers from 0; `layer_number` is the global one. Expert-parallel rank r numbers its E/EP experts
     from 0; they are experts r·E/EP + i of the model. A last stage with tied embeddings holds its own copy of the
     embedding as `output_layer.weight`."""
-    first_expert = (
-        parallel_state.get_expert_model_parallel_rank()
-        * model.num_experts
-        // parallel_state.get_expert_model_parallel_world_size()
-    )
+    first_expert = expert_parallel().rank * model.num_experts // expert_parallel().size
     targets: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for chunk in shard.chunks:
         gpt = unwrap(chunk)
@@ -195,11 +187,6 @@ def verify(hf_dir: str | Path, megatron_dir: str | Path, layout: MegatronConfig,
     model = hf_model_config(hf_dir)
     input_ids = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
     ours = megatron_logits(megatron_dir, model, layout, input_ids)
-    reporting = (
-        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
-    )
-    if ours is None or not reporting:
+    if ours is None or not is_first_of_last_stage():
         return None
     return float((ours.cpu() - hf_logits(hf_dir, input_ids)).abs().max())  # HF's model runs on the host

@@ -22,8 +22,9 @@ from megatron.core import dist_checkpointing
 
 from megatron_ppo import checkpoint
 from megatron_ppo.config.errors import ConfigError
-from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
+from megatron_ppo.config.schema import MegatronConfig, ModelConfig
 from megatron_ppo.convert import architecture_mismatches, fill_from_hf
+from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.models import RoleModel, ValueHead, build_role_model, unwrap
 from megatron_ppo.models.hf_conversion import SafetensorsReader
 
@@ -65,9 +66,10 @@ def hf_value_head(hf_dir: str | Path, hidden_size: int) -> torch.Tensor | None:
     return reader.get(HF_SCORE)
 
 
-def load_critic(critic: RoleModel, config: PPOConfig) -> str:
-    """Initialise `critic` as the module docstring says; returns where its weights came from, for the log."""
-    own, actor = config.critic.model.init_checkpoint, config.model.init_checkpoint
+def load_critic(critic: RoleModel, weights: InitialWeights) -> str:
+    """Initialise `critic` from the run's initial weights as the module docstring says; returns where its weights
+    came from, for the log."""
+    own, actor = weights.critic, weights.actor
     if own and holds_role(own, "critic"):
         checkpoint.load_weights(critic, own, "critic")
         return f"critic from the critic of {own}"

@@ -12,10 +12,11 @@ Memory model (bytes per parameter on a GPU holding N / (TP·PP) of them; see doc
                  b = a micro-batch's rows at full length (`micro_batch_rows`: with use_dynamic_bsz, as many as the
                  token budget holds)
     reserved     3 GiB per GPU (CUDA context, NCCL buffers, allocator fragmentation)
-Roles share the GPUs. Each phase of an iteration (`PHASE_NEEDS`: experience, critic update, actor update, between
-iterations) needs some kinds of each role's state on the GPU; a role keeps those plus every kind whose offload
-switch (`param_offload`, `grad_offload`, `optimizer_offload`) is off, and the rest waits in host memory
-(`resident_kinds`, which `megatron_ppo.models.offload` also moves by). The peak is the largest phase.
+Roles share the GPUs. Each phase of an iteration (`phases.py`, the table host offload moves state by:
+experience, critic update, actor update, between iterations) needs some kinds of each role's state on the GPU; a
+role keeps those plus every kind whose offload switch (`param_offload`, `grad_offload`, `optimizer_offload`) is off,
+and the rest waits in host memory (`resident_kinds`). The peak is the largest phase. Layout arithmetic is
+`config/layout.py`'s, parameter and FLOP counts `flops.py`'s (the trainer's MFU counts with them too).
 
 Mixture of experts (`model.num_experts` > 0): the routed experts' weights, gradients and optimizer states are split
 by EP × expert-TP × PP (the optimizer further by the expert-data-parallel size world / (ETP·EP·PP)); everything
@@ -34,82 +35,27 @@ import math
 from dataclasses import dataclass
 
 from megatron_ppo.config.gpus import gpu_spec
-from megatron_ppo.config.schema import ROLES, ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
-from megatron_ppo.config.validate import validate, world_size
+from megatron_ppo.config.layout import data_parallel_size, expert_layout, world_size
+from megatron_ppo.config.schema import ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
+from megatron_ppo.config.validate import validate
+from megatron_ppo.flops import (
+    active_parameter_count,
+    expert_parameter_count,
+    flop_parameter_count,
+    iteration_flops,
+    parameter_count,
+)
+from megatron_ppo.phases import PHASE_NEEDS, Phase, offload_switches, resident_kinds
 
 GIB = 1024**3
 RESERVED_GIB = 3.0
 MARGIN = 0.10  # keep 10 % of the GPU free
-OFFLOAD_KINDS = ("params", "grads", "optimizer")
-# What each phase needs on the GPU, role by role. Between iterations every role's weights and optimizer states are
-# resident: checkpoints, rollbacks and evaluation read them (gradients are zeroed before each update, so none).
-PHASE_NEEDS: dict[str, dict[str, frozenset[str]]] = {
-    "experience": {role: frozenset({"params"}) for role in ROLES},
-    "critic update": {"critic": frozenset(OFFLOAD_KINDS)},
-    "actor update": {"actor": frozenset(OFFLOAD_KINDS)},
-    "between iterations": {role: frozenset({"params", "optimizer"}) for role in ROLES},
-}
 
 
 def gpu_memory_gib(cluster: ClusterConfig) -> float:
     """GiB of one GPU that the plan may fill (before the margin): `cluster.gpu_memory_gib` when set, else the GPU
     type's memory (`config/gpus.py`)."""
     return gpu_spec(cluster.gpu_type).memory_gib if cluster.gpu_memory_gib is None else cluster.gpu_memory_gib
-
-
-def offload_switches(layout: MegatronConfig) -> dict[str, bool]:
-    """kind → whether the role moves it to host memory in the phases that do not need it."""
-    return {"params": layout.param_offload, "grads": layout.grad_offload, "optimizer": layout.optimizer_offload}
-
-
-def resident_kinds(phase: str, role: str, layout: MegatronConfig) -> frozenset[str]:
-    """The kinds of `role`'s state on the GPU during `phase`: what the phase needs, plus each kind not offloaded."""
-    kept = {kind for kind, offloaded in offload_switches(layout).items() if not offloaded}
-    return PHASE_NEEDS[phase].get(role, frozenset()) | kept
-
-
-def parameter_count(model: ModelConfig) -> int:
-    """Parameters of a Llama/Qwen2/Qwen3-style GPT (untied or tied embeddings, optional QKV bias, optional QK
-    layernorm: one weight of `head_dim` each for queries and keys per layer)."""
-    h, heads = model.hidden_size, model.num_attention_heads
-    kv_heads = model.num_query_groups or heads
-    head_dim = model.kv_channels or h // heads
-    ffn = model.ffn_hidden_size or 4 * h
-    attention = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
-    if model.add_qkv_bias:
-        attention += (heads + 2 * kv_heads) * head_dim
-    if model.qk_layernorm:
-        attention += 2 * head_dim
-    mlp = (3 if model.activation == "swiglu" else 2) * h * ffn
-    if model.num_experts:
-        mlp = h * model.num_experts + expert_parameter_count(model) // model.num_layers  # router + experts
-    layer = attention + mlp + 2 * h
-    embeddings = model.vocab_size * h * (2 if model.untie_embeddings_and_output_weights else 1)
-    return model.num_layers * layer + embeddings + h
-
-
-def expert_parameter_count(model: ModelConfig) -> int:
-    """Parameters of the routed experts, L · E · 3·h·f_moe (SwiGLU; 2·h·f_moe otherwise); 0 for a dense model."""
-    per_expert = (3 if model.activation == "swiglu" else 2) * model.hidden_size * model.moe_intermediate_size
-    return model.num_layers * model.num_experts * per_expert
-
-
-def active_parameter_count(model: ModelConfig) -> int:
-    """Parameters one token passes through: all but the experts it is not routed to, N − (1 − k/E)·N_experts
-    (Qwen3-30B-A3B: 3.3 B of 30.5 B). Equal to `parameter_count` for a dense model."""
-    experts = expert_parameter_count(model)
-    if not experts:
-        return parameter_count(model)
-    return parameter_count(model) - experts + experts * model.num_experts_per_tok // model.num_experts
-
-
-def flop_parameter_count(model: ModelConfig, role: str) -> int:
-    """Parameters that enter a matrix product for every token: the transformer layers (of a mixture of experts,
-    the active ones) and the vocabulary output layer (actor, reference); the critic's value head is ~h. The input
-    embedding is a lookup and is left out."""
-    embedding = model.vocab_size * model.hidden_size
-    trunk = active_parameter_count(model) - embedding * (2 if model.untie_embeddings_and_output_weights else 1)
-    return trunk + (embedding if role != "critic" else model.hidden_size + 1)
 
 
 @dataclass
@@ -197,14 +143,6 @@ def _moe_mlp_activation_delta(model: ModelConfig) -> float:
     return model.num_experts_per_tok * (2 + 6 * model.moe_intermediate_size / model.hidden_size) - 19
 
 
-def expert_layout(config: PPOConfig, layout: MegatronConfig) -> tuple[int, int, int]:
-    """(EP, expert TP, expert DP) of a role: Megatron splits the world into ETP × EP × expert-DP × PP for the
-    experts, expert-DP = world / (ETP·EP·PP)."""
-    etp = layout.expert_tensor_parallel_size or layout.tensor_model_parallel_size
-    ep = layout.expert_model_parallel_size
-    return ep, etp, max(1, world_size(config) // (etp * ep * layout.pipeline_model_parallel_size))
-
-
 def _expert_shards(config: PPOConfig, layout: MegatronConfig) -> tuple[int, float]:
     """(expert parameters per GPU, their optimizer-sharded count): split by EP × ETP × PP, the distributed
     optimizer's share further by expert DP."""
@@ -220,7 +158,7 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
     head_swap = m.vocab_size * m.hidden_size - m.hidden_size - 1 if role == "critic" else 0
     params = parameter_count(m) - head_swap
     model_parallel = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
-    dp = max(1, world_size(config) // (model_parallel * layout.context_parallel_size))
+    dp = max(1, data_parallel_size(config, layout))
     experts_per_gpu, experts_optimizer = _expert_shards(config, layout)
     dense_per_gpu = math.ceil((params - expert_parameter_count(config.model)) / model_parallel)
     per_gpu = dense_per_gpu + experts_per_gpu
@@ -246,7 +184,7 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
     )
 
 
-def resident_gib(plan: RolePlan, phase: str) -> float:
+def resident_gib(plan: RolePlan, phase: Phase) -> float:
     """GiB of the role's state on the GPU during `phase` (`resident_kinds`), activations aside."""
     sizes = {"params": plan.weights_gib, "grads": plan.grads_gib, "optimizer": plan.optimizer_gib}
     return sum(sizes[kind] for kind in resident_kinds(phase, plan.role, plan.layout))
@@ -260,8 +198,8 @@ def phase_gib(config: PPOConfig, roles: dict[str, RolePlan]) -> dict[str, float]
         _activations_gib(config, getattr(config, r).megatron, micro_batch_rows(config, r, train=False), train=False)
         for r in roles
     )
-    activations = {"experience": forward, "critic update": roles["critic"].activations_gib,
-                   "actor update": roles["actor"].activations_gib, "between iterations": 0.0}  # fmt: skip
+    activations = {Phase.EXPERIENCE: forward, Phase.UPDATE_CRITIC: roles["critic"].activations_gib,
+                   Phase.UPDATE_ACTOR: roles["actor"].activations_gib, Phase.BETWEEN_ITERATIONS: 0.0}  # fmt: skip
     return {
         phase: sum(resident_gib(r, phase) for r in roles.values()) + activations[phase] + RESERVED_GIB
         for phase in PHASE_NEEDS
@@ -275,7 +213,7 @@ def plan(config: PPOConfig, recipe: str = "") -> Plan:
     budget = gpu_memory_gib(config.cluster) * (1 - MARGIN)
     layout = config.actor.megatron
     pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size or 1
-    dp = max(1, world_size(config) // (layout.tensor_model_parallel_size * pp * layout.context_parallel_size))
+    dp = max(1, data_parallel_size(config, layout))
     micro_batches = max(1, config.actor.ppo_mini_batch_size // dp // micro_batch_rows(config, "actor", train=True))
     bubble = (pp - 1) / (vpp * micro_batches + pp - 1)
     all_to_all_gb, all_to_all_s = all_to_all_estimate(config)
@@ -335,36 +273,6 @@ def all_to_all_estimate(config: PPOConfig) -> tuple[float, float]:
         gb += role_gb
         seconds += role_gb / (within if etp * ep <= config.cluster.gpus_per_node else across)
     return gb, seconds
-
-
-def pass_flops(model: ModelConfig, params: int, tokens: float, tokens_times_seq: float, *, train: bool,
-               full_recompute: bool = False) -> float:  # fmt: skip
-    """FLOPs of one pass of a model with `params` parameters over `tokens` tokens, where `tokens_times_seq` is
-    Σ over rows of (row length)² (B·S² for B rows of S tokens). Forward: 2·N per token for the matrix products
-    plus attention 4·L·h·s (q·kᵀ and p·v, causal masking not discounted); a training pass adds the backward
-    (2× the forward), and full recompute one more forward."""
-    forward = 2 * params * tokens + 4 * model.num_layers * model.hidden_size * tokens_times_seq
-    if not train:
-        return forward
-    return forward * (4 if full_recompute else 3)
-
-
-def iteration_flops(
-    config: PPOConfig, params: dict[str, int], tokens: float, tokens_times_seq: float
-) -> dict[str, float]:
-    """FLOPs of one PPO iteration by phase, for the roles in `params` (role → parameter count):
-    experience = a forward of each role (the reference has the actor's shape), update_<role> = `ppo_epochs`
-    training passes of the actor / critic. The planner and the measured MFU (`train/throughput.py`) both use it."""
-    m = config.model
-    flops = {"experience": sum(pass_flops(m, n, tokens, tokens_times_seq, train=False) for n in params.values())}
-    for role in ("actor", "critic"):
-        if role in params:
-            role_config = getattr(config, role)
-            full = role_config.megatron.recompute_granularity == "full"
-            flops[f"update_{role}"] = role_config.ppo_epochs * pass_flops(
-                m, params[role], tokens, tokens_times_seq, train=True, full_recompute=full
-            )
-    return flops
 
 
 def step_time_estimate(

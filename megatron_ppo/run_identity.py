@@ -21,43 +21,20 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from megatron_ppo.config.fields import PER_JOB, tagged_keys
 from megatron_ppo.config.schema import PPOConfig
 
 RUN_FILE = "run.json"
 
-# trainer.* keys that say how a job runs, where it writes and when it stops, not what is trained
-RUN_CONTROL = frozenset(
-    f"trainer.{key}"
-    for key in (
-        "resume_mode", "resume_from_path", "overwrite", "exit_interval", "exit_duration_in_mins", "logger",
-        "save_freq", "test_freq", "val_before_train", "max_ckpt_to_keep", "default_local_dir", "log_dir",
-    )
-)  # fmt: skip
-# The run's length: the KL schedule (stage ends) and the learning-rate schedule refuse, on load, a change they cannot
-# follow, with their own message.
-RUN_LENGTH = frozenset({"trainer.total_training_steps", "trainer.total_epochs"})
-# How the work is split over devices and micro-batches: the same training at another layout.
-LAYOUT_LEAVES = frozenset(
-    {
-        "ppo_micro_batch_size_per_gpu",
-        "log_prob_micro_batch_size_per_gpu",
-        "forward_micro_batch_size_per_gpu",
-        "use_dynamic_bsz",
-        "ppo_max_token_len_per_gpu",
-    }
-)
+# dotted key → why the jobs of one run may change it: the fields the schema marks `per_job` (run control, the run's
+# length, micro-batching)
+PER_JOB_KEYS: dict[str, str] = tagged_keys(PPOConfig(), PER_JOB)
 
 
 def meant_to_change(key: str) -> bool:
-    """Whether a resumed run may change `key` (dotted) without being a different experiment: run control, the
-    run's length, the parallel layout (`*.megatron.*`, `cluster.*`) and micro-batching."""
-    return (
-        key in RUN_CONTROL
-        or key in RUN_LENGTH
-        or key.startswith("cluster.")
-        or ".megatron." in key
-        or key.rsplit(".", 1)[-1] in LAYOUT_LEAVES
-    )
+    """Whether a resumed run may change `key` (dotted) without being a different experiment: the schema's `per_job`
+    keys (`PER_JOB_KEYS`), and the parallel layout (`*.megatron.*`, `cluster.*`)."""
+    return key in PER_JOB_KEYS or key.startswith("cluster.") or ".megatron." in key
 
 
 def new_run_id(now: float | None = None) -> str:

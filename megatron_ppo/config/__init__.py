@@ -2,8 +2,8 @@
 
 from megatron_ppo.config.compose import VERL_ALIASES, build_config, compose_file, load_config, parse_override
 from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.layout import data_parallel_size, world_size
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.config.validate import data_parallel_size, world_size
 
 __all__ = [
     "VERL_ALIASES",

@@ -1,4 +1,5 @@
-"""Compose a config: recipe YAML ← `defaults:` files ← `key=value` overrides, then type-check and resolve.
+"""Compose a config: recipe YAML ← `defaults:` files ← `key=value` overrides, then type-check, resolve, validate
+and freeze.
 
 Composition order (later wins): the files a recipe lists in `defaults:` (each may list its own), the recipe
 itself, then command-line overrides. `defaults:` entries are paths without `.yaml`, looked up next to the file
@@ -24,6 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.frozen import freeze
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.config.validate import resolve, validate
 from megatron_ppo.config.verl_keys import (
@@ -58,7 +60,8 @@ def load_config(recipe: str | Path, overrides: Sequence[str] = ()) -> PPOConfig:
 
 
 def build_config(raw: DictConfig, source: str | None = None) -> PPOConfig:
-    """Typed config from a composed tree: unknown keys and wrong types first, then resolution and validation."""
+    """Typed config from a composed tree: unknown keys and wrong types first, then resolution and validation; the
+    result is frozen (`config.frozen`)."""
     problems = unknown_key_problems(OmegaConf.to_container(raw, resolve=False), PPOConfig)
     if problems:
         raise ConfigError(problems, source)
@@ -72,7 +75,7 @@ def build_config(raw: DictConfig, source: str | None = None) -> PPOConfig:
     problems = validate(config)
     if problems:
         raise ConfigError(problems, source)
-    return config
+    return freeze(config)
 
 
 def _one_path_as_list(raw: DictConfig) -> None:

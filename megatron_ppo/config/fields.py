@@ -37,6 +37,31 @@ def ranged(default: Any, rule: Range) -> Any:
     return dataclasses.field(default=default, metadata={"range": rule})
 
 
+PER_JOB = "per_job"  # the metadata key of `per_job` fields
+
+
+def per_job(spec: Any, why: str) -> Any:
+    """A field the jobs of one run may set differently without it being another experiment
+    (`run_identity.meant_to_change`); `why` names the kind (run control, the run's length, micro-batching). `spec` is
+    the default, or a field (`choice`, `ranged`) whose rule and default it keeps. (A list default: a
+    `dataclasses.field(default_factory=…, metadata={PER_JOB: why})` of its own.)"""
+    if not isinstance(spec, dataclasses.Field):
+        return dataclasses.field(default=spec, metadata={PER_JOB: why})
+    return dataclasses.field(default=spec.default, metadata={**spec.metadata, PER_JOB: why})
+
+
+def tagged_keys(config: Any, tag: str, prefix: str = "") -> dict[str, Any]:
+    """dotted key → its field's metadata `tag`, for every field of the (nested) dataclass `config` that carries it."""
+    found = {}
+    for field in dataclasses.fields(config):
+        value, key = getattr(config, field.name), f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(value):
+            found |= tagged_keys(value, tag, f"{key}.")
+        elif tag in field.metadata:
+            found[key] = field.metadata[tag]
+    return found
+
+
 def choices_of(schema: type, name: str) -> tuple[Any, ...]:
     """The allowed values of field `name` of the dataclass `schema`."""
     return next(f for f in dataclasses.fields(schema) if f.name == name).metadata["choices"]

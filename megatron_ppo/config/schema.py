@@ -4,7 +4,8 @@ Top level: model, data, actor, ref, critic, algorithm, reward, guards, trainer, 
 critic) has a `megatron` section (its parallel layout); the trained roles also have an `optim` section — the
 shape of verl's Megatron config, so `actor_rollout_ref.actor.*` paths map onto `actor.*`.
 Each field carries its own rule (`choice`: the values it may take; `ranged`: its valid range), which
-`validate.py` walks; rules across keys (batch divisibility, layouts, KL stages) live in `validate.py`.
+`validate.py` walks; rules across keys (batch divisibility, layouts, KL stages) live in `validate.py`. Every section
+is `Freezable`: once validated, the config is read-only (`frozen.py`).
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from megatron_ppo.config.fields import (
     COEFFICIENT,
     FACTOR,
     NON_NEGATIVE,
+    PER_JOB,
     POSITIVE,
     UNIT_INTERVAL,
     Range,
     choice,
+    per_job,
     ranged,
 )
+from megatron_ppo.config.frozen import Freezable
 from megatron_ppo.config.gpus import GPU_SPECS
 
 BETA = Range(lambda v: 0 <= v < 1, "in [0, 1)")
@@ -40,10 +44,16 @@ ROPE_FACTOR = Range(lambda v: v >= 1, "≥ 1 (Llama 3.1: 8), or null: off")
 SAVE_FREQ = Range(lambda v: v >= -1, "≥ -1 (-1: never, 0: only at the end)")
 OFF_OR_POSITIVE = Range(lambda v: v > 0, "> 0 (or null: off)")
 ROLES = ("actor", "ref", "critic")
+# Why the jobs of one run may set a key differently (`per_job`; `run_identity.meant_to_change`): how a job runs,
+# where it writes and when it stops; the run's length (the KL and learning-rate schedules refuse, on load, a change
+# they cannot follow, with their own message); how the work is cut into micro-batches (the same training).
+RUN_CONTROL = "run control"
+RUN_LENGTH = "the run's length"
+MICRO_BATCHING = "micro-batching"
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Freezable):
     """GPT architecture shared by actor, critic trunk and reference (Megatron `TransformerConfig` names)."""
 
     name: str = "tiny"
@@ -94,7 +104,7 @@ class ModelConfig:
 
 
 @dataclass
-class MegatronConfig:
+class MegatronConfig(Freezable):
     """Parallel layout of one role (verl: `actor_rollout_ref.actor.megatron.*`)."""
 
     tensor_model_parallel_size: int = ranged(1, AT_LEAST_ONE)
@@ -117,7 +127,7 @@ class MegatronConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Freezable):
     """Optimizer and learning-rate schedule of one trained role (verl: `actor_rollout_ref.actor.optim.*`)."""
 
     optimizer: str = choice("adam", ("adam", "sgd"))
@@ -134,7 +144,7 @@ class OptimConfig:
 
 
 @dataclass
-class AdditionTaskConfig:
+class AdditionTaskConfig(Freezable):
     """The embedded demo task (data.task=addition): prompts, SFT of the initial policy, the sampled dataset."""
 
     num_prompts: int = 2000
@@ -148,7 +158,7 @@ class AdditionTaskConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Freezable):
     """Offline dataset: rows of (prompt, response, reward) and how they are batched."""
 
     train_files: list[str] = field(default_factory=list)
@@ -179,7 +189,7 @@ class DataConfig:
 
 
 @dataclass
-class PolicyLossSettings:
+class PolicyLossSettings(Freezable):
     """Which policy loss the actor trains with, and the settings of those that have their own (verl
     `actor_rollout_ref.actor.policy_loss.*`; `megatron_ppo.algo.policy_loss` gives each loss's equation)."""
 
@@ -193,16 +203,17 @@ class PolicyLossSettings:
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(Freezable):
     """The trained policy: PPO objective (verl `actor_rollout_ref.actor.*` leaves), layout and optimizer."""
 
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = ranged(128, AT_LEAST_ONE)
-    ppo_micro_batch_size_per_gpu: int | None = ranged(16, AT_LEAST_ONE)
-    log_prob_micro_batch_size_per_gpu: int | None = ranged(None, AT_LEAST_ONE)  # None: ppo_micro_batch_size_per_gpu
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = ranged(16384, AT_LEAST_ONE)
+    ppo_micro_batch_size_per_gpu: int | None = per_job(ranged(16, AT_LEAST_ONE), MICRO_BATCHING)
+    # None: ppo_micro_batch_size_per_gpu
+    log_prob_micro_batch_size_per_gpu: int | None = per_job(ranged(None, AT_LEAST_ONE), MICRO_BATCHING)
+    use_dynamic_bsz: bool = per_job(False, MICRO_BATCHING)
+    ppo_max_token_len_per_gpu: int = per_job(ranged(16384, AT_LEAST_ONE), MICRO_BATCHING)
     ppo_epochs: int = ranged(1, AT_LEAST_ONE)
     clip_ratio: float = ranged(0.2, POSITIVE)
     # None: clip_ratio (verl defaults these to 0.2, hiding clip_ratio)
@@ -222,16 +233,16 @@ class ActorConfig:
 
 
 @dataclass
-class RefConfig:
+class RefConfig(Freezable):
     """The frozen reference policy: only a layout."""
 
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     # None: actor.log_prob_micro_batch_size_per_gpu
-    log_prob_micro_batch_size_per_gpu: int | None = ranged(None, AT_LEAST_ONE)
+    log_prob_micro_batch_size_per_gpu: int | None = per_job(ranged(None, AT_LEAST_ONE), MICRO_BATCHING)
 
 
 @dataclass
-class CriticModelConfig:
+class CriticModelConfig(Freezable):
     """The critic's own initial weights (verl: `critic.model.path`); unset: the actor's trunk and a zero head.
     A reward model is a common start: the value head takes a sequence-classification model's one-label `score`."""
 
@@ -240,18 +251,18 @@ class CriticModelConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(Freezable):
     """The value model (a GPT trunk with a scalar head)."""
 
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1.0e-5))
     ppo_mini_batch_size: int = ranged(128, AT_LEAST_ONE)
-    ppo_micro_batch_size_per_gpu: int | None = ranged(16, AT_LEAST_ONE)
+    ppo_micro_batch_size_per_gpu: int | None = per_job(ranged(16, AT_LEAST_ONE), MICRO_BATCHING)
     # values in the experience pass; None: ppo_micro_...
-    forward_micro_batch_size_per_gpu: int | None = ranged(None, AT_LEAST_ONE)
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = ranged(16384, AT_LEAST_ONE)
+    forward_micro_batch_size_per_gpu: int | None = per_job(ranged(None, AT_LEAST_ONE), MICRO_BATCHING)
+    use_dynamic_bsz: bool = per_job(False, MICRO_BATCHING)
+    ppo_max_token_len_per_gpu: int = per_job(ranged(16384, AT_LEAST_ONE), MICRO_BATCHING)
     ppo_epochs: int = ranged(1, AT_LEAST_ONE)
     cliprange_value: float = ranged(0.5, POSITIVE)
     loss_agg_mode: str = choice("token-mean", LOSS_AGG_MODES)
@@ -260,7 +271,7 @@ class CriticConfig:
 
 
 @dataclass
-class KLStageConfig:
+class KLStageConfig(Freezable):
     """One phase of a staged KL schedule; `end` in `kl_ctrl.stage_unit` (fraction of the run, or step)."""
 
     name: str = "stage"
@@ -274,7 +285,7 @@ class KLStageConfig:
 
 
 @dataclass
-class KLControlConfig:
+class KLControlConfig(Freezable):
     """How β moves (verl `algorithm.kl_ctrl`). It drives the coefficients listed in `apply_to` that are enabled:
     `loss` starts from `actor.kl_loss_coef`, `reward` from `kl_coef`; a term not listed keeps its coefficient."""
 
@@ -292,7 +303,7 @@ class KLControlConfig:
 
 
 @dataclass
-class RolloutCorrectionConfig:
+class RolloutCorrectionConfig(Freezable):
     """Off-policy correction against the behaviour policy whose log-probs the rows carry (verl
     `algorithm.rollout_correction.*`; `megatron_ppo.algo.rollout_correction`). Rows with behaviour log-probs always
     log the `rollout_corr/*` diagnostics; weights and rejection apply only when set here."""
@@ -311,7 +322,7 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(Freezable):
     """Advantage estimation and KL in the reward (verl `algorithm.*`)."""
 
     # verl's rollout-only estimators are named here so that validation can say why they are refused
@@ -326,7 +337,7 @@ class AlgorithmConfig:
 
 
 @dataclass
-class CustomRewardFnConfig:
+class CustomRewardFnConfig(Freezable):
     """A user score function (verl's `custom_reward_function`): `name(data_source=, solution_str=, ground_truth=,
     extra_info=)` → a number, or a dict with a "score"."""
 
@@ -335,7 +346,7 @@ class CustomRewardFnConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(Freezable):
     """Scoring of rows that carry no reward, then sequence-reward shaping before it is placed on the last token."""
 
     # None: rows carry rewards; verl: default_compute_score by data_source; custom: custom_fn
@@ -349,7 +360,7 @@ WATCH_ACTIONS = ("warn", "lr_backoff", "kl_bump")
 
 
 @dataclass
-class WatchConfig:
+class WatchConfig(Freezable):
     """A watched metric: when `metric` first rises above `max` (and again after it has come back under), the run
     logs a guard event and does `action` (warn only, back off every learning rate, or bump every KL β)."""
 
@@ -363,7 +374,7 @@ def _default_watch() -> list[WatchConfig]:
 
 
 @dataclass
-class GuardsConfig:
+class GuardsConfig(Freezable):
     """Stability guards (`train/guards.py`); each one that fires is logged and written to TensorBoard."""
 
     max_consecutive_skips: int = ranged(5, NON_NEGATIVE)
@@ -390,38 +401,40 @@ class GuardsConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Freezable):
     """Loop length, logging, checkpoints (verl `trainer.*`)."""
 
     project_name: str = "megatron-ppo"  # with experiment_name, names the run in the logs (and the Slurm job)
     experiment_name: str = "run"
-    total_epochs: int = ranged(1, AT_LEAST_ONE)
-    total_training_steps: int | None = ranged(None, AT_LEAST_ONE)  # None: derived from the data and total_epochs
+    total_epochs: int = per_job(ranged(1, AT_LEAST_ONE), RUN_LENGTH)
+    # None: derived from the data and total_epochs
+    total_training_steps: int | None = per_job(ranged(None, AT_LEAST_ONE), RUN_LENGTH)
     critic_warmup: int = ranged(0, NON_NEGATIVE)
     # Checkpoint every save_freq steps and at the end; 0: only at the end; -1 (verl): never — except the save a
     # preempted job or one whose budget (exit_interval, exit_duration_in_mins) is spent makes for the next job.
-    save_freq: int = ranged(0, SAVE_FREQ)
-    test_freq: int = ranged(0, NON_NEGATIVE)
-    val_before_train: bool = True  # evaluate at step 0 (verl's default), when there is something to evaluate on
-    default_local_dir: str = "outputs/checkpoints"
-    log_dir: str = "outputs/tensorboard"
+    save_freq: int = per_job(ranged(0, SAVE_FREQ), RUN_CONTROL)
+    test_freq: int = per_job(ranged(0, NON_NEGATIVE), RUN_CONTROL)
+    # evaluate at step 0 (verl's default), when there is something to evaluate on
+    val_before_train: bool = per_job(True, RUN_CONTROL)
+    default_local_dir: str = per_job("outputs/checkpoints", RUN_CONTROL)
+    log_dir: str = per_job("outputs/tensorboard", RUN_CONTROL)
     # console, tensorboard, wandb (the `wandb` extra; W&B project = project_name, run name = experiment_name)
-    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
-    resume_mode: str = choice("auto", ("auto", "disable", "resume_path"))
-    resume_from_path: str | None = None
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"], metadata={PER_JOB: RUN_CONTROL})
+    resume_mode: str = per_job(choice("auto", ("auto", "disable", "resume_path")), RUN_CONTROL)
+    resume_from_path: str | None = per_job(None, RUN_CONTROL)
     # Where default_local_dir holds another run's checkpoints, move them (and `latest`) into
     # default_local_dir/moved-aside/<UTC time>-<hex>/ instead of refusing to start; nothing is deleted.
-    overwrite: bool = False
-    max_ckpt_to_keep: int | None = ranged(2, NON_NEGATIVE)
+    overwrite: bool = per_job(False, RUN_CONTROL)
+    max_ckpt_to_keep: int | None = per_job(ranged(2, NON_NEGATIVE), RUN_CONTROL)
     # One job of a chain stops cleanly (checkpoint, exit 0) for the next job to resume: after a step divisible by
     # exit_interval, or after exit_duration_in_mins of this job (Megatron-LM's --exit-interval/--exit-duration-in-mins).
-    exit_interval: int | None = ranged(None, OFF_OR_POSITIVE)
-    exit_duration_in_mins: float | None = ranged(None, OFF_OR_POSITIVE)
+    exit_interval: int | None = per_job(ranged(None, OFF_OR_POSITIVE), RUN_CONTROL)
+    exit_duration_in_mins: float | None = per_job(ranged(None, OFF_OR_POSITIVE), RUN_CONTROL)
     seed: int = 1
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(Freezable):
     """Where the job runs; nodes × gpus_per_node is the world size every role's layout must fill."""
 
     nodes: int = ranged(1, AT_LEAST_ONE)
@@ -435,7 +448,7 @@ class ClusterConfig:
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(Freezable):
     """The whole config. `defaults:` in a YAML file is consumed by composition and is not part of it."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -448,3 +461,15 @@ class PPOConfig:
     guards: GuardsConfig = field(default_factory=GuardsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    # What the run builds, derived once here (trainer, out-of-memory back-off and validation ask these):
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term is on (`actor.use_kl_loss`, `algorithm.use_kl_in_reward`): the frozen reference is built."""
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def needs_critic(self) -> bool:
+        """GAE needs values (`algorithm.adv_estimator=gae`): the critic is built and trained; GRPO and the other
+        estimators train none."""
+        return self.algorithm.adv_estimator == "gae"

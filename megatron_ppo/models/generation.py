@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from megatron_ppo.models import RoleModel, run_micro_batches
+from megatron_ppo.models import RoleModel, eval_mode, run_micro_batches
 from megatron_ppo.models.moe import finished_everywhere
 from megatron_ppo.parallel.collectives import (
     broadcast_from_last_stage,
@@ -36,16 +36,13 @@ def generate(
     batch_size: int = 512,
 ) -> list[tuple[list[int], bool]]:
     """(response token ids, whether it ended with `eos_id`) for each prompt."""
-    for chunk in model.chunks:
-        chunk.eval()
     share = data_parallel_share(len(prompts))
     generator = torch.Generator().manual_seed(seed)
     mine: list[tuple[list[int], bool]] = []
-    for start in range(0, len(share), batch_size):
-        rows = [list(prompts[i]) for i in share[start : start + batch_size]]
-        mine += _decode(model, rows, max_new_tokens, eos_id, pad_id, temperature, greedy, generator)
-    for chunk in model.chunks:
-        chunk.train(model.is_trained)
+    with eval_mode(model):
+        for start in range(0, len(share), batch_size):
+            rows = [list(prompts[i]) for i in share[start : start + batch_size]]
+            mine += _decode(model, rows, max_new_tokens, eos_id, pad_id, temperature, greedy, generator)
     return undo_share(gather_data_parallel(mine))
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +44,23 @@ class RoleModel:
     @property
     def is_trained(self) -> bool:
         return self.role != "ref"
+
+
+@contextmanager
+def eval_mode(*models: RoleModel | None) -> Iterator[None]:
+    """The models' chunks in eval mode (no dropout) for forward passes that train nothing (experience, evaluation,
+    generation); afterwards, also after an error, back in train mode where the role is trained (the frozen
+    reference stays in eval). `None` entries (roles not built) are skipped."""
+    built = [model for model in models if model is not None]
+    for model in built:
+        for chunk in model.chunks:
+            chunk.eval()
+    try:
+        yield
+    finally:
+        for model in built:
+            for chunk in model.chunks:
+                chunk.train(model.is_trained)
 
 
 def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:

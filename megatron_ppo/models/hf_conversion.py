@@ -33,8 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.hf_rope import hf_rope_scaling
 from megatron_ppo.config.schema import ModelConfig
-from megatron_ppo.config.validate import hf_rope_scaling
 from megatron_ppo.models.transformer_config import padded_vocab_size
 
 

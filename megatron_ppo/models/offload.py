@@ -8,9 +8,9 @@ What a role holds on its device, by kind:
     optimizer  the fp32 main parameters (`fp32_from_float16_groups` / `shard_fp32_from_float16_groups`: the
                torch optimizer's own params, where they are not views of the weights) and every tensor of the Adam
                state (`exp_avg`, `exp_avg_sq`, `step`)
-Each phase (`megatron_ppo.plan.PHASE_NEEDS`) says which kinds each role needs; a role keeps those, plus every kind
-whose switch is off, and the rest leaves the device (`megatron_ppo.plan.resident_kinds`, which the planner's memory
-count shares).
+Each phase (`megatron_ppo.phases.PHASE_NEEDS`) says which kinds each role needs; a role keeps those, plus every kind
+whose switch is off, and the rest leaves the device (`phases.resident_kinds`, which the planner's memory count
+shares).
 
 How (as verl's `offload_megatron_model_to_cpu`): every distinct device storage of the kind is copied into a host
 buffer (pinned on CUDA) and resized to 0 bytes, so the device memory is returned while every tensor, view and
@@ -31,7 +31,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.models.gpt import RoleModel, sync_parameters
 from megatron_ppo.parallel.device import current_device
-from megatron_ppo.plan import OFFLOAD_KINDS, PHASE_NEEDS, offload_switches, resident_kinds
+from megatron_ppo.phases import OFFLOAD_KINDS, PHASE_NEEDS, Phase, offload_switches, resident_kinds
 
 
 @dataclass
@@ -70,7 +70,7 @@ class HostOffload:
         self.report = report
         self.enabled = any(any(offload_switches(r.layout).values()) for r in self.roles.values())
 
-    def enter(self, phase: str) -> dict[str, dict[str, int]]:
+    def enter(self, phase: Phase) -> dict[str, dict[str, int]]:
         """Move every role's kinds to where `phase` wants them: first what leaves the device, then what comes back
         (so the peak of the move is the phase's own). Returns the resident bytes, role → kind → bytes."""
         if phase not in PHASE_NEEDS:

@@ -19,11 +19,12 @@ import torch
 from megatron_ppo import algo
 from megatron_ppo.data.parse import Row, Tokenizer
 from megatron_ppo.data.scoring import Scorer
-from megatron_ppo.models import RoleModel
+from megatron_ppo.models import RoleModel, eval_mode
 from megatron_ppo.models.generation import generate
 from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.train.batch import collate
 from megatron_ppo.train.experience import forward_per_token, log_prob_fn
+from megatron_ppo.train.micro_batching import MicroBatching
 
 
 class Evaluator(Protocol):
@@ -83,10 +84,5 @@ class ValidationSet:
 
 
 def _log_probs(model: RoleModel, batch, micro_batch_size: int | None) -> torch.Tensor:
-    for chunk in model.chunks:
-        chunk.eval()
-    try:
-        return forward_per_token(model, batch, log_prob_fn(model), micro_batch_size, None)
-    finally:
-        for chunk in model.chunks:
-            chunk.train(model.is_trained)
+    with eval_mode(model):
+        return forward_per_token(model, batch, log_prob_fn(model), MicroBatching(rows=micro_batch_size))

@@ -4,20 +4,22 @@ experience is the same typed object on every rank."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NotRequired, TypedDict
 
 import torch
 
 from megatron_ppo import algo
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
+from megatron_ppo.models import RoleModel, eval_mode, run_micro_batches, vocab_parallel_log_probs
 from megatron_ppo.parallel.collectives import (
     broadcast_tensor_from_last_stage,
     gather_rows_data_parallel,
     is_last_stage,
 )
+from megatron_ppo.phases import Phase
 from megatron_ppo.train.batch import Batch, replica_micro_batches
+from megatron_ppo.train.micro_batching import MicroBatching, micro_batching
 
 
 class ForwardPasses(TypedDict):
@@ -45,15 +47,14 @@ def forward_per_token(
     model: RoleModel,
     batch: Batch,
     output_fn: Callable[[Batch, torch.Tensor], torch.Tensor],
-    micro_batch_size: int | None,
-    max_tokens: int | None,
+    micro: MicroBatching,
 ) -> torch.Tensor:
     """`output_fn(micro_batch, model_output)` → `[rows, width]` for every row of `batch`: computed on this
     replica's share, gathered over data-parallel ranks and broadcast from the last pipeline stage (tensor
     collectives; the result lives on the batch's device)."""
-    share, groups, micro = replica_micro_batches(batch, micro_batch_size, max_tokens)
+    share, groups, micro_batches = replica_micro_batches(batch, micro.rows, micro.max_tokens)
     outputs = run_micro_batches(
-        model, micro, lambda b, out: (out.new_zeros(()), {"value": output_fn(b, out)}), forward_only=True
+        model, micro_batches, lambda b, out: (out.new_zeros(()), {"value": output_fn(b, out)}), forward_only=True
     )
     gathered = None
     if is_last_stage():
@@ -81,34 +82,24 @@ def values_fn(batch: Batch, output: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def forward_passes(
-    config: PPOConfig, batch: Batch, actor: RoleModel, ref: RoleModel | None, critic: RoleModel | None
+    config: PPOConfig,
+    batch: Batch,
+    actor: RoleModel,
+    ref: RoleModel | None,
+    critic: RoleModel | None,
+    micro: Mapping[str, MicroBatching] | None = None,
 ) -> ForwardPasses:
     """`old_log_prob` of the actor, `ref_log_prob` (when a KL term is on) and the critic's `values` (GAE), each
     role in micro-batches of its own size (`log_prob_micro_batch_size_per_gpu`, the critic's
-    `forward_micro_batch_size_per_gpu`) or token budget."""
-    actor_tokens = config.actor.ppo_max_token_len_per_gpu if config.actor.use_dynamic_bsz else None
-    critic_tokens = config.critic.ppo_max_token_len_per_gpu if config.critic.use_dynamic_bsz else None
-    for model in (actor, ref, critic):
-        if model is not None:
-            for chunk in model.chunks:
-                chunk.eval()
-    out = ForwardPasses(
-        old_log_prob=forward_per_token(
-            actor, batch, log_prob_fn(actor), config.actor.log_prob_micro_batch_size_per_gpu, actor_tokens
-        )
-    )
-    if ref is not None:
-        out["ref_log_prob"] = forward_per_token(
-            ref, batch, log_prob_fn(ref), config.ref.log_prob_micro_batch_size_per_gpu, actor_tokens
-        )
-    if critic is not None:
-        out["values"] = forward_per_token(
-            critic, batch, values_fn, config.critic.forward_micro_batch_size_per_gpu, critic_tokens
-        )
-    for model in (actor, critic):
-        if model is not None:
-            for chunk in model.chunks:
-                chunk.train()
+    `forward_micro_batch_size_per_gpu`) or token budget: `micro` (role → its micro-batching, the out-of-memory
+    back-off's), by default the config's."""
+    micro = micro_batching(config, Phase.EXPERIENCE) if micro is None else micro
+    with eval_mode(actor, ref, critic):
+        out = ForwardPasses(old_log_prob=forward_per_token(actor, batch, log_prob_fn(actor), micro["actor"]))
+        if ref is not None:
+            out["ref_log_prob"] = forward_per_token(ref, batch, log_prob_fn(ref), micro["ref"])
+        if critic is not None:
+            out["values"] = forward_per_token(critic, batch, values_fn, micro["critic"])
     return out
 
 

@@ -24,12 +24,14 @@ from megatron_ppo import algo, checkpoint
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.critic_init import load_critic
 from megatron_ppo.data.rows import Row
+from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.models import build_role_model, copy_weights
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.models.kernels import describe_kernels
 from megatron_ppo.models.offload import HostOffload
 from megatron_ppo.parallel.collectives import barrier, global_rank
 from megatron_ppo.parallel.device import current_device, to_device
+from megatron_ppo.phases import Phase
 from megatron_ppo.train.batch import build_sampler, collate
 from megatron_ppo.train.evaluation import Evaluator
 from megatron_ppo.train.experience import (
@@ -41,7 +43,7 @@ from megatron_ppo.train.experience import (
 )
 from megatron_ppo.train.guards import EXPERIENCE_KL, GuardAction, Guards, GuardStopped, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import KLCoefficients
-from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff, micro_batch_keys
+from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff
 from megatron_ppo.train.metrics import MetricsLogger
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, zero_grads
 from megatron_ppo.train.preemption import (
@@ -60,8 +62,18 @@ from megatron_ppo.train.update import RoleUpdate, actor_loss, critic_loss, updat
 class PPOTrainer:
     """Owns the three models, their optimizers and schedules, the KL coefficients, the data order and the logs."""
 
-    def __init__(self, config: PPOConfig, rows: Sequence[Row], pad_id: int, evaluate: Evaluator | None = None) -> None:
+    def __init__(
+        self,
+        config: PPOConfig,
+        rows: Sequence[Row],
+        pad_id: int,
+        evaluate: Evaluator | None = None,
+        weights: InitialWeights | None = None,
+    ) -> None:
+        """`weights`: the checkpoints the models start from (chosen at the run's start, `train/run.py`); by default
+        those the config names."""
         self.config, self.rows, self.pad_id, self.evaluate = config, rows, pad_id, evaluate
+        weights = InitialWeights.of(config) if weights is None else weights
         trainer, layout = config.trainer, config.actor.megatron
         self.sampler, sampled_rows, grouping = build_sampler(config, rows)
         steps_per_epoch = sampled_rows // config.data.train_batch_size
@@ -74,21 +86,16 @@ class PPOTrainer:
         self.logger = MetricsLogger(
             self.run.log_dir, trainer.logger, self.total_steps, config=config, run_id=self.run.identity.run_id
         )
-        uses_kl = config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.actor = build_role_model("actor", config.model, layout)
-        self.ref = build_role_model("ref", config.model, config.ref.megatron) if uses_kl else None
-        self.critic = (
-            build_role_model("critic", config.model, config.critic.megatron)
-            if config.algorithm.adv_estimator == "gae"
-            else None
-        )
-        if config.model.init_checkpoint:
+        self.ref = build_role_model("ref", config.model, config.ref.megatron) if config.needs_reference else None
+        self.critic = build_role_model("critic", config.model, config.critic.megatron) if config.needs_critic else None
+        if weights.actor:
             for model in (self.actor, self.ref):
                 if model is not None:
-                    checkpoint.load_weights(model, config.model.init_checkpoint, "actor")
+                    checkpoint.load_weights(model, weights.actor, "actor")
         elif self.ref is not None:  # model.allow_random_init: the reference is the actor's starting point
             copy_weights(self.actor, self.ref)
-        critic_source = load_critic(self.critic, config) if self.critic is not None else None
+        critic_source = load_critic(self.critic, weights) if self.critic is not None else None
         self.models = {"actor": self.actor} | ({"critic": self.critic} if self.critic else {})
         self.logger.event(0, "kernels", describe_kernels(config))
         self.optimizers, self.schedulers = {}, {}
@@ -188,12 +195,12 @@ class PPOTrainer:
             # 1. batch: the next train_batch_size rows, tokenized, right-padded and on the run's device
             rows = [self.rows[i] for i in self.sampler.next_batch(config.data.train_batch_size)]
             batch = to_device(collate(rows, self.pad_id), current_device(), "the PPO batch")
-            with phase_timer(timings, "experience"):
+            with phase_timer(timings, Phase.EXPERIENCE.metric):
                 # 2. experience: log-probs of actor and reference, values of the critic (no grad; on every rank)
-                self.offload.enter("experience")
-                passes = self._retry_out_of_memory(
-                    "experience", lambda: forward_passes(config, batch, self.actor, self.ref, self.critic)
-                )
+                self.offload.enter(Phase.EXPERIENCE)
+                passes = self._retry_out_of_memory(Phase.EXPERIENCE, lambda: forward_passes(
+                    config, batch, self.actor, self.ref, self.critic, self.memory.micro_batching(Phase.EXPERIENCE)
+                ))  # fmt: skip
                 # 3. advantages: token rewards (clipped score, minus β·KL when the KL is in the reward), GAE or GRPO
                 experience, metrics = compute_advantages(config, batch, passes, self.kl.coef("reward"), self.normalizer)
             if self.step == 0 and (report := offpolicy_report(config, metrics)):
@@ -207,7 +214,7 @@ class PPOTrainer:
             for update in updates:
                 metrics |= update.metrics
                 self.skipped_steps += update.skipped
-            self.offload.enter("between iterations")  # checkpoints, rollbacks, evaluation read weights and optimizers
+            self.offload.enter(Phase.BETWEEN_ITERATIONS)  # checkpoints, rollbacks, evaluation read weights, optimizers
             self.step += 1
             # 6. KL control: β for the next iteration from this one's experience KL, KL(π_old‖π_ref) — the KL the
             #    reward penalty of this batch used, and verl's controller input. The guards read the update's KL
@@ -235,7 +242,7 @@ class PPOTrainer:
         }  # fmt: skip
 
     def _update(self, role: str, experience: Experience, timings: dict[str, float]) -> RoleUpdate:
-        """`ppo_epochs` passes of `role` over the mini-batches of `experience`, timed as `update_<role>`."""
+        """`ppo_epochs` passes of `role` over the mini-batches of `experience` (`Phase.update(role)`)."""
         role_config = getattr(self.config, role)
         if role == "actor":
             actor = self.actor
@@ -245,17 +252,15 @@ class PPOTrainer:
                                 ref_kl_type=kind if self.ref is not None else None)  # fmt: skip
         else:
             make_loss = partial(critic_loss, role_config)
-        with phase_timer(timings, f"update_{role}"):
-            self.offload.enter(f"{role} update")
-            return self._retry_out_of_memory(f"update_{role}", lambda: update_role(
+        phase = Phase.update(role)
+        with phase_timer(timings, phase.metric):
+            self.offload.enter(phase)
+            return self._retry_out_of_memory(phase, lambda: update_role(
                 role, self.models[role], self.optimizers[role], self.schedulers[role], experience,
-                epochs=role_config.ppo_epochs, mini_batch_size=role_config.ppo_mini_batch_size,
-                micro_batch_size=role_config.ppo_micro_batch_size_per_gpu,
-                max_tokens=role_config.ppo_max_token_len_per_gpu if role_config.use_dynamic_bsz else None,
-                clip_grad=role_config.optim.clip_grad, make_loss=make_loss,
+                config=role_config, micro=self.memory.micro_batching(phase)[role], make_loss=make_loss,
             ))  # fmt: skip
 
-    def _retry_out_of_memory(self, phase: str, attempt):
+    def _retry_out_of_memory(self, phase: Phase, attempt):
         """`attempt()`, run again with smaller micro-batches while any rank runs out of memory (`memory_backoff.py`)."""
 
         def free() -> None:
@@ -267,7 +272,7 @@ class PPOTrainer:
             self.logger.event(self.step + 1, "guard/out_of_memory", message)
             self.logger.log(self.step + 1, {"guard/out_of_memory": float(self.memory.retries)})
 
-        return self.memory.run(phase, micro_batch_keys(self.config, phase), attempt, free, log)
+        return self.memory.run(phase, attempt, free, log)
 
     def _act(self, actions: list[GuardAction]) -> None:
         """Carry out what the guards asked for, each logged as a `guard/<guard>` event and scalar (the value that

@@ -2,30 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from megatron.core import parallel_state
-
 from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.config.validate import world_size
 from megatron_ppo.convert import converted_init_checkpoint
 from megatron_ppo.critic_init import converted_critic_checkpoint
 from megatron_ppo.data.rows import read_rows
 from megatron_ppo.data.scoring import build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
+from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
+from megatron_ppo.parallel.ranks import describe_rank
 from megatron_ppo.train.evaluation import ValidationSet
 from megatron_ppo.train.ppo import PPOTrainer
 
 
 @contextmanager
-def distributed_run(config: PPOConfig) -> Iterator[None]:
+def distributed_run(config: PPOConfig) -> Iterator[InitialWeights]:
     """Check the launch against the config, start the process groups, convert `model.hf_checkpoint` (and the
-    critic's `critic.model.hf_checkpoint`) on first use; tear the groups down on the way out."""
+    critic's `critic.model.hf_checkpoint`) on first use; yields the run's initial weights (`InitialWeights`: the
+    configured checkpoints, or those conversions); tears the groups down on the way out."""
     env = dist_env_from_environment()
     expected = world_size(config)
     if env.world_size != expected:
@@ -36,26 +38,19 @@ def distributed_run(config: PPOConfig) -> Iterator[None]:
     os.makedirs(config.trainer.default_local_dir, exist_ok=True)
     init_distributed(config.actor.megatron, seed=config.trainer.seed, device=config.cluster.device)
     try:
-        print(
-            f"rank {env.rank}/{env.world_size} (local {env.local_rank}) on "
-            f"{os.environ.get('SLURMD_NODENAME', socket.gethostname())}: tensor-parallel rank "
-            f"{parallel_state.get_tensor_model_parallel_rank()}, pipeline stage "
-            f"{parallel_state.get_pipeline_model_parallel_rank()}, data-parallel rank "
-            f"{parallel_state.get_data_parallel_rank()}",
-            flush=True,
-        )
-        if config.model.hf_checkpoint and not config.model.init_checkpoint:
+        host = os.environ.get("SLURMD_NODENAME", socket.gethostname())
+        print(f"rank {env.rank}/{env.world_size} (local {env.local_rank}) on {host}: {describe_rank()}", flush=True)
+        weights = InitialWeights.of(config)
+        if config.model.hf_checkpoint and not weights.actor:
             cache = os.path.join(config.trainer.default_local_dir, "hf_init")
-            config.model.init_checkpoint = str(
-                converted_init_checkpoint(config.model.hf_checkpoint, cache, config.model, config.actor.megatron)
-            )
+            actor = converted_init_checkpoint(config.model.hf_checkpoint, cache, config.model, config.actor.megatron)
+            weights = dataclasses.replace(weights, actor=str(actor))
         critic = config.critic.model
-        if critic.hf_checkpoint and not critic.init_checkpoint:
+        if critic.hf_checkpoint and not weights.critic:
             cache = os.path.join(config.trainer.default_local_dir, "hf_init_critic")
-            critic.init_checkpoint = str(
-                converted_critic_checkpoint(critic.hf_checkpoint, cache, config.model, config.critic.megatron)
-            )
-        yield
+            converted = converted_critic_checkpoint(critic.hf_checkpoint, cache, config.model, config.critic.megatron)
+            weights = dataclasses.replace(weights, critic=str(converted))
+        yield weights
     finally:
         destroy_distributed()
 
@@ -72,7 +67,7 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
             "(or model.allow_random_init=true for a smoke test: the reference then copies the actor)"
         ])  # fmt: skip
     scorer = build_scorer(config.reward)  # before any process group: a missing verl or custom file fails at once
-    with distributed_run(config):
+    with distributed_run(config) as weights:
         tokenizer = load_tokenizer(config.model.tokenizer)
         rows, report = read_rows(
             config.data.train_files, tokenizer, config.data,
@@ -86,7 +81,7 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
             )  # fmt: skip
             validation = ValidationSet(val_rows, tokenizer, scorer, config.data.max_response_length,
                                        config.actor.log_prob_micro_batch_size_per_gpu)  # fmt: skip
-        trainer = PPOTrainer(config, rows, tokenizer.pad_id, evaluate=validation)
+        trainer = PPOTrainer(config, rows, tokenizer.pad_id, evaluate=validation, weights=weights)
         trainer.logger.event(0, "data", report.summary())
         if validation is not None:
             trainer.logger.event(0, "data", f"validation: {val_report.summary()}")

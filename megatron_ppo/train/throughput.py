@@ -4,7 +4,7 @@
     perf/mfu/critic     = FLOPs(critic update) / (timing/update_critic_s · GPUs · peak)
     perf/tflops_per_gpu = FLOPs(iteration) / (iteration seconds · GPUs) / 10¹²
 
-FLOPs come from `megatron_ppo.plan.iteration_flops` (the same function the planner's step-time estimate uses),
+FLOPs come from `megatron_ppo.flops.iteration_flops` (the same function the planner's step-time estimate uses),
 over the batch's real tokens: Σ row lengths, with attention by Σ (row length)². The peak is the dense bf16
 tensor-core peak of `cluster.gpu_type` (`config/gpus.py`).
 
@@ -13,8 +13,9 @@ The trainer calls, once per iteration, after timing its phases on the host:
     metrics |= throughput_metrics(config, roles, batch["lengths"], timings) | timing_metrics(timings)
 
 with `roles` the built roles (("actor", "ref", "critic") or fewer) and `timings = {"experience": s,
-"update_actor": s, "update_critic": s, "iteration": s}` in seconds (phases that did not run are left out), each
-phase timed with `phase_timer`, which waits for the GPU's queued kernels so none is counted in the next phase.
+"update_actor": s, "update_critic": s, "iteration": s}` in seconds, keyed by each `Phase`'s `metric` name (phases
+that did not run are left out), each phase timed with `phase_timer`, which waits for the GPU's queued kernels so
+none is counted in the next phase.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from contextlib import contextmanager
 import torch
 
 from megatron_ppo.config.gpus import gpu_spec
+from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.config.validate import world_size
+from megatron_ppo.flops import flop_parameter_count, iteration_flops
 from megatron_ppo.parallel.device import on_cuda
-from megatron_ppo.plan import flop_parameter_count, iteration_flops
+from megatron_ppo.phases import Phase
 
-PHASES = ("experience", "update_actor", "update_critic")
+TIMED = (Phase.EXPERIENCE, Phase.UPDATE_ACTOR, Phase.UPDATE_CRITIC)  # the phases with a timing and a FLOP count
 
 
 def throughput_metrics(
@@ -44,19 +46,19 @@ def throughput_metrics(
     lengths = torch.as_tensor(lengths, dtype=torch.float64)
     flops = iteration_flops(config, params, float(lengths.sum()), float((lengths**2).sum()))
     gpus = world_size(config)
-    ran = {phase: flops[phase] for phase in PHASES if phase in flops and phase in timings}
+    ran = {phase: flops[phase] for phase in TIMED if phase in flops and phase.metric in timings}
     out = {"perf/tflops_per_gpu": sum(ran.values()) / (timings["iteration"] * gpus) / 1e12}
     peak = gpu_spec(config.cluster.gpu_type).peak_bf16_tflops
     for role in ("actor", "critic"):
-        phase = f"update_{role}"
-        if phase in ran and timings[phase] > 0:
-            out[f"perf/mfu/{role}"] = ran[phase] / (timings[phase] * gpus * peak * 1e12)
+        phase = Phase.update(role)
+        if phase in ran and timings[phase.metric] > 0:
+            out[f"perf/mfu/{role}"] = ran[phase] / (timings[phase.metric] * gpus * peak * 1e12)
     return out
 
 
 def timing_metrics(timings: dict[str, float]) -> dict[str, float]:
     """`timing/experience_s`, `timing/update_actor_s`, `timing/update_critic_s` for the phases that ran."""
-    return {f"timing/{phase}_s": timings[phase] for phase in PHASES if phase in timings}
+    return {f"timing/{phase.metric}_s": timings[phase.metric] for phase in TIMED if phase.metric in timings}
 
 
 @contextmanager

@@ -19,15 +19,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from megatron.core import parallel_state
 
 from megatron_ppo import algo
 from megatron_ppo.config.schema import ActorConfig, CriticConfig
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
 from megatron_ppo.models.moe import clear_moe_aux_losses, moe_aux_loss_metrics
 from megatron_ppo.parallel.collectives import broadcast_from_last_stage, gather_data_parallel
+from megatron_ppo.parallel.ranks import data_parallel
 from megatron_ppo.train.batch import replica_micro_batches, select
 from megatron_ppo.train.experience import Experience
+from megatron_ppo.train.micro_batching import MicroBatching
 from megatron_ppo.train.optimizer import StepResult, optimizer_step, zero_grads
 
 Metrics = dict[str, float]
@@ -64,7 +65,7 @@ def mini_batch_counts(batch: Experience) -> dict[str, float]:
     its constant `loss_scale_factor`."""
     mask = batch["loss_mask"]
     return {
-        "dp_size": parallel_state.get_data_parallel_world_size(),
+        "dp_size": data_parallel().size,
         "batch_num_tokens": float(mask.sum()),
         "global_batch_size": float((mask.sum(-1) > 0).sum()),
     }
@@ -205,15 +206,14 @@ def update_role(
     scheduler,
     experience: Experience,
     *,
-    epochs: int,
-    mini_batch_size: int,
-    micro_batch_size: int | None,
-    max_tokens: int | None,
-    clip_grad: float,
+    config: ActorConfig | CriticConfig,
+    micro: MicroBatching,
     make_loss: Callable[[dict[str, float]], LossFn],
 ) -> RoleUpdate:
-    """Train `model` on `experience` (identical on every replica) for `epochs` passes over its mini-batches; one
-    optimizer step per mini-batch (skipped, with the schedule held, when the gradient is not finite).
+    """Train `model` on `experience` (identical on every replica) for `config.ppo_epochs` passes over its
+    mini-batches of `config.ppo_mini_batch_size` rows, each cut into micro-batches as `micro` says (the role's
+    micro-batch size or token budget, as the out-of-memory back-off has it); one optimizer step per mini-batch, the
+    gradient clipped at `config.optim.clip_grad` (skipped, with the schedule held, when it is not finite).
 
     Metrics: the loss-function parts averaged over mini-batches, plus `{role}/grad_norm` (mean of the finite
     norms), `{role}/grad_norm_max`, `{role}/lr` and, for a MoE role with a load-balancing loss,
@@ -221,15 +221,16 @@ def update_role(
     rows = experience["input_ids"].shape[0]
     per_mini_batch: list[Metrics] = []
     update = RoleUpdate()
-    for _ in range(epochs):
+    mini_batch_size = config.ppo_mini_batch_size
+    for _ in range(config.ppo_epochs):
         for start in range(0, rows, mini_batch_size):
             mini = select(experience, range(start, min(start + mini_batch_size, rows)))
-            _, _, micro = replica_micro_batches(mini, micro_batch_size, max_tokens)
+            _, _, micro_batches = replica_micro_batches(mini, micro.rows, micro.max_tokens)
             zero_grads(model, optimizer)
             clear_moe_aux_losses()
-            outputs = run_micro_batches(model, micro, make_loss(mini_batch_counts(mini)), forward_only=False)
-            moe_metrics = moe_aux_loss_metrics(role, model.config, len(micro))  # already in the backward
-            result = optimizer_step(optimizer, clip_grad)
+            outputs = run_micro_batches(model, micro_batches, make_loss(mini_batch_counts(mini)), forward_only=False)
+            moe_metrics = moe_aux_loss_metrics(role, model.config, len(micro_batches))  # already in the backward
+            result = optimizer_step(optimizer, config.optim.clip_grad)
             if not result.skipped:
                 scheduler.step(1)
             update.steps.append(result)

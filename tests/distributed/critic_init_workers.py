@@ -9,9 +9,10 @@ import torch
 import transformers
 from megatron.core import parallel_state
 
-from megatron_ppo.config.schema import MegatronConfig, PPOConfig
+from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.convert import hf_model_config, hf_to_mcore
 from megatron_ppo.critic_init import converted_critic_checkpoint, load_critic
+from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.models import build_role_model, run_micro_batches
 from megatron_ppo.parallel import init_distributed
 
@@ -34,15 +35,12 @@ def critic_values(
     came from and, on the reporting rank, the values `[b, s]`."""
     init_distributed(layout, seed=0)
     model = hf_model_config(hf_dir)
-    config = PPOConfig(model=model)
-    config.critic.megatron = layout
     if source == "actor":
-        config.critic.model.init_checkpoint = str(hf_to_mcore(hf_dir, Path(root) / "actor", layout=layout, model=model))
+        own = hf_to_mcore(hf_dir, Path(root) / "actor", layout=layout, model=model)
     else:
-        path = converted_critic_checkpoint(hf_dir, Path(root) / "hf_init_critic", model, layout)
-        config.critic.model.init_checkpoint = str(path)
+        own = converted_critic_checkpoint(hf_dir, Path(root) / "hf_init_critic", model, layout)
     critic = build_role_model("critic", model, layout)
-    described = load_critic(critic, config)
+    described = load_critic(critic, InitialWeights(critic=str(own)))
 
     def values(batch, output):
         return output.new_zeros(()), {"values": output[..., 0].detach().float()}

@@ -12,6 +12,7 @@ import torch
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig
 from megatron_ppo.models import build_role_model
 from megatron_ppo.parallel import init_distributed, initialize_model_parallel, seed_everything
+from megatron_ppo.train.micro_batching import MicroBatching
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.update import actor_loss, update_role
 from tests.distributed import workers
@@ -43,9 +44,8 @@ def load_balancing_loss_by_layout(rank: int, world_size: int, workdir: str, mode
         config = workers.ppo_config(layout, role_model)
         optimizer = build_optimizer(actor, workers.OPTIM, layout)
         update = update_role(
-            "actor", actor, optimizer, build_scheduler(optimizer, workers.OPTIM, total_steps=1), exp, epochs=1,
-            mini_batch_size=workers.ROWS, micro_batch_size=config.actor.ppo_micro_batch_size_per_gpu, max_tokens=None,
-            clip_grad=workers.OPTIM.clip_grad,
+            "actor", actor, optimizer, build_scheduler(optimizer, workers.OPTIM, total_steps=1), exp,
+            config=config.actor, micro=MicroBatching(rows=config.actor.ppo_micro_batch_size_per_gpu),
             make_loss=partial(actor_loss, config.actor, kl_loss_coef=0.1, vocab_size=role_model.vocab_size),
         )  # fmt: skip
         out[name] = {

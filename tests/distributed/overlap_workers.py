@@ -10,10 +10,12 @@ from typing import Any
 import torch
 
 from megatron_ppo import checkpoint
+from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.models import build_role_model, unwrap
 from megatron_ppo.parallel import init_distributed
-from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff, micro_batch_keys
+from megatron_ppo.phases import Phase
+from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.update import actor_loss, update_role
 from tests.distributed.workers import MODEL, OPTIM, ROWS, SEED, experience, ppo_config, weights
@@ -38,19 +40,17 @@ def _arm_out_of_memory(actor, micro_batches: int) -> dict[str, int]:
     return calls
 
 
-def _update(config, actor, optimizer, backoff: OutOfMemoryBackoff | None):
+def _update(config, actor, optimizer, backoff: OutOfMemoryBackoff):
     scheduler = build_scheduler(optimizer, OPTIM, total_steps=1)
     batch = experience(ROWS, seed=3)
     make_loss = partial(actor_loss, config.actor, kl_loss_coef=0.1, vocab_size=MODEL.vocab_size)
 
     def attempt():
-        return update_role("actor", actor, optimizer, scheduler, batch, epochs=1, mini_batch_size=ROWS,
-                           micro_batch_size=config.actor.ppo_micro_batch_size_per_gpu, max_tokens=None,
-                           clip_grad=OPTIM.clip_grad, make_loss=make_loss)  # fmt: skip
+        micro = backoff.micro_batching(Phase.UPDATE_ACTOR)["actor"]
+        return update_role("actor", actor, optimizer, scheduler, batch, config=config.actor, micro=micro,
+                           make_loss=make_loss)  # fmt: skip
 
-    if backoff is None:
-        return attempt()
-    return backoff.run("update_actor", micro_batch_keys(config, "update_actor"), attempt, lambda: None, print)
+    return backoff.run(Phase.UPDATE_ACTOR, attempt, lambda: None, print)
 
 
 def overlapped_update(rank: int, world_size: int, workdir: str, inject: bool) -> dict[str, Any]:
@@ -73,8 +73,13 @@ def overlapped_update(rank: int, world_size: int, workdir: str, inject: bool) ->
         update = _update(config, actor, optimizer, backoff)
         report |= {"raised": calls["raised"], "retries": backoff.retries, "overrides": backoff.overrides}
     else:
-        config.actor.ppo_micro_batch_size_per_gpu -= 1  # the size the back-off retries with
-        update = _update(config, actor, optimizer, None)
+        smaller = config.actor.ppo_micro_batch_size_per_gpu - 1  # the size the back-off retries with
+        update = _update(
+            config,
+            actor,
+            optimizer,
+            OutOfMemoryBackoff(with_changes(config, {"actor.ppo_micro_batch_size_per_gpu": smaller})),
+        )
     report["grad_norm"] = update.steps[0].grad_norm
     before_sync = weights(actor)  # the distributed optimizer's all-gather of the new weights is still pending
     saved = checkpoint.save_checkpoint(workdir / f"ckpt-{inject}", 1, {"actor": actor}, {}, {"step": 1})

@@ -22,6 +22,7 @@ from megatron_ppo.parallel import init_distributed
 from megatron_ppo.tasks.addition.sft import run_sft
 from megatron_ppo.train.batch import collate, replica_micro_batches
 from megatron_ppo.train.experience import Experience
+from megatron_ppo.train.micro_batching import MicroBatching
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, zero_grads
 from megatron_ppo.train.update import actor_loss, critic_loss, mini_batch_counts
 from tests.distributed.workers import MODEL, experience, gspo_config, rows, weights, with_sequence_is
@@ -204,6 +205,8 @@ def host_conversions_by_cut(rank: int, world_size: int) -> dict[str, dict[int, d
                                loss_scale_factor=16)  # fmt: skip
     losses = {"actor": lambda counts: actor_loss(actor_config, counts, 0.1, MODEL.vocab_size),
               "critic": lambda counts: critic_loss(CriticConfig(loss_scale_factor=16), counts)}  # fmt: skip
+    # one epoch over one mini-batch of 8 rows, the gradient clipped at 1
+    role_configs = {"actor": ActorConfig(ppo_mini_batch_size=8), "critic": CriticConfig(ppo_mini_batch_size=8)}
     report: dict[str, dict[int, dict[str, int]]] = {}
     schedule, reduce = update.run_micro_batches, update.reduce_parts
     for role, make_loss in losses.items():
@@ -215,9 +218,8 @@ def host_conversions_by_cut(rank: int, world_size: int) -> dict[str, dict[int, d
             with counting_host_conversions() as (counts, watched):
                 update.run_micro_batches, update.reduce_parts = watched(schedule), watched(reduce)
                 try:
-                    update.update_role(role, model, optimizer, scheduler, batch, epochs=1, mini_batch_size=8,
-                                micro_batch_size=micro_batch_size, max_tokens=None, clip_grad=1.0,
-                                make_loss=make_loss)  # fmt: skip
+                    update.update_role(role, model, optimizer, scheduler, batch, config=role_configs[role],
+                                       micro=MicroBatching(rows=micro_batch_size), make_loss=make_loss)  # fmt: skip
                 finally:
                     update.run_micro_batches, update.reduce_parts = schedule, reduce
             report[role][8 // micro_batch_size] = dict(counts)

@@ -35,8 +35,10 @@ from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, run_micro_batches, unwrap
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel import init_distributed
+from megatron_ppo.phases import Phase
 from megatron_ppo.train.batch import collate, replica_micro_batches
 from megatron_ppo.train.experience import Experience, forward_passes, rollout_correction
+from megatron_ppo.train.micro_batching import micro_batching
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, optimizer_step, zero_grads
 from megatron_ppo.train.update import actor_loss, critic_loss, mini_batch_counts, update_role
 
@@ -174,12 +176,11 @@ def _experience_and_update(config: PPOConfig, actor, ref, critic, sequence_level
         steps.append(("gspo", actor, partial(actor_loss, gspo_config(config.actor), **kl), with_sequence_is(exp, 4)))
     for role, model, make_loss, role_experience in steps:
         optimizer = build_optimizer(model, OPTIM, config.actor.megatron)
-        role_config = config.critic if role == "critic" else config.actor
+        trained = "critic" if role == "critic" else "actor"  # "gspo": the actor again
         update = update_role(
-            role, model, optimizer, build_scheduler(optimizer, OPTIM, total_steps=1), role_experience, epochs=1,
-            mini_batch_size=ROWS, micro_batch_size=role_config.ppo_micro_batch_size_per_gpu,
-            max_tokens=role_config.ppo_max_token_len_per_gpu if role_config.use_dynamic_bsz else None,
-            clip_grad=OPTIM.clip_grad, make_loss=make_loss,
+            role, model, optimizer, build_scheduler(optimizer, OPTIM, total_steps=1), role_experience,
+            config=getattr(config, trained), micro=micro_batching(config, Phase.update(trained))[trained],
+            make_loss=make_loss,
         )  # fmt: skip
         out[f"{role}_metrics"] = update.metrics
         out[f"{role}_grad_norm"] = update.steps[0].grad_norm

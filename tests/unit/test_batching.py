@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ppo.config import ConfigError, load_config
+from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.data import EpochSampler, dynamic_micro_batches, fixed_micro_batches, padding_fraction
 from megatron_ppo.data.batching import GroupSampler, group_rows
 from megatron_ppo.data.rows import Row
@@ -152,7 +153,7 @@ def test_grpo_sampling_refuses_singleton_data_and_a_batch_that_would_split_group
         build_sampler(config, _rows(["a", "a", *"bcdefg"]))
     with pytest.raises(ConfigError, match=r"train_batch_size=8: grpo draws whole groups of 3 rows.* e\.g\. 6 or 9"):
         build_sampler(config, _rows([u for u in "abcd" for _ in range(3)]))
-    config.data.train_batch_size = 6
+    config = with_changes(config, {"data.train_batch_size": 6})
     sampler, sampled, line = build_sampler(config, _rows([*(u for u in "abcd" for _ in range(3)), "e"]))
     assert (sampled, line) == (12, "grpo: 4 groups of 3 rows; 1 groups of another size (1 rows) left out, e.g. the "
                                     "group of data.jsonl:13 (1 rows); 1 rows alone in their group")  # fmt: skip

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
 
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.compose import CONFIG_DIR
+from megatron_ppo.config.frozen import with_changes
+from megatron_ppo.config.schema import ModelConfig, PPOConfig
 from megatron_ppo.train.kl_coefficients import build_kl_coefficients
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,6 +24,40 @@ ALL_CONFIGS = sorted([*CONFIG_DIR.rglob("*.yaml"), *(REPO / "recipes").glob("*.y
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_recipe_and_preset_validates(path: Path) -> None:
     load_config(path)
+
+
+def test_a_validated_config_refuses_writes_and_changes_only_as_a_copy() -> None:
+    config = load_config(TINY)
+    read_only = r"cannot assign {}: the config is read-only once validated"
+    with pytest.raises(FrozenInstanceError, match=read_only.format(r"actor\.ppo_micro_batch_size_per_gpu")):
+        config.actor.ppo_micro_batch_size_per_gpu = 1
+    with pytest.raises(FrozenInstanceError, match=read_only.format(r"algorithm\.kl_ctrl\.stages\[1\]\.target_kl")):
+        config.algorithm.kl_ctrl.stages[1].target_kl = 0.5
+    with pytest.raises(FrozenInstanceError, match=read_only.format("model")):
+        config.model = ModelConfig()
+    with pytest.raises(FrozenInstanceError, match=read_only.format(r"model\.init_checkpoint")):
+        del config.model.init_checkpoint
+    changed = with_changes(config, {"actor.optim.lr": 2e-4, "trainer.seed": 7})
+    assert (changed.actor.optim.lr, changed.trainer.seed) == (2e-4, 7)
+    assert (config.actor.optim.lr, config.trainer.seed) == (1e-4, 1), "with_changes wrote into the original"
+    with pytest.raises(FrozenInstanceError, match=read_only.format(r"actor\.optim\.lr")):
+        changed.actor.optim.lr = 1.0
+    with pytest.raises(KeyError, match=r"actor\.optim\.learning_rate is not a config key; known under actor\.optim"):
+        with_changes(config, {"actor.optim.learning_rate": 1.0})
+    unvalidated = PPOConfig()
+    unvalidated.actor.optim.lr = 3e-4  # a config under construction (not yet validated) is written freely
+    with_changes(unvalidated, {"trainer.seed": 2})
+    unvalidated.model.num_layers = 4  # ... and stays so when a changed copy of it is frozen
+
+
+def test_the_roles_a_config_needs_are_derived_once() -> None:
+    config = load_config(TINY)
+    assert config.needs_reference and config.needs_critic
+    no_kl = ["actor.use_kl_loss=false", "algorithm.kl_ctrl.type=fixed", "~algorithm.kl_ctrl.stages"]
+    grpo = load_config(TINY, ["algorithm.adv_estimator=grpo", *no_kl])
+    assert not grpo.needs_critic and not grpo.needs_reference
+    with pytest.raises(ConfigError, match=r"action kl_bump needs a KL term"):
+        load_config(TINY, [*no_kl, "guards.watch=[{metric: kl/std, max: 0.1, action: kl_bump}]"])
 
 
 def test_recipes_open_with_a_launch_line_and_hardware() -> None:

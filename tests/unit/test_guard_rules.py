@@ -8,10 +8,13 @@ import pytest
 import torch
 
 from megatron_ppo.config.compose import load_config
+from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import GuardsConfig, WatchConfig
+from megatron_ppo.phases import Phase
 from megatron_ppo.train.guards import Guards, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import KLCoefficients
-from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff, micro_batch_keys
+from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff
+from megatron_ppo.train.micro_batching import MicroBatching, micro_batch_keys
 from megatron_ppo.train.optimizer import BackedOffScheduler
 
 QUIET = {"watch": []}
@@ -152,28 +155,44 @@ def test_learning_rate_scaling_keeps_its_floor_and_survives_a_reload() -> None:
 
 def test_out_of_memory_backoff_lowers_the_micro_batch_and_persists() -> None:
     config = load_config("recipes/tiny-cpu.yaml", ["guards.max_oom_retries=2"])
-    assert micro_batch_keys(config, "update_actor") == ["actor.ppo_micro_batch_size_per_gpu"]
-    assert "critic.forward_micro_batch_size_per_gpu" in micro_batch_keys(config, "experience")
+    assert micro_batch_keys(config, Phase.UPDATE_ACTOR) == {"actor": "actor.ppo_micro_batch_size_per_gpu"}
+    assert micro_batch_keys(config, Phase.EXPERIENCE)["critic"] == "critic.forward_micro_batch_size_per_gpu"
     backoff, calls, logged = OutOfMemoryBackoff(config), [], []
 
     def attempt() -> str:
-        calls.append(config.actor.ppo_micro_batch_size_per_gpu)
+        calls.append(backoff.micro_batching(Phase.UPDATE_ACTOR)["actor"].rows)
         if len(calls) == 1:
             raise torch.OutOfMemoryError("injected")
         return "done"
 
-    keys = micro_batch_keys(config, "update_actor")
-    assert backoff.run("update_actor", keys, attempt, lambda: None, logged.append) == "done"
+    assert backoff.run(Phase.UPDATE_ACTOR, attempt, lambda: None, logged.append) == "done"
     assert calls == [128, 127] and "actor.ppo_micro_batch_size_per_gpu=127" in logged[0]
-    resumed = load_config("recipes/tiny-cpu.yaml")
-    OutOfMemoryBackoff(resumed).load_state_dict(backoff.state_dict())
-    assert resumed.actor.ppo_micro_batch_size_per_gpu == 127
+    assert config.actor.ppo_micro_batch_size_per_gpu == 128, "the back-off wrote into the config"
+    assert backoff.micro_batching(Phase.EXPERIENCE)["actor"].rows == 128, "the update's size is not the experience's"
+    resumed = OutOfMemoryBackoff(load_config("recipes/tiny-cpu.yaml"))
+    resumed.load_state_dict(backoff.state_dict())
+    assert resumed.micro_batching(Phase.UPDATE_ACTOR) == {"actor": MicroBatching(rows=127)}
 
     def always() -> None:
         raise torch.OutOfMemoryError("injected")
 
     with pytest.raises(RuntimeError, match=r"after 2 retries \(guards.max_oom_retries\)"):
-        backoff.run("update_actor", keys, always, lambda: None, logged.append)
-    config.actor.ppo_micro_batch_size_per_gpu = 1
+        backoff.run(Phase.UPDATE_ACTOR, always, lambda: None, logged.append)
+    one_row = with_changes(config, {"actor.ppo_micro_batch_size_per_gpu": 1})
     with pytest.raises(RuntimeError, match="not even one row fits"):
-        OutOfMemoryBackoff(config).run("update_actor", keys, always, lambda: None, logged.append)
+        OutOfMemoryBackoff(one_row).run(Phase.UPDATE_ACTOR, always, lambda: None, logged.append)
+
+
+def test_out_of_memory_backoff_shrinks_a_token_budget_shared_by_actor_and_reference() -> None:
+    config = load_config("recipes/tiny-cpu.yaml", ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=800"])
+    backoff, failed = OutOfMemoryBackoff(config), []
+
+    def attempt() -> None:
+        if not failed:
+            failed.append(True)
+            raise torch.OutOfMemoryError("injected")
+
+    backoff.run(Phase.EXPERIENCE, attempt, lambda: None, lambda line: None)
+    micro = backoff.micro_batching(Phase.EXPERIENCE)
+    assert micro["actor"] == micro["ref"] == MicroBatching(max_tokens=700)
+    assert backoff.overrides == {"actor.ppo_max_token_len_per_gpu": 700, "critic.forward_micro_batch_size_per_gpu": 127}

@@ -1,7 +1,9 @@
 """The package's imports point one way: config/algo → data/parallel → models → checkpoint → train → tasks/cli.
 
 Every `import` in every module (function-level ones too) is read with `ast` and checked against the layer order,
-so an upward arrow fails here rather than in a review.
+so an upward arrow fails here rather than in a review. Two rules beside the order: the planner is the command
+line's alone (runtime code shares its phase table and FLOP count, `phases.py` and `flops.py`, never imports it), and
+Megatron is touched by `models/` and `parallel/`, outside them only through the public APIs in `MEGATRON_OUTSIDE`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ LAYERS: dict[str, int] = {
     "config": 1,
     "data": 2,
     "parallel": 2,
-    "plan": 2,
+    "phases": 2,
+    "flops": 2,
+    "plan": 2,  # imported by the command line only (test below)
     "report": 2,
     "run_identity": 2,
+    "initial_weights": 2,
     "models": 3,
     "checkpoint": 4,
     "convert": 5,
@@ -31,6 +36,18 @@ LAYERS: dict[str, int] = {
     "cli": 8,
     "__main__": 8,
 }
+
+
+# Megatron modules used outside models/ and parallel/ (everything else of Megatron's, its process-group state
+# `parallel_state` above all, is reached through those two: `parallel/ranks.py` for this rank's place in the groups).
+MEGATRON_OUTSIDE = {
+    "megatron_ppo.checkpoint": {"megatron.core.dist_checkpointing", "megatron.core.tensor_parallel",
+                                "megatron.core.dist_checkpointing.validation"},  # saving and loading: its format
+    "megatron_ppo.critic_init": {"megatron.core.dist_checkpointing"},  # which roles a checkpoint's metadata holds
+    "megatron_ppo.convert": {"megatron.core.tensor_parallel"},  # the TP gather of the weights it writes to HF
+    "megatron_ppo.train.optimizer": {"megatron.core.distributed", "megatron.core.optimizer",
+                                     "megatron.core.optimizer.clip_grads", "megatron.core.optimizer_param_scheduler"},
+}  # fmt: skip
 
 
 def _unit(module: str) -> str:
@@ -103,6 +120,42 @@ def test_the_layer_check_catches_upward_and_foreign_imports(tmp_path: Path) -> N
     assert _violations_in(probe, "megatron_ppo.algo.probe") == [
         "megatron_ppo.algo.probe:3: algo/ imports only torch, not megatron.core"
     ]
+
+
+def _megatron_imports(path: Path) -> set[str]:
+    """The Megatron modules (and names imported from them, `megatron.core.parallel_state`) that `path` imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("megatron.")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron."):
+            found |= {f"{node.module}.{alias.name}" if node.module == "megatron.core" else node.module
+                      for alias in node.names}  # fmt: skip
+    return found
+
+
+def test_only_models_and_parallel_touch_megatron(tmp_path: Path) -> None:
+    """Outside `models/` and `parallel/` a module imports only the Megatron APIs `MEGATRON_OUTSIDE` lists for it."""
+    outside = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if _unit(module) not in ("models", "parallel") and (imported := _megatron_imports(path)):
+            outside[module] = imported
+    assert outside == MEGATRON_OUTSIDE, "route Megatron through models/ or parallel/ (or list the API here, with why)"
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\n\ndef f():\n    from megatron.core import parallel_state\n")
+    assert _megatron_imports(probe) == {"megatron.core.parallel_state"}, "the reader misses a function-level import"
+
+
+def test_only_the_command_line_imports_the_planner() -> None:
+    importers = sorted(
+        importer
+        for path in PACKAGE.rglob("*.py")
+        if (importer := ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)) != "megatron_ppo.plan"
+        for _, module in _imports(path, importer)
+        if module == "megatron_ppo.plan"
+    )
+    assert importers == ["megatron_ppo.cli"], f"runtime code imports the planner: {importers}"
 
 
 def test_the_trainer_never_names_the_demo_task() -> None:

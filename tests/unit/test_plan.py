@@ -13,13 +13,8 @@ import pytest
 
 from megatron_ppo.config import load_config
 from megatron_ppo.config.gpus import GPU_SPECS
-from megatron_ppo.plan import (
-    active_parameter_count,
-    expert_parameter_count,
-    parameter_count,
-    plan,
-    suggest,
-)
+from megatron_ppo.flops import active_parameter_count, expert_parameter_count, parameter_count
+from megatron_ppo.plan import plan, suggest
 
 REPO = Path(__file__).resolve().parents[2]
 # Sizes on the models' Hugging Face cards (billions of parameters).

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from megatron_ppo.config import ConfigError, load_config
+from megatron_ppo.config.schema import MICRO_BATCHING, RUN_CONTROL, RUN_LENGTH, PPOConfig
 from megatron_ppo.run_identity import (
+    PER_JOB_KEYS,
     RunIdentity,
     config_differences,
     flatten_config,
@@ -34,6 +36,27 @@ def test_the_hash_ignores_run_control_length_and_layout_only() -> None:
     for other in ["actor.optim.lr=2e-4", "trainer.seed=2", "algorithm.kl_ctrl.stages[1].target_kl=0.3",
                   "data.train_batch_size=256", "actor.ppo_epochs=3"]:  # fmt: skip
         assert RunIdentity.of("r", load_config(TINY, [other])).config_hash != base.config_hash, other
+
+
+def test_the_keys_meant_to_change_are_the_schemas_per_job_fields() -> None:
+    micro_batching = ["actor.ppo_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu",
+                      "actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu",
+                      "ref.log_prob_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+                      "critic.forward_micro_batch_size_per_gpu", "critic.use_dynamic_bsz",
+                      "critic.ppo_max_token_len_per_gpu"]  # fmt: skip
+    run_control = ["resume_mode", "resume_from_path", "overwrite", "exit_interval", "exit_duration_in_mins",
+                   "logger", "save_freq", "test_freq", "val_before_train", "max_ckpt_to_keep", "default_local_dir",
+                   "log_dir"]  # fmt: skip
+    expected = (
+        dict.fromkeys(micro_batching, MICRO_BATCHING)
+        | dict.fromkeys(["trainer.total_epochs", "trainer.total_training_steps"], RUN_LENGTH)
+        | {f"trainer.{key}": RUN_CONTROL for key in run_control}
+    )
+    assert expected == PER_JOB_KEYS
+    flat = flatten_config(PPOConfig())
+    assert set(PER_JOB_KEYS) <= set(flat), "a per_job key that the config does not have"
+    defining = sorted(k for k in flat if k.startswith("trainer.") and not meant_to_change(k))
+    assert defining == ["trainer.critic_warmup", "trainer.experiment_name", "trainer.project_name", "trainer.seed"]
 
 
 def test_differences_name_each_key_with_both_values() -> None:

@@ -12,6 +12,7 @@ from megatron_ppo import algo
 from megatron_ppo.config import load_config
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.fields import choices_of
+from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import AlgorithmConfig, GuardsConfig, PolicyLossSettings, WatchConfig
 from megatron_ppo.train.experience import offpolicy_report, rollout_correction
 from megatron_ppo.train.guards import Guards
@@ -124,7 +125,7 @@ def test_rejected_tokens_leave_the_loss_mask_and_weights_need_behaviour_log_prob
     assert weights == {}
     assert corrected["loss_mask"].sum() == batch["loss_mask"].sum() / 4
     assert metrics["rollout_corr/rollout_rs_token_k2_masked_fraction"] == pytest.approx(0.75)
-    config.algorithm.rollout_correction.rollout_is = "token"
+    config = with_changes(config, {"algorithm.rollout_correction.rollout_is": "token"})
     with pytest.raises(ValueError, match="8 of this batch's 8 rows carry none: give every row"):
         rollout_correction(config, {"loss_mask": batch["loss_mask"]}, passes)
     with pytest.raises(ValueError, match="3 of this batch's 8 rows carry none"):

@@ -16,8 +16,8 @@ def run(config: PPOConfig) -> dict[str, float]:
     from megatron_ppo.tasks.addition.recipe import run_addition_recipe
     from megatron_ppo.train.run import distributed_run
 
-    with distributed_run(config):
-        return run_addition_recipe(config)
+    with distributed_run(config) as weights:
+        return run_addition_recipe(config, weights)
 
 
 def compare_kl(config: PPOConfig, plot: str | None = None) -> dict[str, dict[str, float]]:
@@ -28,5 +28,5 @@ def compare_kl(config: PPOConfig, plot: str | None = None) -> dict[str, dict[str
     from megatron_ppo.tasks.addition.compare_kl import compare_kl as run_comparison
     from megatron_ppo.train.run import distributed_run
 
-    with distributed_run(config):
-        return run_comparison(config, plot)
+    with distributed_run(config) as weights:
+        return run_comparison(config, plot, weights)

@@ -8,13 +8,14 @@ comparison (another seed, other overrides) never meets the first one's checkpoin
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.parallel.collectives import broadcast_from_rank0
 from megatron_ppo.run_identity import new_run_id
 from megatron_ppo.tasks.addition.recipe import prepare_addition_task, train_on_task
@@ -33,26 +34,26 @@ def variants(config: PPOConfig, invocation: str) -> dict[str, PPOConfig]:
     late_target = stages[-1].target_kl if stages and stages[-1].target_kl else config.algorithm.kl_ctrl.target_kl
     out = {}
     for name in ("off", "fixed", "adaptive", "staged"):
-        variant = copy.deepcopy(config)
-        kl_ctrl = variant.algorithm.kl_ctrl
-        if name == "off":
-            variant.actor.use_kl_loss = False
-            variant.algorithm.use_kl_in_reward = False
-        if name in ("off", "fixed", "adaptive"):
-            kl_ctrl.type, kl_ctrl.stages = ("adaptive" if name == "adaptive" else "fixed"), []
-            kl_ctrl.target_kl, kl_ctrl.horizon = late_target, 1000.0
         root = comparison_directory(config, invocation) / name
-        variant.trainer.default_local_dir = str(root / "checkpoints")
-        variant.trainer.log_dir = str(root / "tensorboard")
-        variant.trainer.resume_mode = "disable"
-        out[name] = variant
+        changes = {"trainer.default_local_dir": str(root / "checkpoints"), "trainer.log_dir": str(root / "tensorboard"),
+                   "trainer.resume_mode": "disable"}  # fmt: skip
+        if name == "off":
+            changes |= {"actor.use_kl_loss": False, "algorithm.use_kl_in_reward": False}
+        if name in ("off", "fixed", "adaptive"):
+            changes |= {"algorithm.kl_ctrl.type": "adaptive" if name == "adaptive" else "fixed",
+                        "algorithm.kl_ctrl.stages": [], "algorithm.kl_ctrl.target_kl": late_target,
+                        "algorithm.kl_ctrl.horizon": 1000.0}  # fmt: skip
+        out[name] = with_changes(config, changes)
     return out
 
 
-def compare_kl(config: PPOConfig, plot: str | None = None) -> dict[str, dict[str, float]]:
+def compare_kl(
+    config: PPOConfig, plot: str | None = None, weights: InitialWeights | None = None
+) -> dict[str, dict[str, float]]:
     """Train every variant; print a table naming each run's TensorBoard folder, and return {variant: accuracy
     before and after, final KL and β}. `plot`: also draw the four runs on one figure (`report --plot`) into that
-    file, or "" for `<comparison directory>/compare-kl.png`."""
+    file, or "" for `<comparison directory>/compare-kl.png`. `weights`: the run's initial weights
+    (`distributed_run`'s; the actor's is the task's SFT policy)."""
     if plot is not None:
         from megatron_ppo.plot import matplotlib_figure
 
@@ -61,7 +62,7 @@ def compare_kl(config: PPOConfig, plot: str | None = None) -> dict[str, dict[str
     invocation = broadcast_from_rank0(new_run_id())
     results, log_dirs = {}, {}
     for name, variant in variants(config, invocation).items():
-        trainer, history, before, after = train_on_task(variant, task)
+        trainer, history, before, after = train_on_task(variant, task, weights)
         kls = [h["kl/mean"] for h in history if "kl/mean" in h]
         results[name] = {"before": before["accuracy"], "after": after["accuracy"],
                          "kl_final": kls[-1] if kls else float("nan"),

@@ -23,6 +23,7 @@ from megatron_ppo import checkpoint
 from megatron_ppo.config.schema import ModelConfig, PPOConfig
 from megatron_ppo.data.rows import Row, read_rows
 from megatron_ppo.data.tokenizer import SentencePieceTokenizer, train_char_tokenizer
+from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.models import RoleModel, build_role_model
 from megatron_ppo.models.generation import generate
 from megatron_ppo.parallel.collectives import barrier
@@ -40,7 +41,7 @@ MAX_NEW_TOKENS = 4  # three digits and the end marker
 NOT_IN_FINGERPRINT = {
     "name": "a label",
     "hf_checkpoint": "the task makes its own initial policy (SFT)",
-    "init_checkpoint": "the task makes its own initial policy (SFT) and sets this to it for PPO",
+    "init_checkpoint": "the task makes its own initial policy (SFT) and starts PPO from it (`train_on_task`)",
     "allow_random_init": "the task makes its own initial policy (SFT)",
     "tokenizer": "the task trains its own character tokenizer",
     "logprob_chunk_tokens": "how many tokens a log-prob chunk holds: memory, not the numbers",
@@ -192,11 +193,14 @@ def prepare_addition_task(config: PPOConfig) -> AdditionTask:
     return AdditionTask(tokenizer, heldout, rows, report.summary(), str(sft_path))
 
 
-def train_on_task(config: PPOConfig, task: AdditionTask) -> tuple[PPOTrainer, list[dict[str, float]], dict, dict]:
-    """One PPO run from the SFT policy: (trainer, history, held-out scores before, after)."""
-    config.model.init_checkpoint = task.sft_checkpoint
+def train_on_task(
+    config: PPOConfig, task: AdditionTask, weights: InitialWeights | None = None
+) -> tuple[PPOTrainer, list[dict[str, float]], dict, dict]:
+    """One PPO run from the SFT policy: (trainer, history, held-out scores before, after). `weights`: the run's
+    initial weights (`distributed_run`'s), whose actor is the task's SFT policy here."""
+    weights = dataclasses.replace(weights or InitialWeights.of(config), actor=task.sft_checkpoint)
     heldout = HeldOutProblems(task.tokenizer, task.heldout)
-    trainer = PPOTrainer(config, task.rows, task.tokenizer.pad_id, evaluate=heldout)
+    trainer = PPOTrainer(config, task.rows, task.tokenizer.pad_id, evaluate=heldout, weights=weights)
     evaluated_at_start = config.trainer.val_before_train and trainer.run.resume_from is None  # by fit, at step 0
     before = None if evaluated_at_start else heldout(trainer.actor)
     trainer.resume()
@@ -209,10 +213,10 @@ def train_on_task(config: PPOConfig, task: AdditionTask) -> tuple[PPOTrainer, li
     return trainer, history, before, after
 
 
-def run_addition_recipe(config: PPOConfig) -> dict[str, float]:
+def run_addition_recipe(config: PPOConfig, weights: InitialWeights | None = None) -> dict[str, float]:
     """The whole embedded default; returns the summary numbers it prints."""
     task = prepare_addition_task(config)
-    trainer, history, before, after = train_on_task(config, task)
+    trainer, history, before, after = train_on_task(config, task, weights)
     return _summary(config, trainer, history, before, after, task.data_line)
 
 

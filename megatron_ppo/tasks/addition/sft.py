@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from megatron.core import parallel_state
 
 from megatron_ppo import algo
 from megatron_ppo.data.batching import EpochSampler
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
 from megatron_ppo.parallel.collectives import broadcast_from_last_stage
+from megatron_ppo.parallel.ranks import data_parallel
 from megatron_ppo.train.batch import collate, replica_micro_batches
 from megatron_ppo.train.optimizer import optimizer_step, zero_grads
 
@@ -44,7 +44,7 @@ def run_sft(
 ) -> float:
     """`steps` optimizer steps of next-token NLL on the responses; returns the last step's mean NLL per token."""
     sampler = EpochSampler(len(rows), seed=seed)
-    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_size = data_parallel().size
     nll = float("nan")
     for step in range(steps):
         batch = collate([rows[i] for i in sampler.next_batch(batch_size)], pad_id)
