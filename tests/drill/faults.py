@@ -104,7 +104,7 @@ def install(injector: Injector) -> None:
             raise torch.OutOfMemoryError("drill: injected out-of-memory error")
         injector.scheduler = args[1]  # (optimizer, scheduler, experience, ...)
         rows = args[2]["input_ids"].shape[0]
-        injector.steps_left = kwargs["epochs"] * -(-rows // kwargs["mini_batch_size"])
+        injector.steps_left = kwargs["config"].ppo_epochs * -(-rows // kwargs["config"].ppo_mini_batch_size)
         return update_role(role, model, *args, **kwargs)
 
     def drilled_optimizer_step(optimizer: Any, clip_grad: float) -> Any:

@@ -86,8 +86,6 @@ def test_verl_overrides_train_with_wandb_offline_and_its_run_file_matches_tensor
             for tag, value in logged.items():
                 assert value == pytest.approx(in_tensorboard[tag], rel=1e-6, abs=1e-6), f"step {step}: {tag} differs"
 
-    resolved = load_config(recipe_path, [*overrides, "trainer.resume_mode=auto"])  # before converting on first use
-    resolved.model.init_checkpoint = str(checkpoints / "hf_init" / "step_0")
-    resolved.critic.model.init_checkpoint = str(checkpoints / "hf_init_critic" / "step_0")
+    resolved = load_config(recipe_path, [*overrides, "trainer.resume_mode=auto"])  # the config as validated
     assert runs[-1].config == dataclasses.asdict(resolved)
     assert resolved.data.overlong_policy == "filter"
