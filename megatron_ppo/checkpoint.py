@@ -15,7 +15,6 @@ the caller protects: the trainer's good checkpoint, which a rollback loads, and 
 from __future__ import annotations
 
 import logging
-import queue
 import re
 import shutil
 from collections.abc import Sequence
@@ -24,12 +23,12 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from megatron_ppo.models import RoleModel, unwrap
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel.collectives import barrier, global_rank
+from megatron_ppo.parallel.megatron_compat import checkpoint_writes_in_process
 from megatron_ppo.run_identity import RUN_FILE, RunIdentity
 
 logger = logging.getLogger(__name__)
@@ -80,16 +79,6 @@ def _load_sharded(sharded: dict[str, Any], path: Path) -> dict[str, Any]:
     return state
 
 
-def _write_results_in_process() -> None:
-    """Megatron's checkpoint writer hands its write results over a queue that it makes on the first save as a
-    `multiprocessing.Manager` queue under the spawn context, for a writer in another process (asynchronous saves).
-    A spawned Manager is a server process that imports this program again: ~5 s of CPU and ~1 GB of host memory per
-    rank, for the run's whole life. Our saves are synchronous (the writer runs in the saving process, its helpers
-    in threads), so a thread-safe queue of this process carries the results; set once, before that first save."""
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -124,7 +113,7 @@ def save_checkpoint(
     stateful = [role for role in models if role in optimizers and not _stateless(optimizers[role])]
     for role in stateful:
         sharded[f"{role}_optimizer"] = optimizers[role].sharded_state_dict(sharded[role])
-    _write_results_in_process()
+    checkpoint_writes_in_process()
     dist_checkpointing.save(sharded, str(temporary))
     torch.save(rng_states(), temporary / f"rng_rank{global_rank()}.pt")
     if global_rank() == 0:
