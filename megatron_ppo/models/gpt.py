@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core import parallel_state
@@ -23,7 +23,8 @@ from megatron_ppo.models.kernels import transformer_engine_importable, transform
 from megatron_ppo.models.norms import LocalNorm, with_local_norms
 from megatron_ppo.models.transformer_config import build_transformer_config, padded_vocab_size
 from megatron_ppo.models.value_head import ValueHead
-from megatron_ppo.parallel.device import current_device
+from megatron_ppo.models.widths import PaddingTally, width_bucket
+from megatron_ppo.parallel.device import current_device, on_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class RoleModel:
     vocab_size: int  # the tokenizer's; logits beyond it are padding
     padded_vocab_size: int
     logprob_chunk_tokens: int | None = None  # model.logprob_chunk_tokens, for vocab_parallel_log_probs
+    width_multiple: int = 1  # micro-batch widths are multiples of this (models.widths.width_bucket)
+    padding: PaddingTally = field(default_factory=PaddingTally)  # tokens computed vs real, for perf/ metrics
 
     @property
     def is_trained(self) -> bool:
@@ -142,7 +145,8 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
             DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0)
             for index, chunk in enumerate(chunks)
         ]
-    return RoleModel(role, chunks, config, model.vocab_size, vocab, model.logprob_chunk_tokens)
+    bucket = width_bucket(layout.make_sequence_length_divisible_by, on_cuda())
+    return RoleModel(role, chunks, config, model.vocab_size, vocab, model.logprob_chunk_tokens, bucket)
 
 
 def data_parallel_config(layout: MegatronConfig) -> DistributedDataParallelConfig:
