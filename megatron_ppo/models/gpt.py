@@ -128,6 +128,8 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
         )
         if role == "critic" and post_process:
             gpt.output_layer = ValueHead(config)
+        elif post_process and not config.sequence_parallel:
+            batch_major_logits(gpt.output_layer)
         # Megatron's torch norms and our value head are made on the host in fp32: all of it to the run's device and
         # dtype (as Megatron-LM's Float16Module does), so norms run their fused bf16 kernels
         gpt.to(device=current_device(), dtype=config.params_dtype)
@@ -187,6 +189,24 @@ def zero_grad_buffers(model: RoleModel) -> None:
             if len(group.per_param_grad_ready_counts) != len(group.params):
                 group.per_param_grad_ready_counts = {}
         chunk.zero_grad_buffer()
+
+
+def batch_major_logits(output_layer: torch.nn.Module) -> None:
+    """Make the vocabulary output layer compute its logits in `[b, s, v / TP]` order — its input transposed first,
+    `[s, b, h]` → `[b, s, h]` (a copy h / v of the logits' size) — and return them as the `[s, b, v / TP]` view, so
+    GPTModel's `logits.transpose(0, 1).contiguous()` to `[b, s, v / TP]` copies nothing, forward or backward (two
+    copies of the largest tensor of the step otherwise). Not with sequence parallelism, where the layer
+    all-gathers its input along the sequence dimension (dim 0)."""
+
+    def transpose_input(_layer, args, kwargs):
+        return (args[0].transpose(0, 1).contiguous(), *args[1:]), kwargs
+
+    def transpose_output(_layer, _args, output):
+        logits, bias = output
+        return logits.transpose(0, 1), bias
+
+    output_layer.register_forward_pre_hook(transpose_input, with_kwargs=True)
+    output_layer.register_forward_hook(transpose_output)
 
 
 def unwrap(chunk: torch.nn.Module) -> GPTModel:

@@ -89,8 +89,10 @@ def run_micro_batches(
             output = chunk(input_ids, position_ids, attention_mask, padding_mask=mask)
         else:
             output = chunk(input_ids, position_ids, attention_mask)
-        if unwrap(chunk).post_process:
-            output = output[:rows, :width]  # the padding stays out of the loss, its metrics and its outputs
+        if unwrap(chunk).post_process and tuple(output.shape[:2]) != (rows, width):
+            # the padding stays out of the loss, its metrics and its outputs (cut only where there is some: a
+            # slice's backward writes its gradient into a fresh full-size buffer)
+            output = output[:rows, :width]
         return output, partial(_scaled_loss, loss_fn, batch, num_micro_batches)
 
     iterators = [iter(enumerate(micro_batches)) for _ in model.chunks]
