@@ -83,7 +83,7 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
     return base is None or (base.numel() == tensor.numel() and base.data_ptr() == tensor.data_ptr())
 
 
-_EXP_ROWS = 256  # rows of a chunk whose exp(y) exists at once: the forward's second buffer, [256, vocab / TP]
+_EXP_ROWS = 128  # rows of a chunk whose y and exp(y) (forward) or factor (backward) exist at once: [128, vocab / TP]
 
 
 class _ChunkedVocabParallelLogProbEntropy(torch.autograd.Function):
