@@ -1,15 +1,19 @@
-"""One actor forward-backward with the PPO loss, against the same tokens through plain Megatron (its own
-cross-entropy loss, no PPO code), both through Megatron's schedule at TP=1: the overhead of our path.
+"""One actor forward-backward with the PPO loss, against the same tokens through plain Megatron (the same model's
+logits into Megatron's fused vocab-parallel cross-entropy, no PPO code), both through Megatron's schedule at TP=1:
+the overhead of our path. Times alternate between the two, round by round (the ratio is the median of the rounds').
 
 Run: torchrun --nproc_per_node 1 -m bench.bench_actor_step   (or `make bench`)
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from functools import partial
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from bench.common import measure
 from megatron_ppo import algo
@@ -20,13 +24,20 @@ from megatron_ppo.models import (
     run_micro_batches,
     vocab_parallel_log_probs,
 )
+from megatron_ppo.models.gpt import zero_grad_buffers
 from megatron_ppo.parallel import destroy_distributed, init_distributed
 
 MODEL = ModelConfig(
     num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=8192, max_position_embeddings=256,
     params_dtype="fp32", position_embedding_type="rope",
 )  # fmt: skip
-MICRO_BATCHES, MICRO_BATCH, SEQ, REPEATS = 4, 4, 256, 3
+MICRO_BATCHES, MICRO_BATCH, SEQ, REPEATS = 4, 4, 256, 5
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -58,31 +69,32 @@ def main() -> None:
         return pg_loss - 0.01 * algo.agg_loss(entropy, batch["mask"], "token-mean", **counts), metrics
 
     def ours() -> None:
-        for chunk in actor.chunks:
-            chunk.zero_grad_buffer()
+        zero_grad_buffers(actor)  # also waits for the last pass's overlapped gradient all-reduce
         run_micro_batches(actor, batches, ppo_loss, forward_only=False)
 
     def plain_forward_step(data_iterator, model):
         batch = next(data_iterator)
         position_ids = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
-        loss = model(batch["input_ids"], position_ids, causal_attention_mask(SEQ), labels=batch["labels"])
-        return loss, partial(lambda b, out: (out.float().mean(), {}), batch)
+        logits = model(batch["input_ids"], position_ids, causal_attention_mask(SEQ))
+        return vocab_parallel_cross_entropy(logits, batch["labels"]), partial(lambda b, out: (out.mean(), {}), batch)
 
     def plain() -> None:
-        for chunk in actor.chunks:
-            chunk.zero_grad_buffer()
+        zero_grad_buffers(actor)  # also waits for the last pass's overlapped gradient all-reduce
         get_forward_backward_func()(
             forward_step_func=plain_forward_step, data_iterator=iter(batches), model=actor.chunks[0],
             num_microbatches=MICRO_BATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
         )  # fmt: skip
 
-    t_plain, m_plain = measure(plain, REPEATS)
-    t_ours, m_ours = measure(ours, REPEATS)
+    _, m_plain = measure(plain, 1)  # peak memory of each, after a warm-up call
+    _, m_ours = measure(ours, 1)
+    rounds = [(seconds(plain), seconds(ours)) for _ in range(REPEATS)]
+    t_plain, t_ours = (statistics.median(times) for times in zip(*rounds, strict=True))
     print(f"actor forward+backward, {tokens} tokens, {MODEL.num_layers}×{MODEL.hidden_size}, vocab {MODEL.vocab_size}")
     print("TP=1, 1 thread")
     print(f"  plain Megatron (cross-entropy) : {t_plain * 1e3:8.1f} ms   peak +{m_plain:7.1f} MiB")
     print(f"  megatron-ppo (PPO loss)        : {t_ours * 1e3:8.1f} ms   peak +{m_ours:7.1f} MiB")
-    ratio_time, ratio_memory = t_ours / t_plain, m_ours / max(m_plain, 1e-9)
+    ratio_time = statistics.median(ours / plain for plain, ours in rounds)
+    ratio_memory = m_ours / max(m_plain, 1e-9)
     print(f"  overhead ratio ours/plain      : time {ratio_time:.2f}   peak memory {ratio_memory:.2f}")
     destroy_distributed()
 

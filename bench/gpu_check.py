@@ -9,7 +9,11 @@
     (d) the (b) iteration at its first length with host offload off and on: peak memory beside the planner's
         (`bench/offload_check.py`);
     (e) one actor mini-batch's gradient norm cut into 1, 2 and 4 micro-batches: equal within 1e-3 relative
-        (`bench/grad_cut_check.py`).
+        (`bench/grad_cut_check.py`);
+    (f) two (b) iterations straight, and the second again after a save and a resume (same layout): every metric
+        bitwise equal (`bench/resume_check.py`);
+    (g) the first (b) iteration, whose only actor update scores its own experience (actor = behaviour policy):
+        |PPO KL| < 1e-6, clip fraction 0, critic grad norm < 10 (`bench/first_update_check.py`).
 It prints one table, writes JSON (`--out`), names the path that ran (Transformer Engine or local + SDPA) and exits
 1 when a part failed. `--dry-run` runs every part's code on the CPU with a tiny model in a minute or two (CI).
 
@@ -33,11 +37,15 @@ from typing import Any
 
 import torch
 
+from bench.first_update_check import check_first_update
+from bench.first_update_check import table_lines as first_update_table_lines
 from bench.gpu_plan import DRY, GIB, REAL, Plan, ppo_config, synthetic_rows, timed
 from bench.grad_cut_check import check_grad_norm_by_cut
 from bench.grad_cut_check import table_lines as grad_cut_table_lines
 from bench.offload_check import check_offload
 from bench.offload_check import table_lines as offload_table_lines
+from bench.resume_check import check_resume
+from bench.resume_check import table_lines as resume_table_lines
 from tests.support.ports import free_port
 from tests.support.tiny import SHORT
 
@@ -292,6 +300,8 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"(c) log-probs                       FAILED {c.get('error', '')[:300]}")
     lines += offload_table_lines(results["d_offload"])
     lines += grad_cut_table_lines(results["e_grad_norm_by_cut"])
+    lines += resume_table_lines(results["f_resume"])
+    lines += first_update_table_lines(results["g_first_update"])
     return "\n".join(lines)
 
 
@@ -317,13 +327,15 @@ def run(plan: Plan, out_path: Path, work: Path) -> int:
     _part(results, "c_logprobs", lambda: check_logprobs(plan, work))
     _part(results, "d_offload", lambda: check_offload(plan, work))
     _part(results, "e_grad_norm_by_cut", lambda: check_grad_norm_by_cut(plan, work))
+    _part(results, "f_resume", lambda: check_resume(plan, work))
+    _part(results, "g_first_update", lambda: check_first_update(plan, work))
     destroy_distributed()
     print(table(results), flush=True)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=2, default=str))
     print(f"results: {out_path}")
     parts = [results["a_tiny_recipe"], *results["b_ppo_iteration"], results["c_logprobs"], results["d_offload"],
-             results["e_grad_norm_by_cut"]]  # fmt: skip
+             results["e_grad_norm_by_cut"], results["f_resume"], results["g_first_update"]]  # fmt: skip
     return 0 if all(p.get("ok") for p in parts) else 1
 
 

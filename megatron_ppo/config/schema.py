@@ -119,6 +119,10 @@ class MegatronConfig(Freezable):
     recompute_granularity: str | None = choice(None, (None, "full", "selective"))
     recompute_method: str | None = choice(None, (None, "uniform", "block"))
     recompute_num_layers: int | None = ranged(None, AT_LEAST_ONE)
+    # this role's micro-batch widths (tokens per row) rounded up to a multiple of this (lcm with the layout's own
+    # multiple), so attention and compiled kernels see few shapes; the padding stays out of every loss, metric and
+    # log-prob, its cost is perf/padded_over_real_tokens. null: 128 on CUDA, 1 on CPU (models.widths.width_bucket)
+    make_sequence_length_divisible_by: int | None = ranged(None, AT_LEAST_ONE)
     # Host offload between phases (verl's switches; megatron_ppo.models.offload): outside the phases that need
     # them, the role's weights / gradients / optimizer states wait in (pinned) host memory.
     param_offload: bool = False

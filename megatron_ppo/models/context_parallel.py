@@ -35,14 +35,22 @@ def chunk_positions(width: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
-def split_micro_batch(batch: MicroBatch, cp_size: int, cp_rank: int, tp_for_sequence_parallel: int = 1) -> MicroBatch:
+def split_micro_batch(
+    batch: MicroBatch, cp_size: int, cp_rank: int, tp_for_sequence_parallel: int = 1, full_width: int | None = None
+) -> MicroBatch:
     """This CP rank's tokens of every per-token tensor (`[b, W, ...]`, W = `input_ids`' width) of `batch`, after
-    right-padding W to `padded_width` (zeros: padded tokens are outside every mask; positions continue counting).
-    Per-row tensors (`[b]`, e.g. `lengths`, `scores`) are kept whole."""
+    right-padding W to `full_width` (the pass's width, `models.schedule.model_shapes`; by default `padded_width`),
+    zeros: padded tokens are outside every mask; positions continue counting. Per-row tensors (`[b]`, e.g.
+    `lengths`, `scores`) are kept whole."""
     if batch.get("attention_mask") is not None:
         raise ValueError("context parallelism runs causal attention without an explicit attention mask")
     width = batch["input_ids"].shape[1]
-    full = padded_width(width, cp_size, tp_for_sequence_parallel)
+    full = full_width or padded_width(width, cp_size, tp_for_sequence_parallel)
+    if full < width or full % (2 * cp_size * tp_for_sequence_parallel):
+        raise ValueError(
+            f"cannot pad a {width}-token micro-batch to {full} tokens and cut it into 2·CP·TP = "
+            f"{2 * cp_size * tp_for_sequence_parallel} equal chunks: take the width from models.widths.padded_width"
+        )
     index = chunk_positions(full, cp_size, cp_rank).to(batch["input_ids"].device)
     out = {}
     for key, value in batch.items():

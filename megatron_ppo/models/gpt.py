@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core import parallel_state
@@ -25,7 +25,8 @@ from megatron_ppo.models.kernels import transformer_engine_importable, transform
 from megatron_ppo.models.norms import LocalNorm, with_local_norms
 from megatron_ppo.models.transformer_config import build_transformer_config, padded_vocab_size
 from megatron_ppo.models.value_head import ValueHead
-from megatron_ppo.parallel.device import current_device
+from megatron_ppo.models.widths import PaddingTally, width_bucket
+from megatron_ppo.parallel.device import current_device, on_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class RoleModel:
     vocab_size: int  # the tokenizer's; logits beyond it are padding
     padded_vocab_size: int
     logprob_chunk_tokens: int | None = None  # model.logprob_chunk_tokens, for vocab_parallel_log_probs
+    width_multiple: int = 1  # micro-batch widths are multiples of this (models.widths.width_bucket)
+    padding: PaddingTally = field(default_factory=PaddingTally)  # tokens computed vs real, for perf/ metrics
 
     @property
     def is_trained(self) -> bool:
@@ -144,6 +147,8 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
         )
         if role == "critic" and post_process:
             gpt.output_layer = ValueHead(config)
+        elif post_process and not config.sequence_parallel:
+            batch_major_logits(gpt.output_layer)
         # Megatron's torch norms and our value head are made on the host in fp32: all of it to the run's device and
         # dtype (as Megatron-LM's Float16Module does), so norms run their fused bf16 kernels
         gpt.to(device=current_device(), dtype=config.params_dtype)
@@ -161,7 +166,8 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
             DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0)
             for index, chunk in enumerate(chunks)
         ]
-    return RoleModel(role, chunks, config, model.vocab_size, vocab, model.logprob_chunk_tokens)
+    bucket = width_bucket(layout.make_sequence_length_divisible_by, on_cuda())
+    return RoleModel(role, chunks, config, model.vocab_size, vocab, model.logprob_chunk_tokens, bucket)
 
 
 def data_parallel_config(layout: MegatronConfig) -> DistributedDataParallelConfig:
@@ -202,6 +208,24 @@ def zero_grad_buffers(model: RoleModel) -> None:
             if len(group.per_param_grad_ready_counts) != len(group.params):
                 group.per_param_grad_ready_counts = {}
         chunk.zero_grad_buffer()
+
+
+def batch_major_logits(output_layer: torch.nn.Module) -> None:
+    """Make the vocabulary output layer compute its logits in `[b, s, v / TP]` order — its input transposed first,
+    `[s, b, h]` → `[b, s, h]` (a copy h / v of the logits' size) — and return them as the `[s, b, v / TP]` view, so
+    GPTModel's `logits.transpose(0, 1).contiguous()` to `[b, s, v / TP]` copies nothing, forward or backward (two
+    copies of the largest tensor of the step otherwise). Not with sequence parallelism, where the layer
+    all-gathers its input along the sequence dimension (dim 0)."""
+
+    def transpose_input(_layer, args, kwargs):
+        return (args[0].transpose(0, 1).contiguous(), *args[1:]), kwargs
+
+    def transpose_output(_layer, _args, output):
+        logits, bias = output
+        return logits.transpose(0, 1), bias
+
+    output_layer.register_forward_pre_hook(transpose_input, with_kwargs=True)
+    output_layer.register_forward_hook(transpose_output)
 
 
 def unwrap(chunk: torch.nn.Module) -> GPTModel:

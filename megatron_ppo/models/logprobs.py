@@ -7,9 +7,10 @@ normaliser is assembled from per-rank pieces, so no rank ever holds a `[tokens, 
     log p_v = z_v − lse,      log p(y) = log p_y  (taken on the rank that owns y, then all-reduce SUM)
     H = −Σ_v p_v log p_v      (all-reduce SUM)
 
-The tokens are processed `chunk_tokens` at a time: each chunk is cast to float32, reduced, and dropped. The forward
-holds one float32 chunk `[chunk_tokens, vocab / TP]` of shifted logits y = z − m and takes exp(y) in row blocks
-(`_EXP_ROWS`), so the memory above the logits is one chunk plus one block. With S = Σ_v e^{y_v} (all-reduced):
+The tokens are processed `chunk_tokens` at a time. The forward takes y = z − m and e^y of a chunk a row block
+(`_EXP_ROWS`) at a time and log p(y) from the logits at the label, so the memory above the logits is two float32
+blocks `[_EXP_ROWS, vocab / TP]`; the backward casts one chunk of bf16 logits to float32 at a time (float32 logits
+are reduced in place, below). With S = Σ_v e^{y_v} (all-reduced):
 
     log p(y) = y_label − log S,      H = log S − Σ_v e^{y_v}·y_v / S
 
@@ -19,8 +20,9 @@ log p chunk by chunk and needs no communication (lse and H are already global):
     ∂L/∂z_v = g_lp · (1[v = y] − p_v) − g_H · p_v (log p_v + H),     ∂L/∂logits = ∂L/∂z / T
 
 and, like Megatron's fused cross-entropy, writes the gradient into the logits' own storage (they are not needed
-again), so no second `[tokens, vocab / TP]` tensor exists — unless the logits are a leaf or a view of another
-tensor (then a fresh one); float32 logits are even reduced in place, chunk by chunk, without a float32 copy.
+again), so no second `[tokens, vocab / TP]` tensor exists — unless the logits are a leaf or a view into part of
+another tensor (then a fresh one); float32 logits are even reduced in place, chunk by chunk, without a float32
+copy.
 
 Columns at or beyond the true vocabulary size (padding for TP divisibility) get probability zero and gradient zero.
 """
@@ -49,7 +51,39 @@ def _scaled_chunk(logits: torch.Tensor, temperature: float, padding: torch.Tenso
     return z
 
 
-_EXP_ROWS = 256  # rows of a chunk whose exp(y) exists at once: the forward's second buffer, [256, vocab / TP]
+def _chunk_max(logits: torch.Tensor, temperature: float, real_columns: int) -> torch.Tensor:
+    """m = max_v z over every rank's slice (all-reduce MAX), float32 `[chunk]`, from this slice's `real_columns`
+    (padding columns lie at its end): max(logits) / T, the same number as max(logits / T) for T > 0."""
+    if real_columns > 0:
+        local = logits[:, :real_columns].max(dim=-1).values.float().div_(temperature)
+    else:
+        local = torch.full(logits.shape[:1], _NEG, dtype=torch.float32, device=logits.device)
+    return _all_reduce(local, dist.ReduceOp.MAX)
+
+
+def _shifted_block(
+    logits: torch.Tensor, temperature: float, max_z: torch.Tensor, padding: torch.Tensor | None
+) -> torch.Tensor:
+    """y = z − m in a fresh float32 buffer `[rows, vocab / TP]` (one pass from float32 logits at T = 1), padding
+    columns at the −∞ stand-in."""
+    if logits.dtype == torch.float32 and temperature == 1.0:
+        shifted = logits - max_z.unsqueeze(-1)
+        if padding is not None:
+            shifted.masked_fill_(padding, _NEG)
+        return shifted
+    return _scaled_chunk(logits, temperature, padding).sub_(max_z.unsqueeze(-1))
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s memory is its own to overwrite: not a leaf the caller holds, contiguous, and either no
+    view or a view of its whole base (the model's `[s, b] → [b, s]` transpose of batch-major logits)."""
+    if tensor.is_leaf or not tensor.is_contiguous():
+        return False
+    base = tensor._base
+    return base is None or (base.numel() == tensor.numel() and base.data_ptr() == tensor.data_ptr())
+
+
+_EXP_ROWS = 128  # rows of a chunk whose y and exp(y) (forward) or factor (backward) exist at once: [128, vocab / TP]
 
 
 class _ChunkedVocabParallelLogProbEntropy(torch.autograd.Function):
@@ -66,28 +100,29 @@ class _ChunkedVocabParallelLogProbEntropy(torch.autograd.Function):
         local_label = (flat_labels - start).clamp(0, local_vocab - 1)
         lse = torch.empty(tokens, dtype=torch.float32, device=logits.device)
         picked_and_entropy = torch.zeros(2, tokens, dtype=torch.float32, device=logits.device)
+        real_columns = local_vocab if padding is None else max(0, vocab_size - start)
         for begin in range(0, tokens, step):
             end = min(begin + step, tokens)
-            shifted = _scaled_chunk(flat[begin:end], temperature, padding)
-            max_z = _all_reduce(shifted.max(dim=-1).values, dist.ReduceOp.MAX)
-            shifted -= max_z.unsqueeze(-1)
+            chunk = flat[begin:end]
+            max_z = _chunk_max(chunk, temperature, real_columns)
             sum_exp = torch.empty_like(max_z)
             exp_dot_shifted = torch.empty_like(max_z) if with_entropy else None
-            for row in range(0, end - begin, _EXP_ROWS):
-                block = shifted[row : row + _EXP_ROWS]
-                exp_block = block.exp()
-                sum_exp[row : row + _EXP_ROWS] = exp_block.sum(dim=-1)
+            for row in range(0, end - begin, _EXP_ROWS):  # y = z − m and e^y a block of rows at a time
+                rows = slice(row, row + _EXP_ROWS)
+                shifted = _shifted_block(chunk[rows], temperature, max_z[rows], padding)
+                exp_block = shifted.exp()
+                sum_exp[rows] = exp_block.sum(dim=-1)
                 if exp_dot_shifted is not None:
-                    exp_dot_shifted[row : row + _EXP_ROWS] = torch.einsum("tv,tv->t", exp_block, block)
-                del exp_block
+                    exp_dot_shifted[rows] = torch.einsum("tv,tv->t", exp_block, shifted)
+                del shifted, exp_block
             local_sum_exp = sum_exp.clone() if with_entropy else None
             log_sum_exp = _all_reduce(sum_exp).log()
             lse[begin:end] = max_z + log_sum_exp
-            picked = shifted.gather(-1, local_label[begin:end].unsqueeze(-1)).squeeze(-1) - log_sum_exp
+            label_z = chunk.gather(-1, local_label[begin:end].unsqueeze(-1)).squeeze(-1).float().div_(temperature)
+            picked = label_z - max_z - log_sum_exp
             picked_and_entropy[0, begin:end] = torch.where(owned[begin:end], picked, 0.0)
             if with_entropy:  # this slice's −Σ p log p = Σ e^y (log S − y) / S
                 picked_and_entropy[1, begin:end] = (log_sum_exp * local_sum_exp - exp_dot_shifted) / sum_exp
-            del shifted
         log_probs, entropy = _all_reduce(picked_and_entropy)  # the owner's log p(y), and Σ over vocab slices
         ctx.save_for_backward(logits, local_label, owned, lse, entropy)
         ctx.temperature, ctx.step, ctx.padding = temperature, step, padding
@@ -99,7 +134,7 @@ class _ChunkedVocabParallelLogProbEntropy(torch.autograd.Function):
         local_vocab = logits.shape[-1]
         # the gradient goes where the logits were (Megatron's cross-entropy does the same with its softmax): only a
         # tensor of their own — not a leaf the caller holds, not a view into another tensor
-        in_place = not logits.is_leaf and logits._base is None and logits.is_contiguous()
+        in_place = _owns_storage(logits)
         flat = logits.reshape(-1, local_vocab)
         grad = flat if in_place else torch.empty_like(flat)
         # 1/T folded into the incoming gradients: ∂L/∂logits = −p (g_lp/T + g_H/T (log p + H)) + g_lp/T at the label
@@ -121,11 +156,13 @@ class _ChunkedVocabParallelLogProbEntropy(torch.autograd.Function):
             if g_h is None:
                 log_p.exp_().mul_(minus_g_lp)  # log p is not needed again: its buffer becomes p, then the gradient
             else:
-                for row in range(0, end - begin, _EXP_ROWS):  # the factor needs log p and p: a block at a time
-                    block = log_p[row : row + _EXP_ROWS]
-                    rows = slice(begin + row, begin + row + block.shape[0])
-                    factor = (block + entropy[rows].unsqueeze(-1)).mul_(-g_h[rows].unsqueeze(-1))
-                    factor += minus_g_lp[row : row + _EXP_ROWS]
+                # p (−g_lp − g_H (log p + H)) = p (a − g_H log p), a = −g_lp − g_H·H per token: one pass for the
+                # factor (it needs log p, the buffer becomes p), a block at a time
+                minus_g_h = -g_h[begin:end].unsqueeze(-1)
+                offset = torch.addcmul(minus_g_lp, minus_g_h, entropy[begin:end].unsqueeze(-1))
+                for row in range(0, end - begin, _EXP_ROWS):
+                    block, rows = log_p[row : row + _EXP_ROWS], slice(row, row + _EXP_ROWS)
+                    factor = torch.addcmul(offset[rows], block, minus_g_h[rows])
                     block.exp_().mul_(factor)
                     del factor
             label_grad = (g_lp[begin:end] * owned[begin:end]).unsqueeze(-1)

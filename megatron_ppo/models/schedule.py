@@ -30,7 +30,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_ppo.models.context_parallel import gather_per_token, split_micro_batch
 from megatron_ppo.models.gpt import RoleModel, unwrap
 from megatron_ppo.models.moe import expert_parallel_shapes, pad_tokens, routing_padding_mask
-from megatron_ppo.models.widths import padded_width
+from megatron_ppo.models.widths import padded_width, pass_shape
 from megatron_ppo.parallel.device import module_device, to_device
 
 MicroBatch = dict[str, torch.Tensor]
@@ -53,29 +53,26 @@ def run_micro_batches(
     `attention_mask` `[b, 1, s, s]`, True where attention is not allowed; causal without one); `loss_fn` sees the
     micro-batch on the model's device. Returns, on the last pipeline stage, the metrics dict `loss_fn` gave for each
     micro-batch (an empty list on other stages). Gradients accumulate in the DDP buffers when not `forward_only`.
-    Without context parallelism the model's inputs are right-padded to the layout's width (`models.widths`: a
-    multiple of TP with sequence parallelism) and, for MoE layers with the allgather dispatcher at EP > 1, to the
-    expert-parallel group's shape (`models.moe`); the last stage's output is cut back to the micro-batch's own
-    `[b, s]` before `loss_fn`, so no padding enters a loss, a metric or a log-prob."""
+    The model's inputs are padded below and to the right to the shapes of `model_shapes` (the layout's and the
+    bucket's width, the expert-parallel group's shape, one shape per pipeline pass); the last stage's output is
+    cut back to the micro-batch's own `[b, s]` (this CP rank's tokens of it) before `loss_fn`, so no padding enters
+    a loss, a metric or a log-prob. The tokens the model computed and the real ones go to `model.padding`."""
     num_micro_batches = len(micro_batches)
     cp_size = parallel_state.get_context_parallel_world_size()
     sp_tp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
-    shapes = [tuple(batch["input_ids"].shape) for batch in micro_batches]
     device = module_device(model.chunks[0], f"the {model.role} model")
-    if cp_size > 1:  # split_micro_batch pads each micro-batch (every per-token tensor) before cutting it
-        model_shapes = None
-        micro_batch_size = max(rows for rows, _ in shapes)
-        seq_length = padded_width(max(width for _, width in shapes), cp_size, sp_tp)
-    else:  # the model's inputs padded to the layout's width (and, MoE allgather at EP > 1, to the EP group's shape)
-        own = [(rows, padded_width(width, 1, sp_tp)) for rows, width in shapes]
-        model_shapes = expert_parallel_shapes(model.config, own) or own
-        micro_batch_size, seq_length = (max(sizes) for sizes in zip(*model_shapes, strict=True))
+    shapes = model_shapes(model, [tuple(batch["input_ids"].shape) for batch in micro_batches], cp_size, sp_tp)
+    micro_batch_size, seq_length = (max(sizes) for sizes in zip(*shapes, strict=True))
+    for batch, (rows, width) in zip(micro_batches, shapes, strict=True):
+        lengths = batch.get("lengths")
+        model.padding.add(rows * width, lengths.sum() if lengths is not None else batch["input_ids"].numel())
 
     def forward_step(data_iterator, chunk):
         index, batch = next(data_iterator)
         batch = to_device(batch, device, f"the {model.role} model's forward")
-        if cp_size > 1:
-            batch = split_micro_batch(batch, cp_size, parallel_state.get_context_parallel_rank(), sp_tp)
+        if cp_size > 1:  # every per-token tensor padded to the pass's width, then this CP rank's chunks taken
+            batch = split_micro_batch(batch, cp_size, parallel_state.get_context_parallel_rank(), sp_tp,
+                                      full_width=shapes[index][1])  # fmt: skip
         input_ids = batch["input_ids"]
         position_ids = batch.get("position_ids")
         if position_ids is None:
@@ -83,18 +80,19 @@ def run_micro_batches(
         # no mask: causal attention by the layers' mask type (the flash path of SDPA / TE, no [s, s] tensor)
         attention_mask = batch.get("attention_mask")
         rows, width = input_ids.shape
-        if model_shapes is not None:
-            input_ids, position_ids, attention_mask = pad_tokens(
-                input_ids, position_ids, attention_mask, model_shapes[index]
-            )
+        input_ids, position_ids, attention_mask = pad_tokens(
+            input_ids, position_ids, attention_mask, (shapes[index][0], shapes[index][1] // cp_size)
+        )
         if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
             lengths = batch.get("lengths", torch.full((rows,), width, device=device))
             mask = routing_padding_mask(lengths, tuple(input_ids.shape))
             output = chunk(input_ids, position_ids, attention_mask, padding_mask=mask)
         else:
             output = chunk(input_ids, position_ids, attention_mask)
-        if model_shapes is not None and unwrap(chunk).post_process:
-            output = output[:rows, :width]  # the padding stays out of the loss, its metrics and its outputs
+        if unwrap(chunk).post_process and tuple(output.shape[:2]) != (rows, width):
+            # the padding stays out of the loss, its metrics and its outputs (cut only where there is some: a
+            # slice's backward writes its gradient into a fresh full-size buffer)
+            output = output[:rows, :width]
         return output, partial(_scaled_loss, loss_fn, batch, num_micro_batches)
 
     iterators = [iter(enumerate(micro_batches)) for _ in model.chunks]
@@ -119,6 +117,25 @@ def run_micro_batches(
             for result, w in zip(results, widths, strict=True)
         ]  # fmt: skip
     return list(results)
+
+
+def model_shapes(
+    model: RoleModel, shapes: Sequence[tuple[int, int]], cp_size: int, tp_for_sequence_parallel: int
+) -> list[tuple[int, int]]:
+    """The `(rows, width)` each micro-batch of one pass enters the model with (full rows: a CP rank holds
+    width / CP of them), from the micro-batches' own `shapes`: each width rounded up by the layout's and the
+    bucket's rule (`models.widths.padded_width`); without CP, for MoE's allgather dispatcher at EP > 1, the
+    largest of the expert-parallel group (`models.moe`); with PP > 1, one shape for the whole pass
+    (`models.widths.pass_shape`), so Megatron's pipeline messages need no shape exchange. Sets the model's
+    `variable_seq_lengths` for the pass: on only where a pipeline pass keeps several shapes."""
+    bucket = model.width_multiple
+    own = [(rows, padded_width(width, cp_size, tp_for_sequence_parallel, bucket)) for rows, width in shapes]
+    if cp_size == 1:
+        own = expert_parallel_shapes(model.config, own) or own
+    pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    one = pass_shape(own) if pipelined else None
+    model.config.variable_seq_lengths = pipelined and one is None
+    return [one] * len(own) if one is not None else own
 
 
 def _scaled_loss(loss_fn: LossFn, batch: MicroBatch, num_micro_batches: int, output: torch.Tensor):

@@ -64,7 +64,8 @@ def build_transformer_config(
     (`models.kernels.fusion_flags`); batched pipeline messages. On CPU: weights initialised on the CPU (a full
     master weight is drawn, then split, so every TP layout starts from the same weights), no fused kernels, and
     point-to-point pipeline messages sent one by one (gloo pairs batched messages out of order at PP=2 with VPP,
-    which silently corrupts the interleaved schedule's gradients). MoE fields: `moe_settings`."""
+    which silently corrupts the interleaved schedule's gradients). Pipeline messages of one fixed shape per pass
+    (`variable_seq_lengths` off, set per pass by `models.schedule.model_shapes`). MoE fields: `moe_settings`."""
     cuda = on_cuda()
     dtype = DTYPES[model.params_dtype]
     swiglu = model.activation == "swiglu"
@@ -103,7 +104,6 @@ def build_transformer_config(
         **fusion_flags(model),
         **moe_settings(model, layout, with_aux_loss),
     )
-    # Micro-batches differ in length; the constructor refuses this flag for the default MoE dispatcher even
-    # without experts, so it is set afterwards. Shapes then travel ahead of each pipeline message.
-    config.variable_seq_lengths = True
+    # variable_seq_lengths stays off: the schedule pads each pipeline pass to one shape and sets the flag for a
+    # pass that keeps several (`models.schedule.model_shapes`)
     return config

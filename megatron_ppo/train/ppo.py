@@ -26,9 +26,10 @@ from megatron_ppo.critic_init import load_critic
 from megatron_ppo.data.rows import Row
 from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.models import build_role_model, copy_weights
-from megatron_ppo.models.gpt import sync_parameters
+from megatron_ppo.models.gpt import RoleModel, sync_parameters
 from megatron_ppo.models.kernels import describe_kernels
 from megatron_ppo.models.offload import HostOffload
+from megatron_ppo.models.widths import PaddingTally
 from megatron_ppo.parallel.collectives import barrier, global_rank
 from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.phases import Phase
@@ -55,7 +56,7 @@ from megatron_ppo.train.preemption import (
     watching,
 )
 from megatron_ppo.train.run_start import start_run
-from megatron_ppo.train.throughput import phase_timer, throughput_metrics, timing_metrics
+from megatron_ppo.train.throughput import padding_metrics, phase_timer, throughput_metrics, timing_metrics
 from megatron_ppo.train.update import RoleUpdate, actor_loss, critic_loss, update_role
 
 
@@ -191,6 +192,8 @@ class PPOTrainer:
     def iteration(self) -> dict[str, float]:
         """One PPO iteration, in the order of the algorithm; returns its metrics."""
         config, timings = self.config, {}
+        for model in self._built_roles().values():
+            model.padding = PaddingTally()  # perf/padded_over_real_tokens counts this iteration's passes
         with phase_timer(timings, "iteration"):
             # 1. batch: the next train_batch_size rows, tokenized, right-padded and on the run's device
             rows = [self.rows[i] for i in self.sampler.next_batch(config.data.train_batch_size)]
@@ -232,13 +235,16 @@ class PPOTrainer:
         # 8. metrics: counters, timings and throughput (MFU from the planner's FLOP count)
         return metrics | self._throughput(batch["lengths"], timings)
 
+    def _built_roles(self) -> dict[str, RoleModel]:
+        return {role: model for role in ("actor", "ref", "critic") if (model := getattr(self, role)) is not None}
+
     def _throughput(self, lengths: torch.Tensor, timings: dict[str, float]) -> dict[str, float]:
         tokens, seconds = float(lengths.sum()), timings["iteration"]
-        roles = [role for role in ("actor", "ref", "critic") if getattr(self, role) is not None]
+        roles = self._built_roles()
         return {
             "train/skipped_steps": float(self.skipped_steps), "perf/step_time_s": seconds,
-            "perf/tokens_per_s": tokens / seconds,
-            **throughput_metrics(self.config, roles, lengths.cpu(), timings), **timing_metrics(timings),
+            "perf/tokens_per_s": tokens / seconds, **padding_metrics(list(roles.values())),
+            **throughput_metrics(self.config, list(roles), lengths.cpu(), timings), **timing_metrics(timings),
         }  # fmt: skip
 
     def _update(self, role: str, experience: Experience, timings: dict[str, float]) -> RoleUpdate:

@@ -3,6 +3,7 @@
     perf/mfu/actor      = FLOPs(actor update) / (timing/update_actor_s · GPUs · peak)
     perf/mfu/critic     = FLOPs(critic update) / (timing/update_critic_s · GPUs · peak)
     perf/tflops_per_gpu = FLOPs(iteration) / (iteration seconds · GPUs) / 10¹²
+    perf/padded_over_real_tokens = Σ tokens the models computed / Σ real tokens (1: no padding)
 
 FLOPs come from `megatron_ppo.flops.iteration_flops` (the same function the planner's step-time estimate uses),
 over the batch's real tokens: Σ row lengths, with attention by Σ (row length)². The peak is the dense bf16
@@ -11,11 +12,14 @@ tensor-core peak of `cluster.gpu_type` (`config/gpus.py`).
 The trainer calls, once per iteration, after timing its phases on the host:
 
     metrics |= throughput_metrics(config, roles, batch["lengths"], timings) | timing_metrics(timings)
+    metrics |= padding_metrics(models)
 
 with `roles` the built roles (("actor", "ref", "critic") or fewer) and `timings = {"experience": s,
 "update_actor": s, "update_critic": s, "iteration": s}` in seconds, keyed by each `Phase`'s `metric` name (phases
 that did not run are left out), each phase timed with `phase_timer`, which waits for the GPU's queued kernels so
 none is counted in the next phase.
+The padding ratio counts every pass of the iteration (experience and updates, this rank's micro-batches): the rows
+of a micro-batch padded to its longest, widths bucketed, one shape per pipeline pass (`models.widths`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from megatron_ppo.config.gpus import gpu_spec
 from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.flops import flop_parameter_count, iteration_flops
+from megatron_ppo.models.gpt import RoleModel
 from megatron_ppo.parallel.device import on_cuda
 from megatron_ppo.phases import Phase
 
@@ -54,6 +59,14 @@ def throughput_metrics(
         if phase in ran and timings[phase.metric] > 0:
             out[f"perf/mfu/{role}"] = ran[phase] / (timings[phase.metric] * gpus * peak * 1e12)
     return out
+
+
+def padding_metrics(models: Sequence[RoleModel]) -> dict[str, float]:
+    """`perf/padded_over_real_tokens`: the tokens `models` computed (rows × width of each micro-batch as it entered
+    the model) over the real ones (Σ row lengths), summed over their passes since the tallies were last cleared."""
+    padded = sum(model.padding.padded for model in models)
+    real = sum(torch.as_tensor(model.padding.real, dtype=torch.float64).cpu() for model in models)
+    return {"perf/padded_over_real_tokens": padded / float(real)} if padded else {}
 
 
 def timing_metrics(timings: dict[str, float]) -> dict[str, float]:

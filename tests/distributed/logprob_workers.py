@@ -53,10 +53,11 @@ def compare_with_full_softmax(
 
     reports: dict[int | None, dict[str, Any]] = {}
     for chunk in chunks:
+        # float32 logits of their own (not a leaf, as a model's are): the backward writes the gradient into them
         local = full_logits[..., tp_rank * width : (tp_rank + 1) * width].clone().requires_grad_(True)
         with LargestTensor() as probe:
             log_prob, entropy = vocab_parallel_log_probs(
-                local, labels, vocab_size=VOCAB, temperature=temperature, with_entropy=True, chunk_tokens=chunk
+                local * 1.0, labels, vocab_size=VOCAB, temperature=temperature, with_entropy=True, chunk_tokens=chunk
             )
             ((log_prob + 0.3 * entropy) * weights).sum().backward()
         local_bf16 = local.detach().bfloat16().requires_grad_(True)

@@ -1,9 +1,10 @@
 """Actor and critic under TP, TP with sequence parallelism (odd micro-batch widths: padded to a multiple of TP and
-cut back), full and selective activation recompute, PP, TP×PP, PP with virtual stages, and DP, against the same
-weights at TP=1 PP=1, through the trainer's own experience and update path (`forward_passes`, `update_role`,
-`actor_loss`, `critic_loss`); with token-budget micro-batches (use_dynamic_bsz) under virtual stages and DP, where
-each replica's own packing gives an odd count that the interleaved schedule refuses unless it is evened out; then
-GSPO with sequence-level importance weights (`rollout_correction`), whose ratios and weights are per whole row."""
+cut back; and bucketed to a multiple of 16), full and selective activation recompute, PP, TP×PP, PP with virtual
+stages, and DP, against the same weights at TP=1 PP=1, through the trainer's own experience and update path
+(`forward_passes`, `update_role`, `actor_loss`, `critic_loss`); with token-budget micro-batches (use_dynamic_bsz)
+under virtual stages and DP, where each replica's own packing gives an odd count that the interleaved schedule
+refuses unless it is evened out; then GSPO with sequence-level importance weights (`rollout_correction`), whose
+ratios and weights are per whole row. Pipeline passes send one shape each, with no shape exchange."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ LAYOUTS = {
     "pp2-recompute-selective": (2, MegatronConfig(pipeline_model_parallel_size=2, recompute_granularity="selective")),
     "pp2": (2, MegatronConfig(pipeline_model_parallel_size=2)),
     "pp2-vpp2": (2, MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+    # widths bucketed to 16 (the rows hold 6–12 tokens): lcm with TP under SP, one shape per pipeline pass
+    "tp2-sp-bucket16": (
+        2,
+        MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True, make_sequence_length_divisible_by=16),
+    ),
     "dp2-distopt": (2, MegatronConfig(use_distributed_optimizer=True)),
     "tp2-pp2": (4, MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
     "pp2-vpp2-dp2-dynamic": (4, MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
@@ -115,6 +121,28 @@ def test_activation_recompute_runs_the_forward_again_in_the_backward(
 def test_value_head_lives_only_on_the_last_stage(parity, name: str) -> None:
     for report in parity["reports"][name]:
         assert report["value_head_on_this_rank"] == report["last_stage"]
+
+
+@pytest.mark.parametrize("name", layouts(["pp2", "pp2-vpp2", "tp2-pp2", "pp2-vpp2-dp2-dynamic"]))
+def test_pipeline_passes_send_one_shape_without_a_shape_exchange(parity, name: str) -> None:
+    """Fixed micro-batches: every pass one padded shape, `variable_seq_lengths` off (no shape exchange before each
+    pipeline message); token budgets: a pass keeps its shapes (and the exchange) only where one would exceed them."""
+    for rank, report in enumerate(parity["reports"][name]):
+        passes = report["pipeline_passes"]
+        assert len(passes) >= 5, f"{name}, rank {rank}: expected the experience and update passes, saw {passes}"
+        for seen in passes:
+            if not seen["variable_seq_lengths"]:
+                assert len(seen["shapes"]) == 1, f"{name}, rank {rank}: one pass, several shapes {seen['shapes']}"
+        if name not in MAX_TOKENS:
+            assert not any(seen["variable_seq_lengths"] for seen in passes), f"{name}, rank {rank}: {passes}"
+
+
+@pytest.mark.parametrize(("name", "without"), [("tp2-sp-bucket16", "tp2-sp")])
+def test_bucketed_widths_pad_the_model_inputs(parity, name: str, without: str) -> None:
+    """The bucket layout's metrics match (the tests above); here: its model did compute the padded widths."""
+    bucketed, plain = (parity["reports"][layout][0]["actor_tokens_computed"] for layout in (name, without))
+    assert bucketed > plain, f"bucketing to 16 computed {bucketed} tokens, no more than TP's multiple ({plain})"
+    assert bucketed % 16 == 0, f"{bucketed} tokens: not whole rows of a multiple of 16"
 
 
 @pytest.mark.parametrize("name", layouts(LAYOUTS))

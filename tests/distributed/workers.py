@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.utils import get_model_config
 
 from megatron_ppo.config.schema import (
     ActorConfig,
@@ -32,7 +35,7 @@ from megatron_ppo.config.schema import (
 )
 from megatron_ppo.config.validate import resolve
 from megatron_ppo.data.rows import Row
-from megatron_ppo.models import build_role_model, run_micro_batches, unwrap
+from megatron_ppo.models import build_role_model, run_micro_batches, schedule, unwrap
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.phases import Phase
@@ -234,7 +237,8 @@ def parallel_layout(
     if max_tokens is not None:
         for role in (config.actor, config.critic):
             role.use_dynamic_bsz, role.ppo_max_token_len_per_gpu = True, max_tokens
-    ours = _experience_and_update(config, actor, ref, critic, sequence_level)
+    with pipeline_passes_seen([actor, ref, critic]) as passes_seen:
+        ours = _experience_and_update(config, actor, ref, critic, sequence_level)
     roles = ("actor", "critic", "gspo") if sequence_level else ("actor", "critic")
     report: dict[str, Any] = {
         **{f"{role}_grad_norm": (ours[f"{role}_grad_norm"], expected[f"{role}_grad_norm"]) for role in roles},
@@ -245,6 +249,8 @@ def parallel_layout(
         "ref_weights_unchanged": all(torch.equal(v, frozen_before[k]) for k, v in weights(ref).items()),
         "ref_has_no_grad": all(not p.requires_grad for c in ref.chunks for p in c.parameters()),
         "actor_first_layer_forwards": forwards,
+        "pipeline_passes": passes_seen,
+        "actor_tokens_computed": actor.padding.padded,
         "metrics": {(f"gspo:{key}" if role == "gspo" else key): (value, expected[f"{role}_metrics"][key])
                     for role in roles for key, value in ours[f"{role}_metrics"].items()},
     }  # fmt: skip
@@ -254,6 +260,43 @@ def parallel_layout(
     save(actor, workdir / name / "actor")
     save(critic, workdir / name / "critic")
     return report
+
+
+@contextmanager
+def pipeline_passes_seen(role_models: list) -> Iterator[list[dict[str, Any]]]:
+    """Each schedule pass run inside the block: Megatron's `variable_seq_lengths` as the pass began and the
+    `[s, b, h]` shapes that entered the decoders of `role_models` (on a later pipeline stage, the received pipeline
+    messages)."""
+    passes: list[dict[str, Any]] = []
+    real = schedule.get_forward_backward_func
+
+    def pass_start():
+        run = real()
+
+        def watched(**kwargs):
+            chunks = kwargs["model"] if isinstance(kwargs["model"], list) else [kwargs["model"]]
+            variable = get_model_config(chunks[0]).variable_seq_lengths
+            passes.append({"variable_seq_lengths": variable, "shapes": set()})
+            return run(**kwargs)
+
+        return watched
+
+    def seen(decoder, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if hidden is None:  # a later stage's decoder reads the received message from its input_tensor
+            hidden = decoder.input_tensor
+        if passes and hidden is not None:
+            passes[-1]["shapes"].add(tuple(hidden.shape))
+
+    hooks = [unwrap(chunk).decoder.register_forward_pre_hook(seen, with_kwargs=True)
+             for role_model in role_models for chunk in role_model.chunks]  # fmt: skip
+    schedule.get_forward_backward_func = pass_start
+    try:
+        yield passes
+    finally:
+        schedule.get_forward_backward_func = real
+        for hook in hooks:
+            hook.remove()
 
 
 def parallel_layouts(

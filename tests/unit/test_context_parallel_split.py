@@ -36,6 +36,16 @@ def test_split_then_merge_gives_back_every_token_and_keeps_positions(cp: int, wi
     assert padding == 0, "padded tokens must be outside the loss mask"
 
 
+def test_a_micro_batch_pads_to_its_pipeline_pass_width_and_merges_back() -> None:
+    batch, cp = _batch(11), 2
+    parts = [split_micro_batch(batch, cp, rank, full_width=32) for rank in range(cp)]  # the pass's widest: 32
+    assert all(part["input_ids"].shape == (3, 16) for part in parts)
+    for key in ("input_ids", "position_ids", "loss_mask", "logits"):
+        assert torch.equal(merge_chunks([part[key] for part in parts], 11), batch[key]), key
+    with pytest.raises(ValueError, match="equal chunks"):
+        split_micro_batch(batch, cp, 0, full_width=30)
+
+
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_each_rank_gets_the_same_causal_attention_work(cp: int) -> None:
     """Rank r holds chunks r and 2·CP − 1 − r: the keys its queries see, Σ (position + 1), are equal on all ranks."""

@@ -54,5 +54,5 @@ def test_padded_vocab_is_the_same_for_every_tensor_parallel_size() -> None:
 
 def test_cpu_config_initialises_on_cpu_and_sends_pipeline_messages_one_by_one() -> None:
     config = build_transformer_config(ModelConfig(params_dtype="fp32"), MegatronConfig(pipeline_model_parallel_size=2))
-    assert config.use_cpu_initialization and not config.batch_p2p_comm and config.variable_seq_lengths
+    assert config.use_cpu_initialization and not config.batch_p2p_comm and not config.variable_seq_lengths
     assert not (config.gradient_accumulation_fusion or config.masked_softmax_fusion or config.bias_dropout_fusion)
