@@ -271,7 +271,8 @@ def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: 
     for role, model in models.items():
         _load_model_state(model, state[role], f"{role}.", strict=True)
     for role in saved_optimizers:
-        optimizers[role].load_state_dict(state[f"{role}_optimizer"])
+        with torch.no_grad():  # megatron-core copies into the main weights without it: with fp32 weights under
+            optimizers[role].load_state_dict(state[f"{role}_optimizer"])  # the DO those are views of leaves
     rng_file = path / f"rng_rank{global_rank()}.pt"
     if rng_file.is_file():
         set_rng_states(torch.load(rng_file, weights_only=True))
