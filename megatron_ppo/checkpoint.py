@@ -23,7 +23,10 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_ppo.models import RoleModel, unwrap
 from megatron_ppo.models.gpt import sync_parameters
@@ -39,6 +42,12 @@ REPLACED_PREFIX = ".replaced_"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Transformer Engine modules' FP8 metadata: a local-spec checkpoint (made on CPU, or converted) has none of it
 EXTRA_STATE = "_extra_state"
+# How the distributed optimizer's states are written: each rank's own buffer shards as they are, no gather
+# (Megatron-LM's default); such a checkpoint reloads its optimizer states at the same TP/PP (any DP). Megatron's
+# default for this argument, `fully_sharded_model_space`, writes flattened-range tensors its own checkpointing
+# refuses ("ShardedTensor.flattened_range is not supported"), and `fully_reshardable` fails to load over torch's
+# Adam (its per-parameter `step` is not in the file: KeyError) — both in megatron-core 0.16 and 0.19.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def model_sharded_state(model: RoleModel, prefix: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -112,7 +121,7 @@ def save_checkpoint(
     # fresh and left fresh on load.
     stateful = [role for role in models if role in optimizers and not _stateless(optimizers[role])]
     for role in stateful:
-        sharded[f"{role}_optimizer"] = optimizers[role].sharded_state_dict(sharded[role])
+        sharded[f"{role}_optimizer"] = _optimizer_sharded_state(optimizers[role], sharded[role], role)
     checkpoint_writes_in_process()
     dist_checkpointing.save(sharded, str(temporary))
     torch.save(rng_states(), temporary / f"rng_rank{global_rank()}.pt")
@@ -165,6 +174,31 @@ def _prune(root: Path, run_id: str, keep: int, step: int, protect: Sequence[Path
         if any(path.resolve() == p.resolve() for p in protect):
             continue
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _optimizer_sharded_state(optimizer: Any, model_state: dict[str, Any], role: str, loading: bool = False) -> Any:
+    """The role's optimizer state as sharded objects (`OPTIMIZER_METADATA`'s format). The distributed optimizer's
+    buffer keys (`[chained_N.]optimizer.distributed.…`) name no parameter, so they get the role's prefix: the
+    actor's and the critic's would be one key otherwise."""
+    state = optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=OPTIMIZER_METADATA)
+
+    def under_role(item: Any) -> Any:
+        if isinstance(item, ShardedBase) and "optimizer.distributed." in item.key:
+            item.key = f"{role}.{item.key}"
+        return item
+
+    dict_list_map_inplace(under_role, state)
+    return state
+
+
+def _allocate_distributed_optimizer_states(optimizer: Any) -> None:
+    """Give a distributed optimizer that has not stepped (a resume's fresh one) its states for the load to fill:
+    over torch's Adam (no Apex or TE: every CPU run) its `state_dict()` reads one `step` from the states and fails
+    on none (megatron-core 0.16 and 0.19). Megatron's own dummy step on zero gradients allocates them; the load
+    then overwrites every value it wrote (main weights, moments, step)."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
 
 
 def _stateless(optimizer: Any) -> bool:
@@ -233,12 +267,14 @@ def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: 
     saved_optimizers = [role for role in trainer_state.pop(OPTIMIZERS_SAVED) if role in optimizers]
     sharded: dict[str, Any] = {role: model_sharded_state(model, f"{role}.") for role, model in models.items()}
     for role in saved_optimizers:
-        sharded[f"{role}_optimizer"] = optimizers[role].sharded_state_dict(sharded[role], is_loading=True)
+        _allocate_distributed_optimizer_states(optimizers[role])
+        sharded[f"{role}_optimizer"] = _optimizer_sharded_state(optimizers[role], sharded[role], role, loading=True)
     state = _load_sharded(sharded, path)
     for role, model in models.items():
         _load_model_state(model, state[role], f"{role}.", strict=True)
     for role in saved_optimizers:
-        optimizers[role].load_state_dict(state[f"{role}_optimizer"])
+        with torch.no_grad():  # megatron-core copies into the main weights without it: with fp32 weights under
+            optimizers[role].load_state_dict(state[f"{role}_optimizer"])  # the DO those are views of leaves
     rng_file = path / f"rng_rank{global_rank()}.pt"
     if rng_file.is_file():
         set_rng_states(torch.load(rng_file, weights_only=True))

@@ -12,19 +12,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.config.schema import ROLES, PPOConfig
 
 
 @dataclass(frozen=True)
 class GpuOnly:
     """A setting that needs CUDA: `setting` as a recipe writes it, `present` whether `config` sets it, `problem`
-    the validation line (naming the fix), `reason` why the CPU cannot run it, `gpu_check` what covers it on a GPU."""
+    the validation line (naming the fix), `reason` why the CPU cannot run it, `gpu_check` what covers it on a GPU,
+    `cpu_stand_in` the overrides that run the rest of such a recipe on CPU (the recipe smoke tests apply them)."""
 
     setting: str
     present: Callable[[PPOConfig], bool]
     problem: Callable[[PPOConfig], str]
     reason: str
     gpu_check: str
+    cpu_stand_in: tuple[str, ...]
 
 
 GPU_ONLY: tuple[GpuOnly, ...] = (
@@ -37,6 +39,7 @@ GPU_ONLY: tuple[GpuOnly, ...] = (
         ),
         reason="Transformer Engine's fused layers, norms, attention and FP8 are CUDA kernels",
         gpu_check="(a) tiny recipe and (b) PPO iteration, on the TE path where TE imports (the table names the path)",
+        cpu_stand_in=("model.transformer_impl=auto",),
     ),
     GpuOnly(
         setting="model.moe_token_dispatcher=alltoall",
@@ -48,6 +51,7 @@ GPU_ONLY: tuple[GpuOnly, ...] = (
         reason="Megatron's alltoall dispatcher creates a CUDA stream; on CPU the allgather dispatcher runs the same "
         "experts, routers and EP/expert-TP layouts",
         gpu_check="not covered (one GPU has no expert-parallel group): the first multi-GPU MoE run",
+        cpu_stand_in=("model.moe_token_dispatcher=allgather",),
     ),
     GpuOnly(
         setting="megatron.context_parallel_size>1",
@@ -59,6 +63,7 @@ GPU_ONLY: tuple[GpuOnly, ...] = (
         reason="only Transformer Engine's attention exchanges keys and values around the CP ring (the local and "
         "SDPA attention see this rank's tokens only); the CP split, padding and loss scale are CPU-tested",
         gpu_check="not covered (one GPU): the first CP run on 2 GPUs",
+        cpu_stand_in=tuple(f"{role}.megatron.context_parallel_size=1" for role in ROLES),
     ),
 )
 

@@ -156,16 +156,6 @@ def _moe_problems(c: PPOConfig) -> list[str]:
             # without it every TP rank would hand the experts the same tokens: their gradients would count TP times
             p.append(f"{key}.tensor_model_parallel_size={tp}: Megatron trains MoE layers at TP > 1 only with sequence "
                      f"parallelism; set {key}.sequence_parallel=true")  # fmt: skip
-    for role in ("actor", "critic"):
-        cfg = getattr(c, role)
-        if (
-            cfg.use_dynamic_bsz
-            and m.moe_token_dispatcher == "allgather"
-            and cfg.megatron.expert_model_parallel_size > 1
-        ):
-            p.append(f"{role}.use_dynamic_bsz=true: the allgather MoE dispatcher needs the same number of "
-                     "micro-batches on every expert-parallel rank; use fixed micro-batches, or the alltoall "
-                     "dispatcher on GPU")  # fmt: skip
     return p
 
 

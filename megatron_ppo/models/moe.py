@@ -43,8 +43,9 @@ def expert_parallel_shapes(
 ) -> list[tuple[int, int]] | None:
     """The `(rows, width)` each micro-batch is padded to so that every rank of this rank's expert TP × EP group
     feeds the allgather dispatcher the same token count: the largest of the group, micro-batch by micro-batch.
-    None when nothing needs padding (`equal_tokens_group`). The ranks must run the same number of micro-batches
-    (fixed micro-batches of equal data-parallel shares; validation refuses dynamic batching here)."""
+    None when nothing needs padding (`equal_tokens_group`). The ranks must run the same number of micro-batches:
+    fixed micro-batches of equal data-parallel shares, or token-budget ones (`collectives.dynamic_micro_batch_count`
+    gives every data-parallel rank the same count)."""
     group = equal_tokens_group(config)
     if group is None:
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from megatron_ppo.parallel.device import select_device
 from megatron_ppo.parallel.megatron_compat import bind_missing_te_general_gemm
 
 DEFAULT_PORT = 29500
+_STARTS = itertools.count()  # process-group starts in this process (several runs may follow each other in one)
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,15 @@ def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0
     chosen = select_device(device, env.local_rank)
     bind_missing_te_general_gemm()  # on either device: MoE routers read the name
     if not dist.is_initialized():
+        address = f"tcp://{env.master_addr}:{env.master_port}"
+        store, _, _ = next(
+            dist.rendezvous(address, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+        )
         dist.init_process_group(
             backend="nccl" if chosen.type == "cuda" else "gloo",
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            # torch names groups by a counter that a teardown resets, and the launcher's store outlives the groups:
+            # each start in this process gets its own key space, or a second run would read the first one's keys
+            store=dist.PrefixStore(f"megatron_ppo/start_{next(_STARTS)}", store),
             rank=env.rank,
             world_size=env.world_size,
             timeout=timedelta(seconds=timeout_s),

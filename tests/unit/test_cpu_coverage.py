@@ -18,6 +18,7 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 PARITY = "tests/distributed/test_parallel_parity.py"
 EXPERTS = "tests/distributed/test_expert_parallel_parity.py"
 OFFLOAD = "tests/distributed/test_host_offload.py::test_an_offloaded_run_equals_one_without_offload"
+SMOKE = "tests/e2e/test_recipe_smoke.py"
 # flag → the CPU test that runs it (through the trainer's own path, against a reference)
 CPU_TESTED = {
     "megatron.tensor_model_parallel_size": f"{PARITY}::test_grad_norm_and_updated_weights_match_single_process",
@@ -35,8 +36,8 @@ CPU_TESTED = {
     "megatron.expert_tensor_parallel_size": f"{EXPERTS}::test_grad_norm_and_updated_weights_match_ep1",
     "model.num_experts": f"{EXPERTS}::test_grad_norm_and_updated_weights_match_ep1",
     "model.moe_token_dispatcher=allgather": f"{EXPERTS}::test_grad_norm_and_updated_weights_match_ep1",
-    "use_dynamic_bsz": "tests/unit/test_batching.py::"
-    "test_dynamic_micro_batches_respect_the_budget_and_cover_each_index_once",
+    # through the CLI with each recipe's layout (with EP and the allgather dispatcher too), resumed and compared
+    "use_dynamic_bsz": f"{SMOKE}::test_recipe_trains_saves_and_resumes_through_the_cli",
 }
 
 

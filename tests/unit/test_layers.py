@@ -42,7 +42,10 @@ LAYERS: dict[str, int] = {
 # `parallel_state` above all, is reached through those two: `parallel/ranks.py` for this rank's place in the groups).
 MEGATRON_OUTSIDE = {
     "megatron_ppo.checkpoint": {"megatron.core.dist_checkpointing", "megatron.core.tensor_parallel",
-                                "megatron.core.dist_checkpointing.validation"},  # saving and loading: its format
+                                "megatron.core.dist_checkpointing.validation",
+                                "megatron.core.dist_checkpointing.mapping",
+                                "megatron.core.dist_checkpointing.dict_utils",
+                                "megatron.core.optimizer.distrib_optimizer"},  # saving and loading: its format
     "megatron_ppo.critic_init": {"megatron.core.dist_checkpointing"},  # which roles a checkpoint's metadata holds
     "megatron_ppo.convert": {"megatron.core.tensor_parallel"},  # the TP gather of the weights it writes to HF
     "megatron_ppo.train.optimizer": {"megatron.core.distributed", "megatron.core.optimizer",

@@ -34,7 +34,6 @@ INVALID = [
         ["EP × expert-TP × PP = 4×1×1 = 4 does not divide the world size 2", "use EP among [1, 2]"],
     ),
     (["model.moe_token_dispatcher=alltoall"], ["needs CUDA", "use 'allgather' on CPU"]),
-    (["actor.use_dynamic_bsz=true"], ["actor.use_dynamic_bsz=true", "same number of micro-batches"]),
     (
         [*_layout(expert_tensor_parallel_size=2), "model.add_bias_linear=true"],
         ["expert_tensor_parallel_size=2", "only at expert TP 1"],

