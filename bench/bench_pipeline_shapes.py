@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from bench.bench_ppo_step import synthetic_rows
+from bench.common import scratch_overrides
 from megatron_ppo.config import load_config
 from megatron_ppo.models import schedule
 from megatron_ppo.parallel import destroy_distributed, init_distributed
@@ -29,11 +30,8 @@ LAYOUT = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
 
 def main() -> None:
     torch.set_num_threads(1)
-    scratch = "outputs/bench/pipeline-shapes"
     config = load_config("recipes/tiny-cpu.yaml", [
-        "data.task=null", "model.allow_random_init=true", "trainer.logger=[]", "trainer.total_training_steps=100",
-        "trainer.resume_mode=disable", "trainer.overwrite=true", f"trainer.default_local_dir={scratch}/checkpoints",
-        f"trainer.log_dir={scratch}/tensorboard", "data.train_batch_size=128",
+        *scratch_overrides("pipeline-shapes"), "data.train_batch_size=128",
         *(f"{role}.megatron.{key}={value}" for role in ("actor", "ref", "critic") for key, value in LAYOUT.items()),
         *(f"{role}.{key}={value}" for role in ("actor", "critic")
           for key, value in (("ppo_mini_batch_size", 64), ("ppo_micro_batch_size_per_gpu", 16))),

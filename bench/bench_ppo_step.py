@@ -12,7 +12,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from bench.common import measure
+from bench.common import measure, scratch_overrides
 from megatron_ppo.config import load_config
 from megatron_ppo.data.batching import dynamic_micro_batches, fixed_micro_batches, padding_fraction
 from megatron_ppo.data.rows import Row
@@ -62,13 +62,7 @@ def skewed_padding() -> tuple[float, float]:
 
 def main() -> None:
     torch.set_num_threads(1)
-    # a run of its own: the bench never resumes or prunes the tiny recipe's checkpoints
-    scratch = "outputs/bench/ppo-step"
-    config = load_config("recipes/tiny-cpu.yaml", [
-        "data.task=null", "model.allow_random_init=true", "trainer.logger=[]", "trainer.total_training_steps=100",
-        "trainer.resume_mode=disable", "trainer.overwrite=true", f"trainer.default_local_dir={scratch}/checkpoints",
-        f"trainer.log_dir={scratch}/tensorboard",
-    ])  # fmt: skip
+    config = load_config("recipes/tiny-cpu.yaml", scratch_overrides("ppo-step"))
     init_distributed(config.actor.megatron, seed=0)
     rows = synthetic_rows(4096, config.model.vocab_size, seed=0)
     trainer = PPOTrainer(config, rows, pad_id=0)

@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: wall time and the process's peak resident memory."""
+"""Helpers shared by the benchmarks: wall time, the process's peak resident memory, and a scratch run's overrides."""
 
 from __future__ import annotations
 
@@ -39,3 +39,12 @@ def measure(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tuple[fl
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times), peak_rss_mib() - base
+
+
+def scratch_overrides(name: str) -> list[str]:
+    """The tiny recipe as a bench's scratch run: no task, random weights, no logger, a run of its own under
+    outputs/bench/<name> that never resumes or prunes the tiny recipe's checkpoints."""
+    scratch = f"outputs/bench/{name}"
+    return ["data.task=null", "model.allow_random_init=true", "trainer.logger=[]", "trainer.total_training_steps=100",
+            "trainer.resume_mode=disable", "trainer.overwrite=true", f"trainer.default_local_dir={scratch}/checkpoints",
+            f"trainer.log_dir={scratch}/tensorboard"]  # fmt: skip

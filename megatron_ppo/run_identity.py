@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from megatron_ppo.config.fields import PER_JOB, tagged_keys
+from megatron_ppo.config.frozen import nested
 from megatron_ppo.config.schema import PPOConfig
 
 RUN_FILE = "run.json"
@@ -68,14 +69,7 @@ def config_hash(flat: dict[str, Any]) -> str:
 def unflatten_config(flat: dict[str, Any]) -> PPOConfig:
     """The typed config back from `flatten_config`'s form (as read from a `run.json`); it was resolved and
     validated when saved, so it is only type-checked against the schema here."""
-    tree: dict[str, Any] = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split(".")
-        node = tree
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = value
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), tree))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), nested(flat)))
 
 
 @dataclass(frozen=True)

@@ -54,14 +54,19 @@ def freeze[T](config: T, prefix: str = "") -> T:
 def with_changes[T](config: T, changes: Mapping[str, Any]) -> T:
     """A frozen copy of `config` (a deep copy: `config` itself is left as it was) with each dotted key of `changes`
     set to its value. Not validated again: derive only what validation passes, or validate the copy."""
+    return freeze(_replaced(copy.deepcopy(config), nested(changes), ""))
+
+
+def nested(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """{"a.b.c": v} → {"a": {"b": {"c": v}}}: dotted keys as the nested dicts of their sections."""
     tree: dict[str, Any] = {}
-    for key, value in changes.items():
+    for key, value in flat.items():
         *parents, leaf = key.split(".")
         node = tree
         for parent in parents:
             node = node.setdefault(parent, {})
         node[leaf] = value
-    return freeze(_replaced(copy.deepcopy(config), tree, ""))
+    return tree
 
 
 def _replaced(section: Any, tree: dict[str, Any], prefix: str) -> Any:
