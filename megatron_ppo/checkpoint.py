@@ -201,6 +201,25 @@ def _allocate_distributed_optimizer_states(optimizer: Any) -> None:
             inner._init_optimizer_states_with_dummy_values()
 
 
+def _restore_adam_steps(optimizer: Any) -> None:
+    """Give every parameter of a distributed optimizer over torch's Adam its own step count, the checkpoint's.
+
+    Megatron keeps torch Adam's per-parameter `step` in the param groups of the checkpoint and sets it back from
+    there, but its `dp_reshardable` parameter state then copies each parameter's states over it, `step` included,
+    and that `step` is never read from the checkpoint: what was allocated before the load (1) wins, and all the
+    parameters share that one tensor, which Adam increments once per parameter and step (megatron-core 0.16 and
+    0.19). A wrong step is a wrong bias correction: the first update after a resume differed from the
+    uninterrupted one by ~1 % of the weights (tests/distributed/test_checkpoints.py)."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(inner, DistributedOptimizer):
+            continue
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                state = inner.optimizer.state.get(param)
+                if state is not None and "step" in state and "step" in group:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
 def _stateless(optimizer: Any) -> bool:
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     return all(not getattr(o, "optimizer", None) or not o.optimizer.state for o in inner)
@@ -275,6 +294,7 @@ def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: 
     for role in saved_optimizers:
         with torch.no_grad():  # megatron-core copies into the main weights without it: with fp32 weights under
             optimizers[role].load_state_dict(state[f"{role}_optimizer"])  # the DO those are views of leaves
+        _restore_adam_steps(optimizers[role])
     rng_file = path / f"rng_rank{global_rank()}.pt"
     if rng_file.is_file():
         set_rng_states(torch.load(rng_file, weights_only=True))

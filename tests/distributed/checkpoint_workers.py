@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -11,14 +13,18 @@ import torch
 
 from megatron_ppo import checkpoint
 from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import MegatronConfig, OptimConfig, PPOConfig
 from megatron_ppo.models import build_role_model
+from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.parallel.collectives import barrier
 from megatron_ppo.run_identity import RunIdentity
-from megatron_ppo.train.optimizer import build_optimizer
+from megatron_ppo.train.micro_batching import MicroBatching
+from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.run_start import start_run
-from tests.distributed.workers import MODEL, weights
+from megatron_ppo.train.update import actor_loss, update_role
+from tests.distributed.workers import MODEL, OPTIM, ROWS, SEED, experience, ppo_config, weights
 
 RUN = RunIdentity.of("a-run", PPOConfig())
 
@@ -192,3 +198,42 @@ def local_checkpoint_into_extra_state_model(rank: int, world_size: int, root: st
     except RuntimeError as error:
         report["missing_weight_error"] = str(error)
     return report
+
+
+def _one_update(actor, optimizer, scheduler, config, seed: int) -> dict[str, float]:
+    """One actor update (two mini-batches: two optimizer steps) on rows drawn with `seed`: its metrics."""
+    batch = experience(ROWS, seed=seed)
+    make_loss = partial(actor_loss, config.actor, kl_loss_coef=0.1, vocab_size=MODEL.vocab_size)
+    micro = MicroBatching(config.actor.ppo_micro_batch_size_per_gpu)
+    update = update_role("actor", actor, optimizer, scheduler, batch, config=config.actor, micro=micro,
+                         make_loss=make_loss)  # fmt: skip
+    return {"grad_norms": [step.grad_norm for step in update.steps], **update.metrics}
+
+
+def resumed_optimizer_takes_the_same_step(rank: int, world_size: int, root: str, layout: MegatronConfig) -> dict:
+    """Two updates, a save, a third update; then a fresh actor and optimizer load the save and take the third update
+    again. Adam's moments, step counts and main weights come back from the checkpoint, so the third update's
+    metrics and the weights after it are the same, bit for bit (same layout, same processes)."""
+    root = Path(root)
+    init_distributed(layout, seed=SEED)
+    config = with_changes(ppo_config(layout), {"actor.ppo_mini_batch_size": ROWS // 2})
+    optim = dataclasses.replace(OPTIM, lr=1e-2, weight_decay=0.1, adam_eps=1e-8, lr_decay_style="constant")
+
+    def build():
+        actor = build_role_model("actor", MODEL, layout)
+        optimizer = build_optimizer(actor, optim, layout)
+        return actor, optimizer, build_scheduler(optimizer, optim, total_steps=10)
+
+    actor, optimizer, scheduler = build()
+    for seed in (1, 2):
+        _one_update(actor, optimizer, scheduler, config, seed)
+    saved = checkpoint.save_checkpoint(root, 2, {"actor": actor}, {"actor": optimizer}, {"step": 2})
+    uninterrupted = _one_update(actor, optimizer, scheduler, config, seed=3)
+    sync_parameters(actor)
+    expected = weights(actor)
+    actor, optimizer, scheduler = build()
+    checkpoint.load_checkpoint(saved, {"actor": actor}, {"actor": optimizer})
+    resumed = _one_update(actor, optimizer, scheduler, config, seed=3)
+    sync_parameters(actor)
+    differences = {name: (value - expected[name]).abs().max().item() for name, value in weights(actor).items()}
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "largest_weight_difference": max(differences.values())}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_ppo.config.schema import MegatronConfig
 from tests.distributed import checkpoint_workers
 from tests.distributed.harness import run_distributed
 
@@ -77,3 +78,21 @@ def test_local_checkpoint_loads_into_a_transformer_engine_model_but_a_missing_we
     assert report["weights_loaded"], "the local checkpoint's weights must load into the TE-like model"
     error = report["missing_weight_error"]
     assert error is not None and "decoder.final_layernorm.extra_weight" in error, f"missing weight not named: {error}"
+
+
+RESUME_LAYOUTS = {
+    "tp2": MegatronConfig(tensor_model_parallel_size=2),
+    "pp2-distopt": MegatronConfig(pipeline_model_parallel_size=2, use_distributed_optimizer=True),
+    "dp2-distopt": MegatronConfig(use_distributed_optimizer=True),
+}
+
+
+@pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
+def test_a_resumed_optimizer_takes_the_same_next_update_bit_for_bit(tmp_path, layout: str) -> None:
+    """The update after a resume equals the uninterrupted one exactly: same metrics, same weights after it (Adam's
+    moments, step counts and the distributed optimizer's main weights all restored)."""
+    reports = run_distributed(checkpoint_workers.resumed_optimizer_takes_the_same_step, 2, str(tmp_path),
+                              RESUME_LAYOUTS[layout])  # fmt: skip
+    for rank, report in enumerate(reports):
+        assert report["resumed"] == report["uninterrupted"], (layout, rank, report)
+        assert report["largest_weight_difference"] == 0.0, (layout, rank, report["largest_weight_difference"])
