@@ -29,11 +29,12 @@ GPU_RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if not p.stem.
 SHRUNK = {recipe.stem: shrink(recipe, load_config(recipe, [])) for recipe in GPU_RECIPES}
 # the run each recipe's layout is smoke-tested in: the first recipe (by name) with that shrunk layout
 SHARED = {name: next(s.name for s in SHRUNK.values() if s.layout == shrunk.layout) for name, shrunk in SHRUNK.items()}
-# Open defect: TP 2 × PP 2 with virtual stages hangs in the critic's first update (the interleaved schedule's
-# point-to-point sends never match) with token-budget micro-batches, with or without sequence parallelism or
-# recompute, and also with fixed ones when a mini-batch has only PP of them (8-row mini-batches); 4 fixed ones per
-# mini-batch run, and TP 1 with the same pipeline and token budgets runs (the parity test). Until it is fixed, such
-# a layout runs here with fixed micro-batches.
+# Open defect: TP 2 × PP 2 with virtual stages hangs in the critic's first update with token-budget micro-batches:
+# such a pass keeps its own shapes (`models.widths.pass_shape`) and Megatron's shape exchange, and under the
+# interleaved schedule one rank exchanges shapes while its peer sends a tensor (seen with faulthandler: P2P
+# `_communicate_shapes` against `send_forward_recv_forward`). Fixed micro-batches, which since the one-shape-per-pass
+# change exchange no shapes, run at any count (2 per mini-batch included). Until the exchange is fixed, such a
+# layout runs here with fixed micro-batches.
 HANGS = ("actor.use_dynamic_bsz=false", "critic.use_dynamic_bsz=false")
 
 
