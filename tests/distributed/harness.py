@@ -1,7 +1,7 @@
 """Run a function on N CPU processes joined by gloo, as torchrun would, and collect what each returns.
 
 The processes fork from one forkserver that has imported torch, megatron-core, this package and every worker module
-once: a launch costs a fork, not the ~5 s of imports a spawned process pays (the suite makes ~100 launches). Each
+once: a launch costs a fork, not the ~5 s of imports a spawned process pays (the distributed tier makes dozens). Each
 launch still gets fresh processes: nothing one test's ranks do reaches another's."""
 
 from __future__ import annotations
