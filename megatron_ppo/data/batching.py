@@ -24,9 +24,7 @@ def fixed_micro_batches(lengths: Sequence[int], micro_batch_size: int) -> list[l
     return [list(range(start, min(start + micro_batch_size, n))) for start in range(0, n, micro_batch_size)]
 
 
-def dynamic_micro_batches(
-    lengths: Sequence[int], max_tokens: int, count: int | None = None, one_width: bool = False
-) -> list[list[int]]:
+def dynamic_micro_batches(lengths: Sequence[int], max_tokens: int, count: int | None = None) -> list[list[int]]:
     """Token-budget micro-batches: every micro-batch's padded size is ≤ `max_tokens`.
 
     Next-fit decreasing: indices sorted by length, longest first (ties by index), are taken in turn into the open
@@ -34,16 +32,11 @@ def dynamic_micro_batches(
     so share a micro-batch, which keeps padding low on skewed length distributions. Deterministic; every index
     appears exactly once; micro-batches come longest first, each in that sorted order.
 
-    With `one_width`, every micro-batch is sized as if padded to the longest row of all, L = max(lengths): the
-    sorted indices are cut into consecutive micro-batches of ⌊max_tokens / L⌋ rows, so that one shape — rows × L —
-    holds every micro-batch within the budget (the interleaved pipeline schedule needs one shape per pass,
-    `models.widths.pass_shape`).
-
     With `count` (at least the packing's own number): exactly `count` micro-batches, made by halving the one of
     largest padded size (of those with two rows or more; the first on a tie) until there are that many — each half
     stays within the budget. Pipeline schedules and expert all-to-alls need a given count (`train/batch.py`).
     """
-    micro_batches = _packed(lengths, max_tokens, one_width)
+    micro_batches = _packed(lengths, max_tokens)
     if count is None:
         return micro_batches
     if not len(micro_batches) <= count <= len(lengths):
@@ -53,23 +46,18 @@ def dynamic_micro_batches(
             "of PP with virtual stages: give each rank more rows (ppo_mini_batch_size) or use fewer pipeline stages"
         )
     while len(micro_batches) < count:
-        padded = [
-            len(mb) * (max(lengths) if one_width else lengths[mb[0]]) if len(mb) > 1 else -1 for mb in micro_batches
-        ]
+        padded = [len(mb) * lengths[mb[0]] if len(mb) > 1 else -1 for mb in micro_batches]
         widest = padded.index(max(padded))
         half = len(micro_batches[widest]) // 2
         micro_batches[widest : widest + 1] = [micro_batches[widest][:half], micro_batches[widest][half:]]
     return micro_batches
 
 
-def _packed(lengths: Sequence[int], max_tokens: int, one_width: bool = False) -> list[list[int]]:
-    """The next-fit decreasing packing of `dynamic_micro_batches` (each row counted at the longest length of all
-    with `one_width`)."""
+def _packed(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """The next-fit decreasing packing of `dynamic_micro_batches`."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be ≥ 1, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    longest = lengths[order[0]] if order else 0
-    width_of = (lambda _: longest) if one_width else (lambda micro_batch: lengths[micro_batch[0]])
     micro_batches: list[list[int]] = []
     for i in order:
         if lengths[i] > max_tokens:
@@ -77,7 +65,7 @@ def _packed(lengths: Sequence[int], max_tokens: int, one_width: bool = False) ->
                 f"sequence {i} has {lengths[i]} tokens, more than the micro-batch budget max_tokens={max_tokens}: "
                 "raise the budget (ppo_max_token_len_per_gpu) or lower data.max_prompt_length/max_response_length"
             )
-        if micro_batches and (len(micro_batches[-1]) + 1) * width_of(micro_batches[-1]) <= max_tokens:
+        if micro_batches and (len(micro_batches[-1]) + 1) * lengths[micro_batches[-1][0]] <= max_tokens:
             micro_batches[-1].append(i)
         else:
             micro_batches.append([i])

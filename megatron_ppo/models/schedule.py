@@ -30,9 +30,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_ppo.models.context_parallel import gather_per_token, split_micro_batch
 from megatron_ppo.models.gpt import RoleModel, unwrap
 from megatron_ppo.models.moe import expert_parallel_shapes, pad_tokens, routing_padding_mask
-from megatron_ppo.models.widths import largest_shape, padded_width, pass_shape
+from megatron_ppo.models.widths import padded_width, pass_shape
 from megatron_ppo.parallel.device import module_device, to_device
-from megatron_ppo.parallel.ranks import runs_interleaved_schedule
 
 MicroBatch = dict[str, torch.Tensor]
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
@@ -127,16 +126,14 @@ def model_shapes(
     width / CP of them), from the micro-batches' own `shapes`: each width rounded up by the layout's and the
     bucket's rule (`models.widths.padded_width`); without CP, for MoE's allgather dispatcher at EP > 1, the
     largest of the expert-parallel group (`models.moe`); with PP > 1, one shape for the whole pass
-    (`models.widths.pass_shape`), so Megatron's pipeline messages need no shape exchange — always under the
-    interleaved schedule, whose out-of-step stages can deadlock in that exchange
-    (`parallel.ranks.runs_interleaved_schedule`). Sets the model's `variable_seq_lengths` for the pass: on only
-    where a pipeline pass keeps several shapes."""
+    (`models.widths.pass_shape`), so Megatron's pipeline messages need no shape exchange. Sets the model's
+    `variable_seq_lengths` for the pass: on only where a pipeline pass keeps several shapes."""
     bucket = model.width_multiple
     own = [(rows, padded_width(width, cp_size, tp_for_sequence_parallel, bucket)) for rows, width in shapes]
     if cp_size == 1:
         own = expert_parallel_shapes(model.config, own) or own
     pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
-    one = (largest_shape(own) if runs_interleaved_schedule() else pass_shape(own)) if pipelined else None
+    one = pass_shape(own) if pipelined else None
     model.config.variable_seq_lengths = pipelined and one is None
     return [one] * len(own) if one is not None else own
 

@@ -61,12 +61,17 @@ def build_transformer_config(
 
     On CUDA: weights initialised directly on the GPU (each rank draws its own shard) unless
     `model.use_cpu_initialization` asks for layout-independent weights; each fusion on where its kernel imports
-    (`models.kernels.fusion_flags`); batched pipeline messages. On CPU: weights initialised on the CPU (a full
-    master weight is drawn, then split, so every TP layout starts from the same weights), no fused kernels, and
-    point-to-point pipeline messages sent one by one (gloo pairs batched messages out of order at PP=2 with VPP,
-    which silently corrupts the interleaved schedule's gradients). Pipeline messages of one fixed shape per pass
-    (`variable_seq_lengths` off, set per pass by `models.schedule.model_shapes`). MoE fields: `moe_settings`."""
+    (`models.kernels.fusion_flags`); batched pipeline messages without virtual stages. On CPU: weights initialised
+    on the CPU (a full master weight is drawn, then split, so every TP layout starts from the same weights), no
+    fused kernels, and pipeline messages sent one by one. Under virtual stages, on either device, Megatron-LM's own
+    setting for the interleaved schedule: messages sent one by one and overlapped with compute
+    (`overlap_p2p_comm`). Batched, the messages to the one neighbour at PP = 2 pair out of order (which silently
+    corrupts the gradients); waited for in each call, a stage blocked sending a tensor and its out-of-step peer
+    blocked in the shape exchange before it deadlocked TP 2 × PP 2 × VPP 2 with token budgets on gloo. Pipeline
+    messages of one fixed shape per pass (`variable_seq_lengths` off, set per pass by `models.schedule.model_shapes`).
+    MoE fields: `moe_settings`."""
     cuda = on_cuda()
+    interleaved = (layout.virtual_pipeline_model_parallel_size or 1) > 1
     dtype = DTYPES[model.params_dtype]
     swiglu = model.activation == "swiglu"
     config = TransformerConfig(
@@ -100,7 +105,8 @@ def build_transformer_config(
         recompute_method=layout.recompute_method,
         recompute_num_layers=layout.recompute_num_layers,
         use_cpu_initialization=not cuda or model.use_cpu_initialization,
-        batch_p2p_comm=cuda,
+        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=cuda and not interleaved,
         **fusion_flags(model),
         **moe_settings(model, layout, with_aux_loss),
     )

@@ -43,16 +43,9 @@ def pass_shape(shapes: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
     need no shape exchange (`variable_seq_lengths` off: no host sync and `.tolist()` before each send/receive).
     None when that shape holds more tokens than the pass's largest micro-batch (token-budget micro-batches: many
     short rows in one, few long ones in another): padding to it would raise the activation memory the budget
-    bounds, so such a pass keeps its own shapes and Megatron exchanges them (except under the interleaved schedule,
-    whose token-budget micro-batches are cut to fit one shape, `data.batching.dynamic_micro_batches`)."""
-    rows, width = largest_shape(shapes)
-    return (rows, width) if rows * width <= max(r * w for r, w in shapes) else None
-
-
-def largest_shape(shapes: Sequence[tuple[int, int]]) -> tuple[int, int]:
-    """`(max rows, max width)` over `shapes`: the one shape that holds every micro-batch of a pass."""
+    bounds, so such a pass keeps its own shapes and Megatron exchanges them."""
     rows, width = (max(sizes) for sizes in zip(*shapes, strict=True))
-    return rows, width
+    return (rows, width) if rows * width <= max(r * w for r, w in shapes) else None
 
 
 @dataclass

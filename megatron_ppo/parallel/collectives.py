@@ -13,8 +13,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_ppo.parallel.ranks import runs_interleaved_schedule
-
 
 def is_last_stage() -> bool:
     return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -58,8 +56,8 @@ def dynamic_micro_batch_count(own: int) -> int:
     count = torch.tensor([own], device="cuda" if torch.cuda.is_available() else "cpu")
     if parallel_state.get_data_parallel_world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
-    if runs_interleaved_schedule():
-        group = parallel_state.get_pipeline_model_parallel_world_size()
+    group = parallel_state.get_pipeline_model_parallel_world_size()
+    if (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
         return -(-int(count.item()) // group) * group
     return int(count.item())
 

@@ -6,21 +6,17 @@
   2. enters a `TorchFunctionMode` that moves every tensor-factory `device=` that names CUDA to the CPU, turns
      `Tensor.cuda()` / `Tensor.to("cuda")` into no-ops, and answers `Tensor.type()` with the CUDA type name for the
      optimizer's and gradient clipping's "torch.cuda.FloatTensor" assertions;
-  3. exchanges pipeline tensor shapes (variable sequence lengths) with Megatron's unbatched `_p2p_ops` instead of
-     `batch_isend_irecv`: at PP=2 both neighbours are one rank, and gloo pairs batched messages per peer in posting
-     order, so the forward shape would arrive as the backward one (`batch_p2p_comm=False` does the same for the
-     tensors themselves, see `build_transformer_config`);
-  4. `seed_model_parallel_rng` installs an RNG-states tracker backed by `torch.get/set_rng_state`, so
+  3. `seed_model_parallel_rng` installs an RNG-states tracker backed by `torch.get/set_rng_state`, so
      `get_cuda_rng_tracker().fork()` (tensor-parallel weight init and dropout) works.
-  5. runs the backward of every custom autograd Function under the same mode: the autograd engine does not carry
+  4. runs the backward of every custom autograd Function under the same mode: the autograd engine does not carry
      a torch-function mode into backward, where Megatron's gathers allocate with `device=torch.cuda.current_device()`
      (the MoE dispatcher's backward does, at EP > 1);
-  6. answers `torch.cuda.current_stream()` with a host stand-in whose waits do nothing: megatron-core >= 0.19's
+  5. answers `torch.cuda.current_stream()` with a host stand-in whose waits do nothing: megatron-core >= 0.19's
      `_ParamAndGradBucketGroup.start_grad_sync` always asks for the current stream (to wait on CUDA-graph events)
      before every gradient reduction, which raises "Found no NVIDIA driver" without CUDA;
-  7. makes Megatron's activation recompute (`tensor_parallel.checkpoint`, full and selective) save and restore no
+  6. makes Megatron's activation recompute (`tensor_parallel.checkpoint`, full and selective) save and restore no
      CUDA generator state: `_get_cuda_rng_state` answers None and `_set_cuda_rng_state` does nothing, while the host
-     generator (which draws dropout on CPU) and the tracker's states (item 4) are saved and restored as on CUDA, so
+     generator (which draws dropout on CPU) and the tracker's states (item 3) are saved and restored as on CUDA, so
      the recomputed forward draws the same dropout masks.
 What no stand-in can bring to the CPU (Transformer Engine's kernels and ring attention, the alltoall dispatcher's
 CUDA stream) is listed once, in `megatron_ppo/config/gpu_only.py`, and refused there by validation.
@@ -125,33 +121,6 @@ class _HostStream:
 _HOST_STREAM = _HostStream()
 
 
-def _communicate_shapes_unbatched(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-    """`P2PCommunicator._communicate_shapes` through `_p2p_ops` (even ranks send first; two process groups keep
-    the two directions apart at PP=2)."""
-    from megatron.core.pipeline_parallel.p2p_communication import _p2p_ops
-
-    def shape_of(tensor):
-        return None if tensor is None else torch.tensor(tensor.size(), dtype=torch.int64)
-
-    recv_prev_shape = torch.empty(3, dtype=torch.int64) if recv_prev else None
-    recv_next_shape = torch.empty(3, dtype=torch.int64) if recv_next else None
-    requests = _p2p_ops(
-        tensor_send_prev=shape_of(tensor_send_prev),
-        tensor_recv_prev=recv_prev_shape,
-        tensor_send_next=shape_of(tensor_send_next),
-        tensor_recv_next=recv_next_shape,
-        group=self.pp_group,
-        prev_pipeline_rank=self.prev_rank,
-        next_pipeline_rank=self.next_rank,
-    )
-    for request in requests.values():
-        request.wait()
-    return (
-        [0, 0, 0] if recv_prev_shape is None else recv_prev_shape.tolist(),
-        [0, 0, 0] if recv_next_shape is None else recv_next_shape.tolist(),
-    )
-
-
 def enable_cpu_compat(hide_gpus: bool = False) -> bool:
     """Make Megatron-Core usable on CPU; returns True if it did anything (False on a CUDA machine).
 
@@ -163,9 +132,6 @@ def enable_cpu_compat(hide_gpus: bool = False) -> bool:
     if torch.cuda.is_available():
         return False
     if _ACTIVE_MODE is None:
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-        P2PCommunicator._communicate_shapes = _communicate_shapes_unbatched
         torch.cuda.current_device = lambda: 0
         torch.cuda.synchronize = lambda device=None: None
         torch.cuda.current_stream = lambda device=None: _HOST_STREAM

@@ -43,17 +43,6 @@ def pipeline_stage() -> int:
     return parallel_state.get_pipeline_model_parallel_rank()
 
 
-def runs_interleaved_schedule() -> bool:
-    """Whether the pipeline runs Megatron's interleaved schedule (virtual stages). Its stages are out of step (more
-    warm-up forwards on earlier stages), so a shape exchange before each message, which blocks until the peer
-    takes part, can wait on a peer that is itself waiting in the previous message: every pass of this schedule
-    keeps one shape (`models.widths.pass_shape`, `data.batching.dynamic_micro_batches(one_width=True)`)."""
-    return (
-        parallel_state.get_pipeline_model_parallel_world_size() > 1
-        and (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
-    )
-
-
 def is_first_of_last_stage() -> bool:
     """Whether this rank reports for the whole model: the last pipeline stage's first tensor- and data-parallel
     rank (one such rank per job)."""

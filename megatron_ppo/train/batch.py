@@ -25,7 +25,6 @@ from megatron_ppo.data.batching import (
 )
 from megatron_ppo.data.rows import Row
 from megatron_ppo.parallel.collectives import data_parallel_share, dynamic_micro_batch_count
-from megatron_ppo.parallel.ranks import runs_interleaved_schedule
 
 
 class Batch(TypedDict):
@@ -126,15 +125,13 @@ def replica_micro_batches[AnyBatch: dict](
     batch: AnyBatch, micro_batch_size: int | None, max_tokens: int | None = None
 ) -> tuple[list[int], list[list[int]], list[AnyBatch]]:
     """This data-parallel replica's rows of `batch` cut into micro-batches: fixed-size ones, or token-budget ones
-    when `max_tokens` is given, as many on every replica (`collectives.dynamic_micro_batch_count`) and, under the
-    interleaved schedule, all within the budget at one shape (`parallel.ranks.runs_interleaved_schedule`). Returns (the
+    when `max_tokens` is given, as many on every replica (`collectives.dynamic_micro_batch_count`). Returns (the
     replica's row indices, the groups as positions in them, the micro-batches)."""
     share = data_parallel_share(batch["input_ids"].shape[0])
     lengths = batch["lengths"][share].tolist()
     if max_tokens is not None:
-        one_width = runs_interleaved_schedule()
-        own = len(dynamic_micro_batches(lengths, max_tokens, one_width=one_width))
-        groups = dynamic_micro_batches(lengths, max_tokens, dynamic_micro_batch_count(own), one_width)
+        own = len(dynamic_micro_batches(lengths, max_tokens))
+        groups = dynamic_micro_batches(lengths, max_tokens, count=dynamic_micro_batch_count(own))
     else:
         groups = fixed_micro_batches(lengths, micro_batch_size)
     return share, groups, [select(batch, [share[i] for i in group]) for group in groups]

@@ -12,7 +12,6 @@ from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.data import EpochSampler, dynamic_micro_batches, fixed_micro_batches, padding_fraction
 from megatron_ppo.data.batching import GroupSampler, group_rows
 from megatron_ppo.data.rows import Row
-from megatron_ppo.models.widths import pass_shape
 from megatron_ppo.train.batch import build_sampler
 
 
@@ -180,32 +179,3 @@ def test_a_count_beyond_the_rows_or_below_the_packing_is_refused() -> None:
         dynamic_micro_batches([10, 20, 30], 100, count=4)
     with pytest.raises(ValueError, match=r"cannot cut 3 rows into 1 micro-batches .*packs them into 2"):
         dynamic_micro_batches([10, 20, 30], 40, count=1)
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_one_width_micro_batches_all_fit_the_budget_at_one_shape(seed: int) -> None:
-    """The interleaved schedule's cut: one shape (most rows × longest row) holds every micro-batch within the
-    budget, at the packing's own count and at larger ones, so the pass needs no shape exchange."""
-
-    rng = random.Random(seed)
-    lengths = [rng.randint(1, 300) for _ in range(rng.randint(8, 60))]
-    own = dynamic_micro_batches(lengths, 1024, one_width=True)
-    assert all(len(mb) == 1024 // max(lengths) for mb in own[:-1]), "full micro-batches of ⌊budget / longest⌋ rows"
-    for count in sorted({len(own), len(own) + 1, -(-len(own) // 4) * 4, len(lengths)}):
-        micro_batches = dynamic_micro_batches(lengths, 1024, count=count, one_width=True)
-        assert len(micro_batches) == count and sorted(i for mb in micro_batches for i in mb) == list(
-            range(len(lengths))
-        )
-        shapes = [(len(mb), max(lengths[i] for i in mb)) for mb in micro_batches]
-        assert max(r for r, _ in shapes) * max(lengths) <= 1024, "the pass's one shape is within the budget"
-
-
-def test_the_packing_by_own_widths_may_need_several_shapes_where_one_width_does_not() -> None:
-    """Next-fit by each micro-batch's own longest row packs many short rows together: at one shape (most rows ×
-    longest row) the pass would exceed the budget, which is why it keeps its shapes outside the interleaved
-    schedule and is cut by the longest row under it."""
-    lengths = [100, 10, 10, 10, 10, 10, 10, 10, 10]
-    shapes = lambda mbs: [(len(mb), max(lengths[i] for i in mb)) for mb in mbs]  # noqa: E731
-    assert pass_shape(shapes(dynamic_micro_batches(lengths, 100))) is None
-    one = dynamic_micro_batches(lengths, 100, one_width=True)
-    assert len(one) == len(lengths) and pass_shape(shapes(one)) == (1, 100)
