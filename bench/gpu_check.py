@@ -39,7 +39,19 @@ import torch
 
 from bench.first_update_check import check_first_update
 from bench.first_update_check import table_lines as first_update_table_lines
-from bench.gpu_plan import DRY, GIB, REAL, Plan, ppo_config, synthetic_rows, timed
+from bench.gpu_plan import (
+    DRY,
+    GIB,
+    REAL,
+    REPO,
+    Plan,
+    ppo_config,
+    subprocess_env,
+    synthetic_rows,
+    timed,
+    tiny_layout,
+    tiny_recipe,
+)
 from bench.grad_cut_check import check_grad_norm_by_cut
 from bench.grad_cut_check import table_lines as grad_cut_table_lines
 from bench.offload_check import check_offload
@@ -47,53 +59,12 @@ from bench.offload_check import table_lines as offload_table_lines
 from bench.resume_check import check_resume
 from bench.resume_check import table_lines as resume_table_lines
 from tests.support.ports import free_port
-from tests.support.tiny import SHORT
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", **extra}
 
 
 # --- (a) the tiny recipe through the CLI -----------------------------------------------------------------------
-TINY_ON_CUDA = [
-    "cluster.device=cuda", "cluster.gpus_per_node=1", "cluster.gpu_type=h100-80gb", "model.params_dtype=bf16",
-    *(f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")),
-    *SHORT,  # the shortened recipe of the end-to-end tests
-]  # fmt: skip
-
-
 def check_tiny_recipe(plan: Plan, work: Path) -> dict[str, Any]:
-    """The real CLI under torchrun, one process; held-out accuracy from its TensorBoard events (step 0, last)."""
-    dirs = [f"data.addition.work_dir={work / 'tiny'}", f"trainer.default_local_dir={work / 'tiny' / 'ckpt'}",
-            f"trainer.log_dir={work / 'tiny' / 'tb'}"]  # fmt: skip
-    if plan.device == "cpu":  # the dry run checks that the overrides still name real keys, without training
-        overrides = [o for o in TINY_ON_CUDA if not o.startswith("cluster.device")] + ["cluster.device=cpu"]
-        command = [sys.executable, "-m", "megatron_ppo", "validate", "recipes/tiny-cpu.yaml", *overrides, *dirs]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-                   "-m", "megatron_ppo", "train", "recipes/tiny-cpu.yaml", *TINY_ON_CUDA,
-                   f"trainer.total_training_steps={plan.recipe_steps}", *dirs]  # fmt: skip
-    started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, check=False)
-    out: dict[str, Any] = {"exit_code": result.returncode, "seconds": time.perf_counter() - started}
-    if result.returncode != 0:
-        raise RuntimeError(f"exit {result.returncode}:\n{(result.stdout + result.stderr)[-3000:]}")
-    if plan.device == "cpu":
-        out["ok"] = True
-        return out
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from megatron_ppo.report import find_runs
-
-    events = EventAccumulator(str(find_runs(work / "tiny" / "tb")[-1]))  # the run's own folder
-    events.Reload()
-    accuracy = [(e.step, e.value) for e in events.Scalars("eval/accuracy")]
-    out |= {"accuracy_before": accuracy[0][1], "accuracy_after": accuracy[-1][1]}
-    out["ok"] = out["accuracy_after"] > out["accuracy_before"]
-    return out
+    """The real CLI under torchrun, one process at TP=1; held-out accuracy from its TensorBoard events."""
+    return tiny_recipe(plan, work / "tiny", tiny_layout(tensor_parallel=1, sequence_parallel=False))
 
 
 # --- (b) the PPO iteration at a 1.5B shape ---------------------------------------------------------------------
@@ -220,8 +191,8 @@ def check_logprobs(plan: Plan, work: Path) -> dict[str, Any]:
         "--shape",
         "dry" if plan is DRY else "real",
     ]
-    result = subprocess.run(command, cwd=REPO, env=_env(CUDA_VISIBLE_DEVICES="", MASTER_PORT=str(free_port())),
-                            capture_output=True, text=True, check=False)  # fmt: skip
+    env = subprocess_env(CUDA_VISIBLE_DEVICES="", MASTER_PORT=str(free_port()))
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"CPU fp32 subprocess exit {result.returncode}:\n{(result.stdout + result.stderr)[-3000:]}")
     cpu_lp = torch.load(work / "logprob_cpu.pt")
