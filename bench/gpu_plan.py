@@ -148,14 +148,16 @@ def tiny_layout(tensor_parallel: int, sequence_parallel: bool) -> list[str]:
                                  ("sequence_parallel", str(sequence_parallel).lower())))]  # fmt: skip
 
 
-def tiny_recipe(plan: Plan, work: Path, layout: list[str]) -> dict[str, Any]:
+def tiny_recipe(plan: Plan, work: Path, name: str, layout: list[str]) -> dict[str, Any]:
     """The tiny recipe at `layout` (`tiny_layout`) through the real CLI under torchrun, one process per GPU of the
-    layout, `plan.recipe_steps` PPO steps; held-out accuracy from its TensorBoard events (step 0, last): ok when it
-    exits 0 and the accuracy rises. The dry run (CPU) only validates the same overrides (they still name real keys
-    and a valid layout), without training."""
+    layout, `plan.recipe_steps` PPO steps, its checkpoints and logs under `work/name`; held-out accuracy from its
+    TensorBoard events (step 0, last): ok when it exits 0 and the accuracy rises. Every launch shares one task
+    cache (`work/tiny_task`: tokenizer, SFT policy, dataset; the layout is no part of its key), so only the first
+    trains the SFT policy. The dry run (CPU) only validates the same overrides (they still name real keys and a
+    valid layout), without training."""
     processes = int(next(o for o in layout if o.startswith("cluster.gpus_per_node=")).split("=")[1])
-    dirs = [f"data.addition.work_dir={work}", f"trainer.default_local_dir={work / 'ckpt'}",
-            f"trainer.log_dir={work / 'tb'}"]  # fmt: skip
+    dirs = [f"data.addition.work_dir={work / 'tiny_task'}", f"trainer.default_local_dir={work / name / 'ckpt'}",
+            f"trainer.log_dir={work / name / 'tb'}"]  # fmt: skip
     if plan.device == "cpu":
         overrides = [o for o in TINY_ON_CUDA if not o.startswith("cluster.device")] + ["cluster.device=cpu"]
         command = [sys.executable, "-m", "megatron_ppo", "validate", "recipes/tiny-cpu.yaml", *overrides, *layout,
@@ -177,7 +179,7 @@ def tiny_recipe(plan: Plan, work: Path, layout: list[str]) -> dict[str, Any]:
 
     from megatron_ppo.report import find_runs
 
-    events = EventAccumulator(str(find_runs(work / "tb")[-1]))  # the run's own folder
+    events = EventAccumulator(str(find_runs(work / name / "tb")[-1]))  # the run's own folder
     events.Reload()
     accuracy = [(e.step, e.value) for e in events.Scalars("eval/accuracy")]
     out |= {"accuracy_before": accuracy[0][1], "accuracy_after": accuracy[-1][1]}
