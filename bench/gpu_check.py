@@ -54,7 +54,6 @@ from bench.gpu_plan import (
     subprocess_env,
     synthetic_rows,
     timed,
-    tiny_layout,
     tiny_recipe,
 )
 from bench.grad_cut_check import check_grad_norm_by_cut
@@ -71,7 +70,7 @@ from tests.support.ports import free_port
 # --- (a) the tiny recipe through the CLI -----------------------------------------------------------------------
 def check_tiny_recipe(plan: Plan, work: Path) -> dict[str, Any]:
     """The real CLI under torchrun, one process at TP=1; held-out accuracy from its TensorBoard events."""
-    return tiny_recipe(plan, work, "tiny", tiny_layout(tensor_parallel=1, sequence_parallel=False))
+    return tiny_recipe(plan, work, "tiny", tensor_parallel=1, sequence_parallel=False)
 
 
 # --- (b) the PPO iteration at a 1.5B shape ---------------------------------------------------------------------

@@ -140,7 +140,7 @@ TINY_ON_CUDA = ["cluster.device=cuda", "cluster.gpu_type=h100-80gb", "model.para
                 *SHORT]  # the shortened recipe of the end-to-end tests  # fmt: skip
 
 
-def tiny_layout(tensor_parallel: int, sequence_parallel: bool) -> list[str]:
+def _tiny_layout(tensor_parallel: int, sequence_parallel: bool) -> list[str]:
     """The overrides that lay every role of the tiny recipe out over `tensor_parallel` GPUs of one node."""
     return [f"cluster.gpus_per_node={tensor_parallel}",
             *(f"{role}.megatron.{key}={value}" for role in ("actor", "ref", "critic")
@@ -148,14 +148,14 @@ def tiny_layout(tensor_parallel: int, sequence_parallel: bool) -> list[str]:
                                  ("sequence_parallel", str(sequence_parallel).lower())))]  # fmt: skip
 
 
-def tiny_recipe(plan: Plan, work: Path, name: str, layout: list[str]) -> dict[str, Any]:
-    """The tiny recipe at `layout` (`tiny_layout`) through the real CLI under torchrun, one process per GPU of the
-    layout, `plan.recipe_steps` PPO steps, its checkpoints and logs under `work/name`; held-out accuracy from its
-    TensorBoard events (step 0, last): ok when it exits 0 and the accuracy rises. Every launch shares one task
-    cache (`work/tiny_task`: tokenizer, SFT policy, dataset; the layout is no part of its key), so only the first
-    trains the SFT policy. The dry run (CPU) only validates the same overrides (they still name real keys and a
-    valid layout), without training."""
-    processes = int(next(o for o in layout if o.startswith("cluster.gpus_per_node=")).split("=")[1])
+def tiny_recipe(plan: Plan, work: Path, name: str, tensor_parallel: int, sequence_parallel: bool) -> dict[str, Any]:
+    """The tiny recipe with every role at `tensor_parallel` (and `sequence_parallel`) through the real CLI under
+    torchrun, one process per GPU, `plan.recipe_steps` PPO steps, its checkpoints and logs under `work/name`;
+    held-out accuracy from its TensorBoard events (step 0, last): ok when it exits 0 and the accuracy rises. Every
+    launch shares one task cache (`work/tiny_task`: tokenizer, SFT policy, dataset; the layout is no part of its
+    key), so only the first trains the SFT policy. The dry run (CPU) only validates the same overrides (they still
+    name real keys and a valid layout), without training."""
+    layout = _tiny_layout(tensor_parallel, sequence_parallel)
     dirs = [f"data.addition.work_dir={work / 'tiny_task'}", f"trainer.default_local_dir={work / name / 'ckpt'}",
             f"trainer.log_dir={work / name / 'tb'}"]  # fmt: skip
     if plan.device == "cpu":
@@ -163,13 +163,13 @@ def tiny_recipe(plan: Plan, work: Path, name: str, layout: list[str]) -> dict[st
         command = [sys.executable, "-m", "megatron_ppo", "validate", "recipes/tiny-cpu.yaml", *overrides, *layout,
                    *dirs]  # fmt: skip
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tensor_parallel}",
                    f"--master_port={free_port()}", "-m", "megatron_ppo", "train", "recipes/tiny-cpu.yaml",
                    *TINY_ON_CUDA, *layout, f"trainer.total_training_steps={plan.recipe_steps}", *dirs]  # fmt: skip
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, check=False)
     out: dict[str, Any] = {"exit_code": result.returncode, "seconds": time.perf_counter() - started,
-                           "processes": processes}  # fmt: skip
+                           "processes": tensor_parallel}  # fmt: skip
     if result.returncode != 0:
         raise RuntimeError(f"exit {result.returncode}:\n{(result.stdout + result.stderr)[-3000:]}")
     if plan.device == "cpu":

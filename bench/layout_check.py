@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu_plan import DRY, REAL, REPO, Plan, ppo_config, subprocess_env, synthetic_rows, tiny_layout, tiny_recipe
+from bench.gpu_plan import DRY, REAL, REPO, Plan, ppo_config, subprocess_env, synthetic_rows, tiny_recipe
 from megatron_ppo.config.schema import MegatronConfig
 from tests.support.ports import free_port
 
@@ -296,7 +296,7 @@ def check_tiny_recipe_tp2_sp(plan: Plan, work: Path) -> dict[str, Any]:
     """(h) 2: the tiny recipe at TP=2 with sequence parallelism through the CLI on 2 GPUs."""
     if (missing := gpus_missing(plan)) is not None:
         return {"skipped": missing, "ok": True}
-    return tiny_recipe(plan, work, "tiny_tp2_sp", tiny_layout(tensor_parallel=PROCESSES, sequence_parallel=True))
+    return tiny_recipe(plan, work, "tiny_tp2_sp", tensor_parallel=PROCESSES, sequence_parallel=True)
 
 
 def table_lines(layouts: dict[str, Any], recipe: dict[str, Any]) -> list[str]:

@@ -38,4 +38,5 @@ def test_gpu_check_dry_run_runs_every_part_and_writes_its_table(tmp_path: Path) 
     layouts = report["h_layouts"]
     assert layouts["dtype"] == "fp32" and set(layouts["layouts"]) == {"tp2-sp", "pp2"}, layouts
     assert all(step > 10 * layouts["tolerance"]["weights"] for step in layouts["reference_step"].values()), layouts
+    assert report["h_tiny_recipe_tp2_sp"]["processes"] == 2, "the TP2 + SP recipe's overrides were validated"
     assert "(h) TP2 + SP and PP2 against TP1 (fp32)" in result.stdout
