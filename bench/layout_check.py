@@ -25,11 +25,11 @@ average, 16 (2⁻⁴) at worst; the update's scalars, means over every response 
 trainer's learning rate (1e-6) Adam's first step is far below the bf16 rounding of the weights, so in bf16 the
 weights' gate checks the resharded load, save and rounding, and the update itself is gated by its loss and grad
 norm. fp32 (the dry run on the CPU): the layout-parity tests' bounds (`tests/distributed`: 1e-5 on log-probs and
-values, 1e-4 relative on metrics), weights 1e-6 of their norm — there TP=1's step moves the weights by 1.8e-5
-(actor) and 1.6e-4 (critic) of their norm, so a wrong update fails it (measured in the dry run: the layouts differ
-from TP=1 by ≤ 3e-7 in the experience and ≤ 5e-9 in the weights; with the sequence-parallel norm's gradients left
-unreduced over TP, TP2 + SP fails on the critic's grad norm and weights). Unmeasured on GPUs: no two GPUs have been
-lent to this project yet.
+values, here relative to max(|x₁|, 1); 1e-4 relative on metrics), weights 1e-6 of their norm — there TP=1's step
+moves the weights by 1.8e-5 (actor) and 1.6e-4 (critic) of their norm, so a wrong update fails it (measured in the
+dry run: the layouts differ from TP=1 by ≤ 3e-7 in the experience and ≤ 5e-9 in the weights; with the
+sequence-parallel norm's gradients left unreduced over TP, TP2 + SP fails on the critic's grad norm and weights).
+Unmeasured on GPUs: no two GPUs have been lent to this project yet.
 
 With fewer than two GPUs the part reports `skipped` and passes: the check stays runnable on one GPU.
 Run inside `python -m bench.gpu_check` as part (h); `python -m bench.layout_check` is its 2-process side.
