@@ -1,4 +1,4 @@
-"""The GPU check: one script, one CUDA GPU, no network, about 8 minutes on an H100/H200.
+"""The GPU check: one script, one CUDA GPU (two for part (h)), no network, about 8 minutes on an H100/H200.
 
     (a) the tiny recipe end to end on CUDA through the real CLI (TP=1, bf16): exit 0, held-out accuracy rises;
     (b) a Qwen2.5-1.5B-shaped PPO iteration (28 layers, hidden 1536, 12 heads / 2 query groups, FFN 8960,
@@ -13,9 +13,14 @@
     (f) two (b) iterations straight, and the second again after a save and a resume (same layout): every metric
         bitwise equal (`bench/resume_check.py`);
     (g) the first (b) iteration, whose only actor update scores its own experience (actor = behaviour policy):
-        |PPO KL| < 1e-6, clip fraction 0, critic grad norm < 10 (`bench/first_update_check.py`).
+        |PPO KL| < 1e-6, clip fraction 0, critic grad norm < 10 (`bench/first_update_check.py`);
+    (h) with 2 GPUs visible (else skipped, not failed): the (b) model at TP2 + sequence parallelism and at PP2 from
+        TP1's initial weights, experience log-probs and values, one iteration's losses and grad norms, and the
+        weights after its step equal TP1's within bf16 tolerance; the tiny recipe at TP2 + SP through the CLI
+        (`bench/layout_check.py`).
 It prints one table, writes JSON (`--out`), names the path that ran (Transformer Engine or local + SDPA) and exits
-1 when a part failed. `--dry-run` runs every part's code on the CPU with a tiny model in a minute or two (CI).
+1 when a part failed. `--dry-run` runs every part's code on the CPU with a tiny model in a minute or two (CI); (h)
+there runs its layouts on 2 CPU processes (gloo, fp32).
 
 Run: make gpu-check   (or: python -m bench.gpu_check [--dry-run] [--out FILE]); the README's GPU check section.
 """
@@ -39,61 +44,33 @@ import torch
 
 from bench.first_update_check import check_first_update
 from bench.first_update_check import table_lines as first_update_table_lines
-from bench.gpu_plan import DRY, GIB, REAL, Plan, ppo_config, synthetic_rows, timed
+from bench.gpu_plan import (
+    DRY,
+    GIB,
+    REAL,
+    REPO,
+    Plan,
+    ppo_config,
+    subprocess_env,
+    synthetic_rows,
+    timed,
+    tiny_recipe,
+)
 from bench.grad_cut_check import check_grad_norm_by_cut
 from bench.grad_cut_check import table_lines as grad_cut_table_lines
+from bench.layout_check import check_layouts, check_tiny_recipe_tp2_sp
+from bench.layout_check import table_lines as layout_table_lines
 from bench.offload_check import check_offload
 from bench.offload_check import table_lines as offload_table_lines
 from bench.resume_check import check_resume
 from bench.resume_check import table_lines as resume_table_lines
 from tests.support.ports import free_port
-from tests.support.tiny import SHORT
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", **extra}
 
 
 # --- (a) the tiny recipe through the CLI -----------------------------------------------------------------------
-TINY_ON_CUDA = [
-    "cluster.device=cuda", "cluster.gpus_per_node=1", "cluster.gpu_type=h100-80gb", "model.params_dtype=bf16",
-    *(f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")),
-    *SHORT,  # the shortened recipe of the end-to-end tests
-]  # fmt: skip
-
-
 def check_tiny_recipe(plan: Plan, work: Path) -> dict[str, Any]:
-    """The real CLI under torchrun, one process; held-out accuracy from its TensorBoard events (step 0, last)."""
-    dirs = [f"data.addition.work_dir={work / 'tiny'}", f"trainer.default_local_dir={work / 'tiny' / 'ckpt'}",
-            f"trainer.log_dir={work / 'tiny' / 'tb'}"]  # fmt: skip
-    if plan.device == "cpu":  # the dry run checks that the overrides still name real keys, without training
-        overrides = [o for o in TINY_ON_CUDA if not o.startswith("cluster.device")] + ["cluster.device=cpu"]
-        command = [sys.executable, "-m", "megatron_ppo", "validate", "recipes/tiny-cpu.yaml", *overrides, *dirs]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-                   "-m", "megatron_ppo", "train", "recipes/tiny-cpu.yaml", *TINY_ON_CUDA,
-                   f"trainer.total_training_steps={plan.recipe_steps}", *dirs]  # fmt: skip
-    started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, check=False)
-    out: dict[str, Any] = {"exit_code": result.returncode, "seconds": time.perf_counter() - started}
-    if result.returncode != 0:
-        raise RuntimeError(f"exit {result.returncode}:\n{(result.stdout + result.stderr)[-3000:]}")
-    if plan.device == "cpu":
-        out["ok"] = True
-        return out
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from megatron_ppo.report import find_runs
-
-    events = EventAccumulator(str(find_runs(work / "tiny" / "tb")[-1]))  # the run's own folder
-    events.Reload()
-    accuracy = [(e.step, e.value) for e in events.Scalars("eval/accuracy")]
-    out |= {"accuracy_before": accuracy[0][1], "accuracy_after": accuracy[-1][1]}
-    out["ok"] = out["accuracy_after"] > out["accuracy_before"]
-    return out
+    """The real CLI under torchrun, one process at TP=1; held-out accuracy from its TensorBoard events."""
+    return tiny_recipe(plan, work, "tiny", tensor_parallel=1, sequence_parallel=False)
 
 
 # --- (b) the PPO iteration at a 1.5B shape ---------------------------------------------------------------------
@@ -220,8 +197,8 @@ def check_logprobs(plan: Plan, work: Path) -> dict[str, Any]:
         "--shape",
         "dry" if plan is DRY else "real",
     ]
-    result = subprocess.run(command, cwd=REPO, env=_env(CUDA_VISIBLE_DEVICES="", MASTER_PORT=str(free_port())),
-                            capture_output=True, text=True, check=False)  # fmt: skip
+    env = subprocess_env(CUDA_VISIBLE_DEVICES="", MASTER_PORT=str(free_port()))
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"CPU fp32 subprocess exit {result.returncode}:\n{(result.stdout + result.stderr)[-3000:]}")
     cpu_lp = torch.load(work / "logprob_cpu.pt")
@@ -302,6 +279,7 @@ def table(results: dict[str, Any]) -> str:
     lines += grad_cut_table_lines(results["e_grad_norm_by_cut"])
     lines += resume_table_lines(results["f_resume"])
     lines += first_update_table_lines(results["g_first_update"])
+    lines += layout_table_lines(results["h_layouts"], results["h_tiny_recipe_tp2_sp"])
     return "\n".join(lines)
 
 
@@ -329,13 +307,16 @@ def run(plan: Plan, out_path: Path, work: Path) -> int:
     _part(results, "e_grad_norm_by_cut", lambda: check_grad_norm_by_cut(plan, work))
     _part(results, "f_resume", lambda: check_resume(plan, work))
     _part(results, "g_first_update", lambda: check_first_update(plan, work))
+    _part(results, "h_layouts", lambda: check_layouts(plan, work))
     destroy_distributed()
+    _part(results, "h_tiny_recipe_tp2_sp", lambda: check_tiny_recipe_tp2_sp(plan, work))
     print(table(results), flush=True)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=2, default=str))
     print(f"results: {out_path}")
     parts = [results["a_tiny_recipe"], *results["b_ppo_iteration"], results["c_logprobs"], results["d_offload"],
-             results["e_grad_norm_by_cut"], results["f_resume"], results["g_first_update"]]  # fmt: skip
+             results["e_grad_norm_by_cut"], results["f_resume"], results["g_first_update"], results["h_layouts"],
+             results["h_tiny_recipe_tp2_sp"]]  # fmt: skip
     return 0 if all(p.get("ok") for p in parts) else 1
 
 

@@ -1,18 +1,26 @@
 """What the GPU check's parts share: the shapes and plans of a real and a dry run, the PPO config and synthetic rows
-of part (b), and a device-synchronised timer (`bench.gpu_check` and `bench.offload_check` both import it, neither
-imports the other)."""
+of part (b), a device-synchronised timer, and the tiny recipe's launch through the CLI of parts (a) and (h)
+(`bench.gpu_check` and the part modules import it; no part imports another)."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from tests.support.ports import free_port
+from tests.support.tiny import SHORT
+
 GIB = 1024**3
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -119,3 +127,61 @@ def timed(fn: Callable[[], object]) -> float:
     fn()
     _synchronize()
     return time.perf_counter() - start
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This environment for a child process of the check: the source tree first on its path, unbuffered output."""
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", **extra}
+
+
+# --- the tiny recipe through the CLI: (a) at TP=1 on one GPU, (h) at TP=2 with sequence parallelism on two --------
+TINY_ON_CUDA = ["cluster.device=cuda", "cluster.gpu_type=h100-80gb", "model.params_dtype=bf16",
+                *SHORT]  # the shortened recipe of the end-to-end tests  # fmt: skip
+
+
+def _tiny_layout(tensor_parallel: int, sequence_parallel: bool) -> list[str]:
+    """The overrides that lay every role of the tiny recipe out over `tensor_parallel` GPUs of one node."""
+    return [f"cluster.gpus_per_node={tensor_parallel}",
+            *(f"{role}.megatron.{key}={value}" for role in ("actor", "ref", "critic")
+              for key, value in (("tensor_model_parallel_size", tensor_parallel),
+                                 ("sequence_parallel", str(sequence_parallel).lower())))]  # fmt: skip
+
+
+def tiny_recipe(plan: Plan, work: Path, name: str, tensor_parallel: int, sequence_parallel: bool) -> dict[str, Any]:
+    """The tiny recipe with every role at `tensor_parallel` (and `sequence_parallel`) through the real CLI under
+    torchrun, one process per GPU, `plan.recipe_steps` PPO steps, its checkpoints and logs under `work/name`;
+    held-out accuracy from its TensorBoard events (step 0, last): ok when it exits 0 and the accuracy rises. Every
+    launch shares one task cache (`work/tiny_task`: tokenizer, SFT policy, dataset; the layout is no part of its
+    key), so only the first trains the SFT policy. The dry run (CPU) only validates the same overrides (they still
+    name real keys and a valid layout), without training."""
+    layout = _tiny_layout(tensor_parallel, sequence_parallel)
+    dirs = [f"data.addition.work_dir={work / 'tiny_task'}", f"trainer.default_local_dir={work / name / 'ckpt'}",
+            f"trainer.log_dir={work / name / 'tb'}"]  # fmt: skip
+    if plan.device == "cpu":
+        overrides = [o for o in TINY_ON_CUDA if not o.startswith("cluster.device")] + ["cluster.device=cpu"]
+        command = [sys.executable, "-m", "megatron_ppo", "validate", "recipes/tiny-cpu.yaml", *overrides, *layout,
+                   *dirs]  # fmt: skip
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tensor_parallel}",
+                   f"--master_port={free_port()}", "-m", "megatron_ppo", "train", "recipes/tiny-cpu.yaml",
+                   *TINY_ON_CUDA, *layout, f"trainer.total_training_steps={plan.recipe_steps}", *dirs]  # fmt: skip
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, check=False)
+    out: dict[str, Any] = {"exit_code": result.returncode, "seconds": time.perf_counter() - started,
+                           "processes": tensor_parallel}  # fmt: skip
+    if result.returncode != 0:
+        raise RuntimeError(f"exit {result.returncode}:\n{(result.stdout + result.stderr)[-3000:]}")
+    if plan.device == "cpu":
+        out["ok"] = True
+        return out
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_ppo.report import find_runs
+
+    events = EventAccumulator(str(find_runs(work / name / "tb")[-1]))  # the run's own folder
+    events.Reload()
+    accuracy = [(e.step, e.value) for e in events.Scalars("eval/accuracy")]
+    out |= {"accuracy_before": accuracy[0][1], "accuracy_after": accuracy[-1][1]}
+    out["ok"] = out["accuracy_after"] > out["accuracy_before"]
+    return out

@@ -1,4 +1,5 @@
-"""`make gpu-check --dry-run`: the GPU check's every part, on the CPU with a tiny model, so the script cannot rot."""
+"""`make gpu-check --dry-run`: the GPU check's every part, on the CPU with a tiny model (part (h)'s layouts on 2 gloo
+processes), so the script cannot rot."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def test_gpu_check_dry_run_runs_every_part_and_writes_its_table(tmp_path: Path) 
     )  # fmt: skip
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     report = json.loads(out.read_text())
-    parts = [report["a_tiny_recipe"], *report["b_ppo_iteration"], report["c_logprobs"], report["d_offload"]]
+    parts = [report["a_tiny_recipe"], *report["b_ppo_iteration"], report["c_logprobs"], report["d_offload"],
+             report["h_layouts"], report["h_tiny_recipe_tp2_sp"]]  # fmt: skip
     assert all(part["ok"] for part in parts), parts
     offload = report["d_offload"]
     assert set(offload["on"]["resident_gib"]) == set(offload["off"]["resident_gib"]) == {
@@ -32,3 +34,9 @@ def test_gpu_check_dry_run_runs_every_part_and_writes_its_table(tmp_path: Path) 
     assert "scaled_dot_product_attention" in report["kernels"], "the table must say which attention path ran"
     assert "(b) PPO iteration" in result.stdout and "(c) log-probs bf16 vs CPU fp32" in result.stdout
     assert "(d) host offload" in result.stdout
+    # (h) on 2 CPU processes (gloo): TP2 + SP and PP2 ran and were compared with TP1 in fp32, not skipped
+    layouts = report["h_layouts"]
+    assert layouts["dtype"] == "fp32" and set(layouts["layouts"]) == {"tp2-sp", "pp2"}, layouts
+    assert all(step > 10 * layouts["tolerance"]["weights"] for step in layouts["reference_step"].values()), layouts
+    assert report["h_tiny_recipe_tp2_sp"]["processes"] == 2, "the TP2 + SP recipe's overrides were validated"
+    assert "(h) TP2 + SP and PP2 against TP1 (fp32)" in result.stdout
