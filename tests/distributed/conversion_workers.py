@@ -48,7 +48,7 @@ def in_one_process(rank: int, world_size: int, hf_dir: str, root: str) -> dict:
     init_distributed(MegatronConfig(), seed=0)
     megatron_dir = str(hf_to_mcore(hf_dir, f"{root}/megatron"))
     difference = verify(hf_dir, megatron_dir, MegatronConfig())
-    back = mcore_to_hf(megatron_dir, hf_dir, f"{root}/back")
+    back = mcore_to_hf(megatron_dir, hf_dir, f"{root}/back").path
     input_ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
     round_trip = float((hf_logits(back, input_ids) - hf_logits(hf_dir, input_ids)).abs().max())
     return {"megatron": megatron_dir, "difference": difference, "round_trip": round_trip,
