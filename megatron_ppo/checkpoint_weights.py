@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megatron_ppo.checkpoint import DISTRIBUTED_OPTIMIZER_KEY
 
 _LAYERS, _EXPERTS = "decoder.layers.", "mlp.experts.experts."
+_OUTSIDE = {"embedding.word_embeddings.weight": 0, "decoder.final_layernorm.weight": 2, "output_layer.weight": 3}
 
 
 @dataclass(frozen=True)
@@ -60,20 +61,14 @@ class CheckpointWeights:
                    if isinstance(md, TensorStorageMetadata) and _is_weight(key, role)}  # fmt: skip
         if not tensors:
             raise ValueError(f"{self.path} holds no weights of the {role!r} role")
-        by_layer: dict[int, list[Weight]] = {}
-        outside: list[list[Weight]] = []
+        # in Hugging Face's order: the embedding, layer by layer, the final norm, the output layer (then any other)
+        groups: dict[tuple[int, int], list[Weight]] = {}
         for key, md in tensors.items():
-            weights = _weights(key, key.removeprefix(f"{role}."), md)
-            if weights[0].index:
-                for weight in weights:
-                    by_layer.setdefault(weight.index[0], []).append(weight)
-            else:
-                outside.append(weights)
-        order = ("embedding.", "decoder.final_layernorm.", "output_layer.")  # Hugging Face's order of these
-        outside.sort(key=lambda group: [group[0].name.startswith(o) for o in order].index(True))
-        layers = [by_layer[layer] for layer in sorted(by_layer)]
-        self.groups: list[list[Weight]] = [*outside[:1], *layers, *outside[1:]]
-        self.num_layers = len(layers)
+            for weight in _weights(key, key.removeprefix(f"{role}."), md):
+                place = (1, weight.index[0]) if weight.index else (_OUTSIDE.get(weight.name, len(_OUTSIDE) + 1), 0)
+                groups.setdefault(place, []).append(weight)
+        self.groups: list[list[Weight]] = [groups[place] for place in sorted(groups)]
+        self.num_layers = sum(rank == 1 for rank, _ in groups)
         self.largest_group_bytes = 0
 
     def weights(self) -> Iterator[Weight]:
