@@ -107,12 +107,14 @@ class ShardedSafetensorsWriter:
         return self
 
     def __exit__(self, kind: type | None, error: BaseException | None, trace: TracebackType | None) -> None:
-        if kind is None:
-            self.close()
-            return
-        for handle in self._open.values():
-            handle.close()
-        shutil.rmtree(self.partial, ignore_errors=True)
+        try:
+            if kind is None:
+                self.close()
+        finally:
+            if self.partial.exists():  # not renamed into place: an error here or in the block
+                for handle in self._open.values():
+                    handle.close()
+                shutil.rmtree(self.partial, ignore_errors=True)
 
 
 def _header(tensors: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, int]]:
