@@ -94,8 +94,7 @@ def _convert(args: argparse.Namespace) -> int:
         except FileExistsError as exists:
             print(f"error: {exists}", file=sys.stderr)
             return 2
-        print(f"wrote {written.path}: {len(written.files)} safetensors files, {written.total_bytes / 1e9:.3g} GB; "
-              f"held at most {written.largest_group_bytes / 1e9:.3g} GB of weights at once (one layer)")  # fmt: skip
+        print(f"wrote {written.describe()}")
         return 0
     model = convert.hf_model_config(args.hf)
     layout = convert.conversion_layout(model, args.tp, args.pp, args.ep)

@@ -162,6 +162,10 @@ class Export:
     total_bytes: int
     largest_group_bytes: int
 
+    def describe(self) -> str:
+        return (f"{self.path}: {len(self.files)} safetensors files, {self.total_bytes / 1e9:.3g} GB; held at most "
+                f"{self.largest_group_bytes / 1e9:.3g} GB of weights at once (a layer, or the embedding)")  # fmt: skip
+
 
 def mcore_to_hf(
     megatron_dir: str | Path,
