@@ -88,6 +88,8 @@ def _convert(args: argparse.Namespace) -> int:
     from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 
     if args.direction == "mcore-to-hf":  # one process, no process group: it reads the checkpoint's files
+        if dist_env_from_environment().world_size > 1:
+            raise ConfigError(["mcore-to-hf runs in one process: python -m megatron_ppo convert mcore-to-hf ..."])
         shard = {"max_shard_bytes": int(args.max_shard_gb * 10**9)} if args.max_shard_gb else {}
         try:
             written = convert.mcore_to_hf(args.megatron, args.hf_config, args.out, **shard)

@@ -191,8 +191,7 @@ def mcore_to_hf(
             for name, tensor in source.read(group, dtype).items():
                 for hf, part in to_hf(name, tensor, shapes):
                     writer.write(hf, part)
-    total = sum(torch.Size(shape).numel() * torch.empty((), dtype=d).element_size() for shape, d in planned.values())
-    return Export(Path(out_dir), tuple(writer.files), total, source.largest_group_bytes)
+    return Export(Path(out_dir), tuple(writer.files), writer.total_bytes, source.largest_group_bytes)
 
 
 def _export_mismatches(source: CheckpointWeights, model: ModelConfig) -> list[str]:

@@ -56,6 +56,7 @@ class ShardedSafetensorsWriter:
         meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in planned.items()}
         split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_bytes)
         self.files = list(split.filename_to_tensors)
+        self.total_bytes: int = split.metadata["total_size"]
         self.index = {"metadata": {"total_parameters": sum(t.numel() for t in meta.values()), **split.metadata},
                       "weight_map": split.tensor_to_filename} if split.is_sharded else None  # fmt: skip
         self.partial = self.out_dir.parent / f".{self.out_dir.name}.partial"

@@ -157,6 +157,16 @@ def test_each_rank_reads_and_holds_only_its_share(converted) -> None:
 TRAINER_MODELS = pytest.mark.parametrize("converted", ["llama-untied", "qwen2-tied"], indirect=True)
 
 
+@pytest.mark.parametrize("converted", ["llama-untied"], indirect=True)
+def test_an_export_with_another_models_config_is_refused(converted, tmp_path: Path) -> None:
+    qwen3, tied = save_hf_model("qwen3", tmp_path / "qwen3", False), save_hf_model("qwen2", tmp_path / "qwen2", True)
+    with pytest.raises(ConfigError, match=r"linear_proj\.weight is \(64, 64\), the config's model has \(64, 128\)"):
+        mcore_to_hf(converted["megatron"], qwen3, tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"tie_word_embeddings=True, but .* holds an output layer"):
+        mcore_to_hf(converted["megatron"], tied, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 # The actor under Megatron's distributed optimizer, the critic under the plain one: the trained checkpoint holds both
 # kinds of optimizer state (the first under `actor.`), which the export must leave out.
 DISTRIBUTED_ACTOR = ["actor.megatron.use_distributed_optimizer=true"]
