@@ -167,6 +167,19 @@ def test_an_export_with_another_models_config_is_refused(converted, tmp_path: Pa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("converted", ["llama-untied"], indirect=True)
+def test_the_export_is_written_in_the_dtype_the_config_declares(converted, tmp_path: Path) -> None:
+    """An fp32 checkpoint exported under a bfloat16 config.json: each tensor is the original rounded to bfloat16."""
+    config = json.loads((Path(converted["hf"]) / "config.json").read_text())
+    (tmp_path / "bf16").mkdir()
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    export = mcore_to_hf(converted["megatron"], tmp_path / "bf16", tmp_path / "out")
+    original, ours = SafetensorsReader(converted["hf"]), SafetensorsReader(export.path)
+    assert export.total_bytes == sum(2 * original.get(name).numel() for name in original.files)
+    changed = [n for n in original.files if not torch.equal(ours.get(n), original.get(n).to(torch.bfloat16))]
+    assert not changed, changed
+
+
 # The actor under Megatron's distributed optimizer, the critic under the plain one: the trained checkpoint holds both
 # kinds of optimizer state (the first under `actor.`), which the export must leave out.
 DISTRIBUTED_ACTOR = ["actor.megatron.use_distributed_optimizer=true"]
