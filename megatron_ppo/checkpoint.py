@@ -48,6 +48,8 @@ EXTRA_STATE = "_extra_state"
 # refuses ("ShardedTensor.flattened_range is not supported"), and `fully_reshardable` fails to load over torch's
 # Adam (its per-parameter `step` is not in the file: KeyError) — both in megatron-core 0.16 and 0.19.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# The distributed optimizer's buffer keys name no parameter; saved under the role's prefix (`_optimizer_sharded_state`)
+DISTRIBUTED_OPTIMIZER_KEY = "optimizer.distributed."
 
 
 def model_sharded_state(model: RoleModel, prefix: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -183,7 +185,7 @@ def _optimizer_sharded_state(optimizer: Any, model_state: dict[str, Any], role: 
     state = optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=OPTIMIZER_METADATA)
 
     def under_role(item: Any) -> Any:
-        if isinstance(item, ShardedBase) and "optimizer.distributed." in item.key:
+        if isinstance(item, ShardedBase) and DISTRIBUTED_OPTIMIZER_KEY in item.key:
             item.key = f"{role}.{item.key}"
         return item
 

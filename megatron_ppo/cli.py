@@ -87,24 +87,32 @@ def _convert(args: argparse.Namespace) -> int:
     from megatron_ppo import convert
     from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 
-    hf_dir = args.hf if args.direction != "mcore-to-hf" else args.hf_config
-    model = convert.hf_model_config(hf_dir)
+    if args.direction == "mcore-to-hf":  # one process, no process group: it reads the checkpoint's files
+        if dist_env_from_environment().world_size > 1:
+            raise ConfigError(["mcore-to-hf runs in one process: python -m megatron_ppo convert mcore-to-hf ..."])
+        shard = {"max_shard_bytes": int(args.max_shard_gb * 10**9)} if args.max_shard_gb else {}
+        try:
+            written = convert.mcore_to_hf(args.megatron, args.hf_config, args.out, **shard)
+        except FileExistsError as exists:
+            print(f"error: {exists}", file=sys.stderr)
+            return 2
+        print(f"wrote {written.describe()}")
+        return 0
+    model = convert.hf_model_config(args.hf)
     layout = convert.conversion_layout(model, args.tp, args.pp, args.ep)
     problems = convert.layout_problems(model, layout)
     if problems:
-        raise ConfigError(problems, source=str(hf_dir))
+        raise ConfigError(problems, source=str(args.hf))
     world = dist_env_from_environment().world_size
-    if args.direction != "mcore-to-hf" and world % (args.tp * args.pp * args.ep):
+    if world % (args.tp * args.pp * args.ep):
         needed = args.tp * args.pp * args.ep  # EP splits the data-parallel ranks: at least EP of them
         raise ConfigError([f"--tp {args.tp} --pp {args.pp} --ep {args.ep} needs a multiple of {needed} processes, "
                            f"not {world}: torchrun --nproc_per_node {needed} -m megatron_ppo convert ..."])  # fmt: skip
-    init_distributed(layout if args.direction != "mcore-to-hf" else convert.SINGLE, seed=0)
+    init_distributed(layout, seed=0)
     try:
         if args.direction == "hf-to-mcore":
             written = convert.hf_to_mcore(args.hf, args.out, args.dtype, layout)
             print(f"wrote {written} (converted at TP {args.tp} PP {args.pp} EP {args.ep}; loads at any TP/PP/EP)")
-        elif args.direction == "mcore-to-hf":
-            print(f"wrote {convert.mcore_to_hf(args.megatron, args.hf_config, args.out)}")
         else:
             difference = convert.verify(args.hf, args.megatron, layout)
             if difference is not None:
@@ -177,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     converter.add_argument("--pp", type=int, default=1, help="hf-to-mcore, verify: run at this PP (under torchrun)")
     converter.add_argument("--ep", type=int, default=1, help="hf-to-mcore, verify: expert parallel size (MoE)")
     converter.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    converter.add_argument("--max-shard-gb", type=float, help="mcore-to-hf: largest safetensors file in GB (10^9 "
+                           "bytes; default huggingface_hub's 5); a larger tensor gets a file of its own")  # fmt: skip
     converter.add_argument("--tolerance", type=float, default=1e-3, help="verify: largest allowed logit difference")
     converter.set_defaults(run=_convert)
     return parser

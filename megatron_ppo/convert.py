@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_ppo import checkpoint
+from megatron_ppo.checkpoint_weights import CheckpointWeights
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate
@@ -27,11 +29,12 @@ from megatron_ppo.models.hf_conversion import (
     SafetensorsReader,
     Shapes,
     TensorParallelPart,
+    hf_dtype,
     hf_to_megatron,
-    megatron_to_hf,
     model_config_from_hf,
-    save_hf,
+    to_hf,
 )
+from megatron_ppo.models.hf_shards import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter
 from megatron_ppo.parallel.device import on_cuda
 from megatron_ppo.parallel.ranks import expert_parallel, expert_tensor_parallel, is_first_of_last_stage, tensor_parallel
 
@@ -149,14 +152,74 @@ def _local_targets(shard: RoleModel, model: ModelConfig) -> dict[str, list[tuple
     return targets
 
 
-def mcore_to_hf(megatron_dir: str | Path, hf_config_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write a checkpoint's actor as Hugging Face safetensors (single-process layout)."""
+@dataclass(frozen=True)
+class Export:
+    """What `mcore_to_hf` wrote: the directory, its safetensors files, the bytes of weights written (in the output
+    dtype) and the most one group's read allocated (one layer, or the embedding / output layer)."""
+
+    path: Path
+    files: tuple[str, ...]
+    total_bytes: int
+    largest_group_bytes: int
+
+    def describe(self) -> str:
+        return (f"{self.path}: {len(self.files)} safetensors files, {self.total_bytes / 1e9:.3g} GB; held at most "
+                f"{self.largest_group_bytes / 1e9:.3g} GB of weights at once (a layer, or the embedding)")  # fmt: skip
+
+
+def mcore_to_hf(
+    megatron_dir: str | Path,
+    hf_config_dir: str | Path,
+    out_dir: str | Path,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Export:
+    """Write a checkpoint's actor as Hugging Face safetensors, one layer at a time: its tensors are read from the
+    checkpoint's files (any TP/PP/EP layout saved them; no model is built, no process group needed), converted by the
+    table (`to_hf`: vocabulary padding dropped) and written into their shard (`ShardedSafetensorsWriter`), so a
+    process holds one layer's weights (or the embedding's) at a time, never the model. The output dtype is the one
+    `hf_config_dir`'s config.json declares, else the checkpoint's; `megatron_dir` may be a checkpoint root (its
+    newest complete checkpoint)."""
     model = hf_model_config(hf_config_dir)
-    actor = build_role_model("ref", model, SINGLE)
-    checkpoint.load_weights(actor, megatron_dir, "actor")
-    state = {k: v for k, v in unwrap(actor.chunks[0]).state_dict().items() if not k.endswith("_extra_state")}
-    save_hf(megatron_to_hf(state, model), out_dir, hf_config_dir)
-    return Path(out_dir)
+    shapes, dtype = Shapes.of(model), hf_dtype(hf_config_dir)
+    source = CheckpointWeights(checkpoint.resolve(megatron_dir), "actor")
+    if problems := _export_mismatches(source, model):
+        raise ConfigError(problems, source=str(Path(hf_config_dir) / "config.json"))
+    planned = {hf: (part.shape, dtype or weight.dtype) for weight in source.weights()
+               for hf, part in to_hf(weight.name, torch.empty(weight.shape, device="meta"), shapes)}  # fmt: skip
+    with ShardedSafetensorsWriter(out_dir, planned, hf_config_dir, max_shard_bytes) as writer:
+        for group in source.groups:
+            for name, tensor in source.read(group, dtype).items():
+                for hf, part in to_hf(name, tensor, shapes):
+                    writer.write(hf, part)
+    return Export(Path(out_dir), tuple(writer.files), writer.total_bytes, source.largest_group_bytes)
+
+
+def _export_mismatches(source: CheckpointWeights, model: ModelConfig) -> list[str]:
+    """Where the checkpoint's actor is not the model the Hugging Face config.json describes: its layer and expert
+    counts, the output layer (untied only), the vocabulary and the shapes of the weights that size a layer."""
+    s, hidden = Shapes.of(model), model.hidden_size
+    expected = {
+        "decoder.layers.0.self_attention.linear_qkv.weight": (s.q_rows + 2 * s.kv_rows, hidden),
+        "decoder.layers.0.self_attention.linear_proj.weight": (hidden, s.q_rows),
+        "decoder.layers.0.mlp.linear_fc1.weight": (2 * (model.ffn_hidden_size or 0), hidden),
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight": (2 * model.moe_intermediate_size, hidden),
+        "decoder.final_layernorm.weight": (hidden,),
+    }
+    held = {weight.name: tuple(weight.shape) for weight in source.weights()}
+    problems = [f"{name} is {held[name]}, the config's model has {shape}"
+                for name, shape in expected.items() if held.get(name, shape) != shape]  # fmt: skip
+    rows, columns = held.get("embedding.word_embeddings.weight", (model.vocab_size, hidden))
+    if rows < model.vocab_size or columns != hidden:
+        problems.append(f"the embedding is ({rows}, {columns}), the config's vocabulary ({model.vocab_size}, {hidden})")
+    if source.num_layers != model.num_layers:
+        problems.append(f"num_hidden_layers={model.num_layers}, but {source.path} holds {source.num_layers} layers")
+    experts = sum(name.startswith("decoder.layers.0.mlp.experts.") and "fc1" in name for name in held)
+    if experts != model.num_experts:
+        problems.append(f"the config's model has {model.num_experts} experts a layer, {source.path} {experts}")
+    if ("output_layer.weight" in held) != model.untie_embeddings_and_output_weights:
+        problems.append(f"tie_word_embeddings={not model.untie_embeddings_and_output_weights}, but {source.path} "
+                        f"{'holds' if 'output_layer.weight' in held else 'lacks'} an output layer")  # fmt: skip
+    return [f"{p}: pass the --hf-config the checkpoint was trained from" for p in problems]
 
 
 def megatron_logits(megatron_dir: str | Path, model: ModelConfig, layout: MegatronConfig, input_ids: torch.Tensor):

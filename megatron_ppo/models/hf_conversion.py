@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.hf_rope import hf_rope_scaling
@@ -341,20 +340,33 @@ def hf_to_megatron(
         yield name, READ[mapping.kind](reader, mapping.hf_names(indices), shapes, share)
 
 
+def to_hf(name: str, tensor: torch.Tensor, shapes: Shapes) -> list[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors of one whole (TP = 1) Megatron tensor, named by the table: `WRITE` of its kind,
+    vocabulary padding dropped. Views where the kind allows (no copy); works on meta tensors, whose shapes then say
+    what would be written."""
+    mapping, indices = mapping_of(name)
+    return list(zip(mapping.hf_names(indices), WRITE[mapping.kind](tensor, shapes), strict=True))
+
+
 def megatron_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """The inverse of `hf_to_megatron` for a full (TP = 1, PP = 1, EP = 1) Megatron state dict; vocabulary padding
     dropped."""
-    shapes, out = Shapes.of(model), {}
-    for name, tensor in state.items():
-        mapping, indices = mapping_of(name)
-        parts = WRITE[mapping.kind](tensor, shapes)
-        out.update(zip(mapping.hf_names(indices), (t.contiguous() for t in parts), strict=True))
-    return out
+    shapes = Shapes.of(model)
+    return {hf: part.contiguous() for name, tensor in state.items() for hf, part in to_hf(name, tensor, shapes)}
 
 
-def save_hf(state: dict[str, torch.Tensor], out_dir: str | Path, hf_config_from: str | Path) -> None:
-    """Write `model.safetensors` and copy `config.json` from the original checkpoint."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text((Path(hf_config_from) / "config.json").read_text())
+def hf_dtype(hf_dir: str | Path) -> torch.dtype | None:
+    """The dtype a Hugging Face config.json declares for its weights (`dtype`, or `torch_dtype` before transformers
+    5); None when it declares none."""
+    source = Path(hf_dir) / "config.json"
+    config = json.loads(source.read_text())
+    declared = config.get("dtype") or config.get("torch_dtype")
+    if declared is None:
+        return None
+    if declared not in _HF_DTYPES:
+        raise ConfigError([f"dtype {declared!r} is not one of {tuple(_HF_DTYPES)}; set the checkpoint's dtype there"],
+                          str(source))  # fmt: skip
+    return _HF_DTYPES[declared]
+
+
+_HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

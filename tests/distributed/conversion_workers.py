@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from megatron_ppo.config import load_config
 from megatron_ppo.config.schema import MegatronConfig
-from megatron_ppo.convert import fill_from_hf, hf_logits, hf_model_config, hf_to_mcore, mcore_to_hf, verify
+from megatron_ppo.convert import fill_from_hf, hf_model_config, hf_to_mcore, verify
 from megatron_ppo.models import build_role_model
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.train.run import train
@@ -43,16 +41,12 @@ def dense_under_layouts(
 
 
 def in_one_process(rank: int, world_size: int, hf_dir: str, root: str) -> dict:
-    """A checkpoint (dense or MoE) in one process: converted, its largest logit difference from `transformers`, the
-    largest after the way back to Hugging Face, and (bytes read, parameters held)."""
+    """A checkpoint (dense or MoE) in one process: converted, its largest logit difference from `transformers`, and
+    (bytes read, parameters held)."""
     init_distributed(MegatronConfig(), seed=0)
     megatron_dir = str(hf_to_mcore(hf_dir, f"{root}/megatron"))
     difference = verify(hf_dir, megatron_dir, MegatronConfig())
-    back = mcore_to_hf(megatron_dir, hf_dir, f"{root}/back")
-    input_ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
-    round_trip = float((hf_logits(back, input_ids) - hf_logits(hf_dir, input_ids)).abs().max())
-    return {"megatron": megatron_dir, "difference": difference, "round_trip": round_trip,
-            "reads": _reads(hf_dir, MegatronConfig())}  # fmt: skip
+    return {"megatron": megatron_dir, "difference": difference, "reads": _reads(hf_dir, MegatronConfig())}
 
 
 def moe_under_layouts(

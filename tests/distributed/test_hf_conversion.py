@@ -1,9 +1,11 @@
 """Hugging Face → Megatron → Hugging Face on random `transformers` Llama (GQA, untied), Qwen2 (QKV bias, tied), Qwen3
 (QK layernorm, head_dim ≠ hidden/heads) and Llama-3.1-style (RoPE scaling) models: our Megatron model's logits equal
 the `transformers` logits at TP 1, TP 2 and PP 2, whether converted in one process or sharded under TP 2 / PP 2 (each
-rank reading only its share); the weights come back unchanged; the trainer converts a recipe's
-`model.hf_checkpoint` on first use and caches it; RoPE scaling Megatron cannot express is refused. A Qwen3-MoE
-(8 experts, top 2) converts and verifies at EP 1/2 and TP 1/2, each EP rank reading only its own experts."""
+rank reading only its share); the way back (`mcore_to_hf`, streaming a layer at a time into several safetensors
+shards) gives the original weights bit for bit, from checkpoints saved at TP 1, TP 2 and PP 2 alike, and holds one
+layer at a time; the trainer converts a recipe's `model.hf_checkpoint` on first use and caches it, and its trained
+checkpoint exports; RoPE scaling Megatron cannot express is refused. A Qwen3-MoE (8 experts, top 2) converts and
+verifies at EP 1/2 and TP 1/2, each EP rank reading only its own experts, and exports from each."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from safetensors import safe_open
 
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import MegatronConfig
-from megatron_ppo.convert import hf_logits
-from megatron_ppo.models.hf_conversion import model_config_from_hf
+from megatron_ppo.convert import Export, hf_logits, mcore_to_hf
+from megatron_ppo.models.hf_conversion import SafetensorsReader, model_config_from_hf
+from megatron_ppo.models.hf_shards import INDEX
 from tests.distributed import conversion_workers
 from tests.distributed.harness import run_distributed
 from tests.support.hf_models import LLAMA31_ROPE, offline_recipe, save_hf_model
@@ -36,11 +39,19 @@ LAYOUTS = {
 }
 
 
+def _export_each(hf_dir: Path, checkpoints: dict[str, Path], root: Path) -> dict[str, Export]:
+    """`mcore_to_hf` of each checkpoint (in this process: it needs no process group), with shards of a quarter of
+    the model's bytes, so that the output is several files and an index."""
+    quarter = sum(p.stat().st_size for p in hf_dir.glob("*.safetensors")) // 4
+    return {name: mcore_to_hf(path, hf_dir, root / f"hf-from-{name}", max_shard_bytes=quarter)
+            for name, path in checkpoints.items()}  # fmt: skip
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
 def converted(request, tmp_path_factory) -> dict:
-    """Two multi-process runs per model: one process (convert, verify, the way back, what a whole conversion
-    reads), then two processes re-laid out through TP 2 and PP 2 (verify the one-process conversion there, convert
-    there, and verify those conversions back at TP 1)."""
+    """Two multi-process runs per model: one process (convert, verify, what a whole conversion reads), then two
+    processes re-laid out through TP 2 and PP 2 (verify the one-process conversion there, convert there, and verify
+    those conversions back at TP 1); then each of the three conversions exported back to Hugging Face."""
     kind, tied, rope = MODELS[request.param]
     root = tmp_path_factory.mktemp(request.param)
     hf_dir = save_hf_model(kind, root / "hf", tied, rope)
@@ -48,8 +59,9 @@ def converted(request, tmp_path_factory) -> dict:
     parallel = {name: LAYOUTS[name][1] for name in ("tp2", "pp2")}
     ranks = run_distributed(conversion_workers.dense_under_layouts, 2, str(hf_dir), single["megatron"], str(root),
                             parallel)  # fmt: skip
+    checkpoints = {"tp1": Path(single["megatron"]), **{name: root / f"megatron-{name}" for name in parallel}}
     return {"name": request.param, "hf": str(hf_dir), "megatron": single["megatron"], "root": root,
-            "single": single, "ranks": ranks}  # fmt: skip
+            "single": single, "ranks": ranks, "exports": _export_each(hf_dir, checkpoints, root)}  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -62,9 +74,61 @@ def test_converted_logits_equal_transformers(converted, layout: str) -> None:
     assert max(differences) < 1e-4, f"{converted['name']} at {layout}: logits differ by {max(differences):.2e}"
 
 
+def _round_trip_logits(hf_dir: str | Path, export: Export) -> float:
+    input_ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    return float((hf_logits(export.path, input_ids) - hf_logits(hf_dir, input_ids)).abs().max())
+
+
 def test_megatron_to_hf_round_trip_gives_the_same_logits(converted) -> None:
-    difference = converted["single"]["round_trip"]
+    difference = _round_trip_logits(converted["hf"], converted["exports"]["tp1"])
     assert difference < 1e-5, f"{converted['name']}: HF → Megatron → HF logits differ by {difference:.2e}"
+
+
+def _assert_sharded_and_unchanged(hf_dir: str | Path, export: Export) -> None:
+    """The export is several safetensors files and an index as transformers writes them, and `from_pretrained`
+    loads from it the original model's weights bit for bit (fp32)."""
+    import transformers
+
+    original = SafetensorsReader(hf_dir)
+    index = json.loads((export.path / INDEX).read_text())
+    assert len(export.files) >= 3 and sorted(p.name for p in export.path.glob("*.safetensors")) == list(export.files)
+    assert set(index["weight_map"]) == set(original.files) and set(index["weight_map"].values()) == set(export.files)
+    sizes = {name: original.get(name).numel() for name in original.files}
+    assert index["metadata"] == {"total_parameters": sum(sizes.values()), "total_size": 4 * sum(sizes.values())}
+    ours, theirs = (transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).state_dict()
+                    for d in (export.path, hf_dir))  # fmt: skip
+    assert set(ours) == set(theirs)
+    changed = [name for name in theirs if not torch.equal(ours[name], theirs[name])]
+    assert not changed, f"{export.path}: {changed} differ from the original"
+
+
+def test_the_export_is_sharded_and_transformers_loads_the_original_weights(converted) -> None:
+    _assert_sharded_and_unchanged(converted["hf"], converted["exports"]["tp1"])
+
+
+def _assert_one_layer_at_a_time(hf_dir: str | Path, export: Export, num_layers: int) -> None:
+    """The most the export held at once is one layer's weights (as many bytes as the original's layer 0), well under
+    the model's bytes / (layers / 2)."""
+    original = SafetensorsReader(hf_dir)
+    layer = sum(4 * original.get(name).numel() for name in original.files if name.startswith("model.layers.0."))
+    assert export.largest_group_bytes == layer, (export.largest_group_bytes, layer, export.total_bytes)
+    assert export.largest_group_bytes < export.total_bytes / (num_layers / 2)
+
+
+def test_the_export_holds_one_layer_at_a_time(converted) -> None:
+    _assert_one_layer_at_a_time(converted["hf"], converted["exports"]["tp1"], num_layers=4)
+
+
+def _assert_same_weights(hf_dir: str | Path, export: Export) -> None:
+    original, ours = SafetensorsReader(hf_dir), SafetensorsReader(export.path)
+    assert set(ours.files) == set(original.files)
+    changed = [name for name in original.files if not torch.equal(ours.get(name), original.get(name))]
+    assert not changed, f"{export.path}: {changed} differ from the original"
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_a_checkpoint_saved_under_tp2_or_pp2_exports_the_original_weights(converted, layout: str) -> None:
+    _assert_same_weights(converted["hf"], converted["exports"][layout])
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
@@ -93,20 +157,54 @@ def test_each_rank_reads_and_holds_only_its_share(converted) -> None:
 TRAINER_MODELS = pytest.mark.parametrize("converted", ["llama-untied", "qwen2-tied"], indirect=True)
 
 
+@pytest.mark.parametrize("converted", ["llama-untied"], indirect=True)
+def test_an_export_with_another_models_config_is_refused(converted, tmp_path: Path) -> None:
+    qwen3, tied = save_hf_model("qwen3", tmp_path / "qwen3", False), save_hf_model("qwen2", tmp_path / "qwen2", True)
+    with pytest.raises(ConfigError, match=r"linear_proj\.weight is \(64, 64\), the config's model has \(64, 128\)"):
+        mcore_to_hf(converted["megatron"], qwen3, tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"tie_word_embeddings=True, but .* holds an output layer"):
+        mcore_to_hf(converted["megatron"], tied, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("converted", ["llama-untied"], indirect=True)
+def test_the_export_is_written_in_the_dtype_the_config_declares(converted, tmp_path: Path) -> None:
+    """An fp32 checkpoint exported under a bfloat16 config.json: each tensor is the original rounded to bfloat16."""
+    config = json.loads((Path(converted["hf"]) / "config.json").read_text())
+    (tmp_path / "bf16").mkdir()
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    export = mcore_to_hf(converted["megatron"], tmp_path / "bf16", tmp_path / "out")
+    original, ours = SafetensorsReader(converted["hf"]), SafetensorsReader(export.path)
+    assert export.total_bytes == sum(2 * original.get(name).numel() for name in original.files)
+    changed = [n for n in original.files if not torch.equal(ours.get(n), original.get(n).to(torch.bfloat16))]
+    assert not changed, changed
+
+
+# The actor under Megatron's distributed optimizer, the critic under the plain one: the trained checkpoint holds both
+# kinds of optimizer state (the first under `actor.`), which the export must leave out.
+DISTRIBUTED_ACTOR = ["actor.megatron.use_distributed_optimizer=true"]
+
+
 @TRAINER_MODELS
 def test_the_trainer_converts_on_first_use_under_its_layout_and_caches(converted) -> None:
     root = converted["root"] / "first-use"
     root.mkdir()
     recipe = str(offline_recipe(root, Path(converted["hf"]), tp=2))
-    assert run_distributed(conversion_workers.train_recipe, 2, recipe, []) == [1, 1]
+    assert run_distributed(conversion_workers.train_recipe, 2, recipe, DISTRIBUTED_ACTOR) == [1, 1]
     cache = root / "ckpt" / "hf_init" / "step_0"
     (difference,) = run_distributed(
         conversion_workers.logit_difference, 1, converted["hf"], str(cache.parent), MegatronConfig()
     )
     assert difference < 1e-4, f"the trainer's conversion differs from transformers by {difference:.2e}"
     written = cache.stat().st_mtime_ns
-    run_distributed(conversion_workers.train_recipe, 2, recipe, ["trainer.total_training_steps=2"])
+    run_distributed(conversion_workers.train_recipe, 2, recipe, [*DISTRIBUTED_ACTOR, "trainer.total_training_steps=2"])
     assert cache.stat().st_mtime_ns == written, "the cached conversion was redone"
+    # the trained actor (saved at TP 2, beside the critic and both optimizers) exports, and transformers computes
+    # the checkpoint's logits from the export
+    exported = mcore_to_hf(root / "ckpt", converted["hf"], root / "trained-hf").path
+    (difference,) = run_distributed(conversion_workers.logit_difference, 1, str(exported), str(root / "ckpt"),
+                                    MegatronConfig())  # fmt: skip
+    assert difference < 1e-5, f"the trained checkpoint's export differs from it by {difference:.2e}"
 
 
 @TRAINER_MODELS
@@ -159,20 +257,31 @@ MOE_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> dict:
-    """Two multi-process runs in all: one process (convert, verify, the way back), then two processes re-laid out
-    through `MOE_LAYOUTS` (convert under each, verify each conversion under another layout)."""
+    """Two multi-process runs in all: one process (convert, verify), then two processes re-laid out through
+    `MOE_LAYOUTS` (convert under each, verify each conversion under another layout); then each conversion exported
+    back to Hugging Face."""
     root = tmp_path_factory.mktemp("qwen3-moe")
     hf_dir = save_hf_model("qwen3_moe", root / "hf", False)
     single = run_distributed(conversion_workers.in_one_process, 1, str(hf_dir), str(root))[0]
     ranks = run_distributed(
         conversion_workers.moe_under_layouts, 2, str(hf_dir), single["megatron"], str(root), MOE_LAYOUTS
     )
-    return {"hf": hf_dir, "single": single, "ranks": ranks}
+    checkpoints = {"one process": Path(single["megatron"]), **{name: root / f"megatron-{name}" for name in MOE_LAYOUTS}}
+    return {"hf": hf_dir, "single": single, "ranks": ranks, "exports": _export_each(hf_dir, checkpoints, root)}
 
 
 def test_qwen3_moe_converted_in_one_process_equals_transformers_both_ways(moe) -> None:
     assert moe["single"]["difference"] < 1e-4, f"Qwen3-MoE logits differ by {moe['single']['difference']:.2e}"
-    assert moe["single"]["round_trip"] < 1e-5, f"HF → Megatron → HF differs by {moe['single']['round_trip']:.2e}"
+    round_trip = _round_trip_logits(moe["hf"], moe["exports"]["one process"])
+    assert round_trip < 1e-5, f"HF → Megatron → HF differs by {round_trip:.2e}"
+
+
+def test_qwen3_moe_exports_sharded_one_layer_at_a_time_from_every_layout(moe) -> None:
+    """Every expert of every layer comes back bit for bit, whichever EP/TP layout saved the checkpoint."""
+    _assert_sharded_and_unchanged(moe["hf"], moe["exports"]["one process"])
+    _assert_one_layer_at_a_time(moe["hf"], moe["exports"]["one process"], num_layers=4)
+    for layout in MOE_LAYOUTS:
+        _assert_same_weights(moe["hf"], moe["exports"][layout])
 
 
 def test_qwen3_moe_converted_under_ep_and_tp_verifies_under_another_layout(moe) -> None:

@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "initial_weights": 2,
     "models": 3,
     "checkpoint": 4,
+    "checkpoint_weights": 4,
     "convert": 5,
     "critic_init": 5,
     "train": 6,
@@ -47,7 +48,7 @@ MEGATRON_OUTSIDE = {
                                 "megatron.core.dist_checkpointing.dict_utils",
                                 "megatron.core.optimizer.distrib_optimizer"},  # saving and loading: its format
     "megatron_ppo.critic_init": {"megatron.core.dist_checkpointing"},  # which roles a checkpoint's metadata holds
-    "megatron_ppo.convert": {"megatron.core.tensor_parallel"},  # the TP gather of the weights it writes to HF
+    "megatron_ppo.convert": {"megatron.core.tensor_parallel"},  # the TP gather of the logits `verify` compares
     "megatron_ppo.train.optimizer": {"megatron.core.distributed", "megatron.core.optimizer",
                                      "megatron.core.optimizer.clip_grads", "megatron.core.optimizer_param_scheduler"},
 }  # fmt: skip
