@@ -112,7 +112,8 @@ def _convert(args: argparse.Namespace) -> int:
     try:
         if args.direction == "hf-to-mcore":
             written = convert.hf_to_mcore(args.hf, args.out, args.dtype, layout)
-            print(f"wrote {written} (converted at TP {args.tp} PP {args.pp} EP {args.ep}; loads at any TP/PP/EP)")
+            if dist_env_from_environment().rank == 0:
+                print(f"wrote {written} (converted at TP {args.tp} PP {args.pp} EP {args.ep}; loads at any TP/PP/EP)")
         else:
             difference = convert.verify(args.hf, args.megatron, layout)
             if difference is not None:
