@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 LOCK   := requirements/lock.txt
-FLOOR  := $(VENV)/megatron-core-floor
+FLOOR  := $(VENV)/floor
 PYTEST := $(PY) -m pytest -q --durations=25
 # torchrun --standalone: a free port per launch, so two jobs on one machine (two `make train`, or one beside the suite) never collide.
 TORCHRUN = OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone
@@ -27,7 +27,9 @@ $(STAMP): pyproject.toml $(LOCK)
 	touch $(STAMP)
 
 # The whole suite (what CI runs), the inner loop without e2e and Slurm, and the floor leg: the tests marked `floor`
-# against the oldest megatron-core the package admits, installed beside the main environment (nothing else moves).
+# against the oldest megatron-core and torch the package admits (requirements/floor.txt, torch's CUDA runtime wheels
+# included: ~3 GB), installed beside the main environment, first on PYTHONPATH (nothing else moves); before the tests,
+# pip check over both, and each floor.txt pin must be the version Python finds.
 test: setup
 	$(PYTEST)
 
@@ -40,8 +42,9 @@ $(FLOOR)/.installed: requirements/floor.txt $(STAMP)
 	touch $@
 
 test-floor: $(FLOOR)/.installed
-	PYTHONPATH=$(CURDIR)/$(FLOOR) $(PY) -c "import megatron.core as m, sys; v = open('requirements/floor.txt').read().split('megatron-core==')[1].split()[0]; sys.exit(0 if m.__version__ == v else f'floor leg imports megatron-core {m.__version__}, not {v}')"
-	PYTHONPATH=$(CURDIR)/$(FLOOR) $(PYTEST) -m floor -p no:cacheprovider
+	PYTHONPATH=$(abspath $(FLOOR)) $(PY) -m pip check
+	PYTHONPATH=$(abspath $(FLOOR)) $(PY) -c "import importlib.metadata as md, sys; pins = dict(line.split()[0].split('==') for line in open('requirements/floor.txt') if '==' in line and not line.startswith('#')); off = [f'{n} {md.version(n)}, not {v}' for n, v in pins.items() if md.version(n) != v]; sys.exit(f'the floor leg finds {off}' if off else 0)"
+	PYTHONPATH=$(abspath $(FLOOR)) $(PYTEST) -m floor -p no:cacheprovider
 
 # Rewrite the lock from the environment after changing a range in pyproject.toml (pip install -U ... first).
 lock: setup

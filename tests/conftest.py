@@ -4,8 +4,8 @@
     distributed  tests/distributed: gloo process groups through Megatron (2–4 CPU processes)
     e2e          tests/e2e: the real CLI under torchrun (the tiny recipe and its variants)
     slurm        tests/slurm: jobs on a real single-node Slurm
-    floor        the set also run on the oldest megatron-core the package admits (`make test-floor`): every unit
-                 test, and the distributed and e2e tests that mark themselves
+    floor        the set also run on the oldest megatron-core and torch the package admits (`make test-floor`): every
+                 unit test, and the distributed and e2e tests that mark themselves
 
 `make test-fast` runs everything but e2e and slurm; `make test` runs all of it."""
 
@@ -24,7 +24,7 @@ def pytest_configure(config: pytest.Config) -> None:
         ("distributed", "gloo process groups through Megatron"),
         ("e2e", "the real CLI under torchrun"),
         ("slurm", "jobs on a real single-node Slurm"),
-        ("floor", "also run against the oldest megatron-core the package admits"),
+        ("floor", "also run against the oldest megatron-core and torch the package admits"),
     ):
         config.addinivalue_line("markers", f"{name}: {text}")
 
