@@ -49,6 +49,13 @@ def in_one_process(rank: int, world_size: int, hf_dir: str, root: str) -> dict:
     return {"megatron": megatron_dir, "difference": difference, "reads": _reads(hf_dir, MegatronConfig())}
 
 
+def saved_under(rank: int, world_size: int, hf_dir: str, out: str, layout: MegatronConfig) -> str:
+    """The model saved by Megatron's distributed checkpointing from `layout`'s shards (as a training job at that
+    layout saves its actor), through the conversion's build-fill-save."""
+    init_distributed(layout, seed=0)
+    return str(hf_to_mcore(hf_dir, out, layout=layout))
+
+
 def moe_under_layouts(
     rank: int, world_size: int, hf_dir: str, whole_dir: str, root: str, layouts: dict[str, MegatronConfig]
 ) -> dict:

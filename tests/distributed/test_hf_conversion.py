@@ -2,10 +2,10 @@
 (QK layernorm, head_dim ≠ hidden/heads) and Llama-3.1-style (RoPE scaling) models: our Megatron model's logits equal
 the `transformers` logits at TP 1, TP 2 and PP 2, whether converted in one process or sharded under TP 2 / PP 2 (each
 rank reading only its share); the way back (`mcore_to_hf`, streaming a layer at a time into several safetensors
-shards) gives the original weights bit for bit, from checkpoints saved at TP 1, TP 2 and PP 2 alike, and holds one
-layer at a time; the trainer converts a recipe's `model.hf_checkpoint` on first use and caches it, and its trained
-checkpoint exports; RoPE scaling Megatron cannot express is refused. A Qwen3-MoE (8 experts, top 2) converts and
-verifies at EP 1/2 and TP 1/2, each EP rank reading only its own experts, and exports from each."""
+shards) gives the original weights bit for bit, from checkpoints saved at TP 1, TP 2, PP 2 and PP 2 × VPP 2 alike,
+and holds one layer at a time; the trainer converts a recipe's `model.hf_checkpoint` on first use and caches it, and
+its trained checkpoint exports; RoPE scaling Megatron cannot express is refused. A Qwen3-MoE (8 experts, top 2)
+converts and verifies at EP 1/2 and TP 1/2, each EP rank reading only its own experts, and exports from each."""
 
 from __future__ import annotations
 
@@ -129,6 +129,15 @@ def _assert_same_weights(hf_dir: str | Path, export: Export) -> None:
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_a_checkpoint_saved_under_tp2_or_pp2_exports_the_original_weights(converted, layout: str) -> None:
     _assert_same_weights(converted["hf"], converted["exports"][layout])
+
+
+def test_a_checkpoint_saved_with_virtual_pipeline_stages_exports_the_original_weights(tmp_path: Path) -> None:
+    """Virtual stages number each chunk's layers from 0 (`layer_number` is global): the export must still put every
+    layer back in its place."""
+    hf_dir = save_hf_model("llama", tmp_path / "hf", tied=False)
+    layout = MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    saved = run_distributed(conversion_workers.saved_under, 2, str(hf_dir), str(tmp_path / "megatron"), layout)[0]
+    _assert_same_weights(hf_dir, mcore_to_hf(Path(saved).parent, hf_dir, tmp_path / "back"))
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
