@@ -348,13 +348,6 @@ def to_hf(name: str, tensor: torch.Tensor, shapes: Shapes) -> list[tuple[str, to
     return list(zip(mapping.hf_names(indices), WRITE[mapping.kind](tensor, shapes), strict=True))
 
 
-def megatron_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of `hf_to_megatron` for a full (TP = 1, PP = 1, EP = 1) Megatron state dict; vocabulary padding
-    dropped."""
-    shapes = Shapes.of(model)
-    return {hf: part.contiguous() for name, tensor in state.items() for hf, part in to_hf(name, tensor, shapes)}
-
-
 def hf_dtype(hf_dir: str | Path) -> torch.dtype | None:
     """The dtype a Hugging Face config.json declares for its weights (`dtype`, or `torch_dtype` before transformers
     5); None when it declares none."""

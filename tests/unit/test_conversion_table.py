@@ -20,7 +20,7 @@ from megatron_ppo.models.hf_conversion import (
     TensorParallelPart,
     hf_to_megatron,
     mapping_of,
-    megatron_to_hf,
+    to_hf,
 )
 from tests.support.hf_models import save_hf_model
 
@@ -65,7 +65,8 @@ def test_each_tp_rank_reads_its_share_and_the_way_back_is_exact(tmp_path: Path, 
             mapping = mapping_of(name)[0]
             expected = _rank_share(full[name], mapping.kind, expert_part if mapping.expert else part)
             assert torch.equal(share, expected), f"{kind}: TP rank {rank}'s {name} differs from its share"
-    back = megatron_to_hf(full, model)
+    whole = Shapes.of(model)
+    back = {hf: part for name, tensor in full.items() for hf, part in to_hf(name, tensor, whole)}
     with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:
         assert set(back) == set(f.keys()), f"{kind}: {set(back) ^ set(f.keys())}"
         for name in back:
