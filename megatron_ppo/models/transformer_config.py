@@ -65,9 +65,11 @@ def build_transformer_config(
     on the CPU (a full master weight is drawn, then split, so every TP layout starts from the same weights), no
     fused kernels, and pipeline messages sent one by one. Under virtual stages, on either device, Megatron-LM's own
     setting for the interleaved schedule: messages sent one by one and overlapped with compute
-    (`overlap_p2p_comm`). Batched, the messages to the one neighbour at PP = 2 pair out of order (which silently
-    corrupts the gradients); waited for in each call, a stage blocked sending a tensor and its out-of-step peer
-    blocked in the shape exchange before it deadlocked TP 2 × PP 2 × VPP 2 with token budgets on gloo. Pipeline
+    (`overlap_p2p_comm`), each exchange one way. Without it the schedule's two-way exchanges, batched, pair the
+    messages to the one neighbour at PP = 2 out of order (silently corrupting the gradients, and crossing the
+    shapes of Megatron's shape exchange, NVIDIA/Megatron-LM#5100); and waited for in each call, a stage blocked
+    sending a tensor while its out-of-step peer blocked in the shape exchange before it: TP 2 × PP 2 × VPP 2 with
+    token budgets deadlocked on gloo. Pipeline
     messages of one fixed shape per pass (`variable_seq_lengths` off, set per pass by `models.schedule.model_shapes`).
     MoE fields: `moe_settings`."""
     cuda = on_cuda()

@@ -17,10 +17,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.parallel.cpu_compat import seed_model_parallel_rng
 from megatron_ppo.parallel.device import select_device
-from megatron_ppo.parallel.megatron_compat import (
-    bind_missing_te_general_gemm,
-    exchange_pipeline_shapes_one_message_at_a_time,
-)
+from megatron_ppo.parallel.megatron_compat import bind_missing_te_general_gemm
 
 DEFAULT_PORT = 29500
 _STARTS = itertools.count()  # process-group starts in this process (several runs may follow each other in one)
@@ -86,7 +83,6 @@ def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0
         device = "cuda" if torch.cuda.is_available() else "cpu"
     chosen = select_device(device, env.local_rank)
     bind_missing_te_general_gemm()  # on either device: MoE routers read the name
-    exchange_pipeline_shapes_one_message_at_a_time()
     if not dist.is_initialized():
         address = f"tcp://{env.master_addr}:{env.master_port}"
         store, _, _ = next(

@@ -1,6 +1,5 @@
 """Differences between the megatron-core releases the package admits (0.16.1 to 0.19.x), each bent once here,
-named by the release it follows, and two Megatron behaviours bent: how this package saves (synchronously), and
-the pipeline shape exchange, which crosses its messages at PP = 2.
+named by the release it follows, and the one Megatron default bent for how this package saves (synchronously).
 Device stand-ins (Megatron on a machine without CUDA) are `cpu_compat`'s job."""
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ import queue
 from typing import Any
 
 import megatron.core
-import torch
 from megatron.core import utils as megatron_utils
 
 MEGATRON_CORE_VERSION: str = megatron.core.__version__
@@ -24,45 +22,6 @@ def bind_missing_te_general_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-
-
-def exchange_pipeline_shapes_one_message_at_a_time() -> None:
-    """Megatron's `P2PCommunicator._communicate_shapes` (every release admitted) posts its shape messages as one
-    `batch_isend_irecv` in a fixed order, whatever `batch_p2p_comm` says. At PP = 2 both neighbours are one rank,
-    and messages to one peer pair in posting order, so in the interleaved schedule's two-way exchanges the forward
-    shape arrives as the backward one (NVIDIA/Megatron-LM#5100): gloo pairs them so, and NCCL pairs same-peer
-    operations of a group in order too. The replacement sends them as Megatron's unbatched `_p2p_ops` sends its
-    tensors (even ranks send first; at PP = 2 the two directions on two process groups), on either device."""
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-    P2PCommunicator._communicate_shapes = _communicate_shapes_unbatched
-
-
-def _communicate_shapes_unbatched(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-    from megatron.core.pipeline_parallel.p2p_communication import _p2p_ops
-
-    device = torch.cuda.current_device()  # as Megatron allocates them (the CPU under `cpu_compat`)
-
-    def shape_of(tensor):
-        return None if tensor is None else torch.tensor(tensor.size(), dtype=torch.int64, device=device)
-
-    recv_prev_shape = torch.empty(3, dtype=torch.int64, device=device) if recv_prev else None
-    recv_next_shape = torch.empty(3, dtype=torch.int64, device=device) if recv_next else None
-    requests = _p2p_ops(
-        tensor_send_prev=shape_of(tensor_send_prev),
-        tensor_recv_prev=recv_prev_shape,
-        tensor_send_next=shape_of(tensor_send_next),
-        tensor_recv_next=recv_next_shape,
-        group=self.pp_group,
-        prev_pipeline_rank=self.prev_rank,
-        next_pipeline_rank=self.next_rank,
-    )
-    for request in requests.values():
-        request.wait()
-    return (
-        [0, 0, 0] if recv_prev_shape is None else recv_prev_shape.tolist(),
-        [0, 0, 0] if recv_next_shape is None else recv_next_shape.tolist(),
-    )
 
 
 def get_batch_on_this_cp_rank(batch: dict[str, Any], cp_group: Any) -> dict[str, Any]:

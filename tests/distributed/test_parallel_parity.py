@@ -48,13 +48,13 @@ LAYOUTS = {
 # Token budgets (use_dynamic_bsz) under virtual stages: with DP 2 the replicas' rows (6–12 tokens) pack into counts
 # that both replicas even out to the larger, a multiple of PP (an odd count is refused by Megatron). Without DP, the
 # 8 rows at 30 tokens pack into (2, 12), (2, 11), (3, 10), (1, 6): no one shape holds them within the budget, so the
-# interleaved schedule exchanges shapes (on gloo that once deadlocked out-of-step stages at TP 2, see
-# `parallel.cpu_compat._communicate_shapes_unbatched`).
+# interleaved schedule exchanges shapes (waited for per call, that deadlocked out-of-step stages at TP 2 on gloo,
+# see `models.transformer_config.build_transformer_config`).
 MAX_TOKENS = {"pp2-vpp2-dp2-dynamic": 18, "pp2-vpp2-dynamic": 30}
 
 
 # The layouts the floor leg (`make test-floor`, the oldest megatron-core admitted) also runs.
-FLOOR_LAYOUTS = {"tp2", "pp2", "pp2-vpp2-dynamic"}  # the last: the shape exchange `megatron_compat` replaces
+FLOOR_LAYOUTS = {"tp2", "pp2", "pp2-vpp2-dynamic"}  # the last: Megatron's shape exchange under virtual stages
 
 
 def layouts(names) -> list:
