@@ -22,10 +22,11 @@ freed when the batch ends.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,20 +40,41 @@ from megatron_ppo.parallel.collectives import (
     broadcast_from_last_stage,
     data_parallel_share,
     gather_data_parallel,
-    global_rank,
     undo_share,
 )
 from megatron_ppo.parallel.device import current_device
-
-logger = logging.getLogger(__name__)
+from megatron_ppo.phases import GENERATION_BATCH_ROWS, GENERATION_CACHE_SHARE
 
 # The module attributes that switch sequence parallelism on in Megatron's layers (as its inference's
 # `set_model_to_sequence_parallel` lists them), besides the config's own flag.
 _SEQUENCE_PARALLEL_ATTRIBUTES = ("sequence_parallel", "reduce_scatter_embeddings")
 
 
+@dataclass(frozen=True)
+class Generation:
+    """What one `timed_generate` call gave: each prompt's answer and how long the decoding took."""
+
+    answers: list[tuple[list[int], bool]]
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(tokens) for tokens, _ in self.answers)
+
+    def metrics(self) -> dict[str, float]:
+        """The evaluation's `generation_*` scalars: prompts, tokens generated, seconds, tokens/s."""
+        rate = self.tokens / max(self.seconds, 1e-9)
+        return {"generation_prompts": float(len(self.answers)), "generation_tokens": float(self.tokens),
+                "generation_s": self.seconds, "generation_tokens_per_s": rate}  # fmt: skip
+
+
+def generate(model: RoleModel, prompts: Sequence[Sequence[int]], **kwargs: Any) -> list[tuple[list[int], bool]]:
+    """(response token ids, whether it ended with `eos_id`) for each prompt (`timed_generate`'s answers)."""
+    return timed_generate(model, prompts, **kwargs).answers
+
+
 @torch.no_grad()
-def generate(
+def timed_generate(
     model: RoleModel,
     prompts: Sequence[Sequence[int]],
     *,
@@ -62,17 +84,19 @@ def generate(
     temperature: float = 1.0,
     greedy: bool = False,
     seed: int = 0,
-    batch_size: int = 512,
+    batch_size: int = GENERATION_BATCH_ROWS,
     kv_cache: bool = True,
-) -> list[tuple[list[int], bool]]:
-    """(response token ids, whether it ended with `eos_id`) for each prompt: at most `max_new_tokens` each, greedy or
-    sampled at `temperature`, in batches of at most `batch_size` rows per data-parallel replica; with `kv_cache`
-    (and no context parallelism, which cannot split a one-token step), through the KV cache. Logs one line: prompts,
-    tokens generated, seconds, tokens/s."""
+) -> Generation:
+    """(response token ids, whether it ended with `eos_id`) for each prompt, and the seconds it took: at most
+    `max_new_tokens` each, greedy or sampled at `temperature`, in batches of at most `batch_size` rows per
+    data-parallel replica; with `kv_cache` (and no context parallelism, which cannot split a one-token step),
+    through the KV cache, in batches whose cache fits (`cache_rows`)."""
     started = time.perf_counter()
     share = data_parallel_share(len(prompts))
     generator = torch.Generator().manual_seed(seed)
     cached = kv_cache and parallel_state.get_context_parallel_world_size() == 1
+    if cached:
+        batch_size = cache_rows(model, max(map(len, prompts), default=0) + max_new_tokens, batch_size)
     # MoE's allgather dispatcher: every rank of the expert-parallel group runs the same passes
     num_batches = _largest_in_group(model, -(-len(share) // batch_size)) if cached else -(-len(share) // batch_size)
     mine: list[tuple[list[int], bool]] = []
@@ -84,12 +108,7 @@ def generate(
             else:
                 mine += _decode(model, rows, max_new_tokens, eos_id, pad_id, temperature, greedy, generator)
     answers = undo_share(gather_data_parallel(mine))
-    seconds = time.perf_counter() - started
-    tokens = sum(len(tokens) for tokens, _ in answers)
-    if global_rank() == 0:
-        logger.info("generation: %d prompts, %d tokens generated in %.2f s (%.0f tokens/s, %s)", len(answers),
-                    tokens, seconds, tokens / max(seconds, 1e-9), "KV cache" if cached else "no cache")  # fmt: skip
-    return answers
+    return Generation(answers, time.perf_counter() - started)
 
 
 def kv_cache_bytes(model: RoleModel, rows: int, max_sequence_length: int) -> int:
@@ -100,6 +119,20 @@ def kv_cache_bytes(model: RoleModel, rows: int, max_sequence_length: int) -> int
     layers = sum(len(unwrap(chunk).decoder.layers) for chunk in model.chunks)
     element = torch.empty((), dtype=config.params_dtype).element_size()
     return 2 * layers * rows * max_sequence_length * (config.num_query_groups // tp) * config.kv_channels * element
+
+
+def cache_rows(model: RoleModel, max_sequence_length: int, at_most: int) -> int:
+    """The rows one cached batch decodes: `at_most`, or on CUDA fewer where their cache would take more than
+    `GENERATION_CACHE_SHARE` of the free device memory (with what the allocator holds unused); the least over all
+    ranks (a pipeline's stages must cut the same batches)."""
+    if not torch.cuda.is_available():
+        return at_most
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    per_row = max(kv_cache_bytes(model, 1, max_sequence_length), 1)
+    rows = torch.tensor([max(1, min(at_most, int(GENERATION_CACHE_SHARE * free // per_row)))], device=current_device())
+    if dist.is_initialized():
+        dist.all_reduce(rows, op=dist.ReduceOp.MIN)
+    return int(rows.item())
 
 
 def _decode_cached(model, rows, max_new_tokens, eos_id, pad_id, temperature, greedy, generator):

@@ -30,7 +30,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ppo.models.context_parallel import gather_per_token, split_micro_batch
 from megatron_ppo.models.gpt import RoleModel, unwrap
-from megatron_ppo.models.moe import expert_parallel_shapes, pad_tokens, routing_padding_mask
+from megatron_ppo.models.moe import (
+    expert_parallel_micro_batch_count,
+    expert_parallel_shapes,
+    pad_tokens,
+    routing_padding_mask,
+)
 from megatron_ppo.models.widths import padded_width, pass_shape
 from megatron_ppo.parallel.device import module_device, to_device
 
@@ -60,14 +65,16 @@ def run_micro_batches(
     cut back to the micro-batch's own `[b, s]` (this CP rank's tokens of it) before `loss_fn`, so no padding enters
     a loss, a metric or a log-prob. The tokens the model computed and the real ones go to `model.padding`.
 
-    Under the interleaved schedule (virtual stages), which runs only multiples of PP micro-batches, a pass of any
-    other count gets empty micro-batches (one padding token, no loss, no result) up to the next multiple.
+    A pass runs as many micro-batches as the largest count of its expert-parallel group (MoE's allgather
+    dispatcher is a collective per micro-batch) and, under the interleaved schedule (virtual stages), a multiple of
+    PP (Megatron refuses fewer and uneven remainders): a rank with fewer runs empty micro-batches (one padding
+    token, no loss, no result).
 
     With an `inference_context` (KV-cached decoding, `models.generation`): the micro-batches, all of one shape,
     enter unpadded (padding would enter the cache), micro-batch i writing rows `[i·b, (i+1)·b)` of the cache; the
     last stage's output holds the TP-gathered logits of the last position only (`[b, 1, vocab]`)."""
     real_micro_batches = len(micro_batches)
-    micro_batches = [*micro_batches, *_empty_micro_batches(real_micro_batches)]
+    micro_batches = [*micro_batches, *_empty_micro_batches(model, real_micro_batches)]
     num_micro_batches = len(micro_batches)
     cp_size = parallel_state.get_context_parallel_world_size()
     sp_tp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
@@ -142,15 +149,17 @@ def run_micro_batches(
     return list(results)
 
 
-def _empty_micro_batches(count: int) -> list[MicroBatch]:
-    """The micro-batches that bring a pass of `count` up to what the interleaved schedule runs: a multiple of PP
-    (`microbatch_group_size_per_vp_stage`, PP by default; Megatron refuses fewer and uneven remainders). Each holds
-    one padding token (length 0: out of the routers' statistics); the pass's shape rule pads it like the others."""
+def _empty_micro_batches(model: RoleModel, count: int) -> list[MicroBatch]:
+    """The micro-batches that bring a pass of `count` up to what every rank runs (`run_micro_batches`): the
+    expert-parallel group's largest count, then, under virtual stages, a multiple of PP
+    (`microbatch_group_size_per_vp_stage`, PP by default). Each holds one padding token (length 0: out of the
+    routers' statistics); the pass's shape rule pads it like the others."""
+    target = expert_parallel_micro_batch_count(model.config, count)
     pipeline = parallel_state.get_pipeline_model_parallel_world_size()
-    if (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) == 1 or count % pipeline == 0:
-        return []
+    if (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+        target = -(-target // pipeline) * pipeline
     empty = {"input_ids": torch.zeros(1, 1, dtype=torch.long), "lengths": torch.zeros(1, dtype=torch.long)}
-    return [dict(empty) for _ in range(pipeline - count % pipeline)]
+    return [dict(empty) for _ in range(target - count)]
 
 
 def model_shapes(

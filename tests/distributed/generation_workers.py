@@ -62,3 +62,10 @@ def cached_against_uncached(rank: int, world_size: int, names: list[str]) -> dic
             "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True),
         }  # fmt: skip
     return report
+
+
+def bench_smallest(rank: int, world_size: int) -> dict[str, float]:
+    """`make bench`'s decode line at its smallest size (`bench.bench_decode --smallest`)."""
+    from bench.bench_decode import main
+
+    return main(["--smallest"])

@@ -26,3 +26,9 @@ def test_cached_decoding_gives_the_uncached_tokens(reports, name) -> None:
         assert any(ended) and not all(ended), f"{name}: the EOS {got['eos']} should end some rows, not all: {ended}"
         assert answers == uncached, f"{name}, rank {rank}: cached {answers} != uncached {uncached}"
         assert got["sampled_cached"] == got["sampled_uncached"], f"{name}, rank {rank}: sampled answers differ"
+
+
+def test_decode_bench_runs_at_its_smallest_size() -> None:
+    (out,) = run_distributed(generation_workers.bench_smallest, 1)
+    assert set(out) == {"speedup_4", "speedup_8", "growth_cached", "growth_uncached"}
+    assert all(value > 0 for value in out.values()), out
