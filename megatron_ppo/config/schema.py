@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_ppo.algo.advantages import ADV_ESTIMATORS, ROLLOUT_ONLY_ESTIMATORS
-from megatron_ppo.algo.aggregation import LOSS_AGG_MODES
-from megatron_ppo.algo.kl import KL_ESTIMATORS
-from megatron_ppo.algo.kl_control import CONTROLLER_TYPES
+from megatron_ppo.algo.aggregation import LOSS_AGGREGATIONS
+from megatron_ppo.algo.kl import KL_PENALTY_CHOICES
+from megatron_ppo.algo.kl_control import KL_CONTROLLERS
 from megatron_ppo.algo.kl_schedule import WARMUP
 from megatron_ppo.algo.policy_loss import POLICY_LOSSES
 from megatron_ppo.algo.rollout_correction import ROLLOUT_IS_LEVELS
@@ -229,9 +229,9 @@ class ActorConfig(Freezable):
     tau_neg: float = ranged(1.05, POSITIVE)  # sapo: gate temperature where A ≤ 0
     use_kl_loss: bool = True
     kl_loss_coef: float = ranged(0.001, COEFFICIENT)
-    kl_loss_type: str = choice("low_var_kl", KL_ESTIMATORS)
+    kl_loss_type: str = choice("low_var_kl", KL_PENALTY_CHOICES)
     entropy_coeff: float = ranged(0.0, COEFFICIENT)
-    loss_agg_mode: str = choice("token-mean", LOSS_AGG_MODES)
+    loss_agg_mode: str = choice("token-mean", tuple(LOSS_AGGREGATIONS))
     # seq-mean-token-sum-norm divisor; None: data.max_response_length
     loss_scale_factor: int | None = ranged(None, AT_LEAST_ONE)
 
@@ -269,7 +269,7 @@ class CriticConfig(Freezable):
     ppo_max_token_len_per_gpu: int = per_job(ranged(16384, AT_LEAST_ONE), MICRO_BATCHING)
     ppo_epochs: int = ranged(1, AT_LEAST_ONE)
     cliprange_value: float = ranged(0.5, POSITIVE)
-    loss_agg_mode: str = choice("token-mean", LOSS_AGG_MODES)
+    loss_agg_mode: str = choice("token-mean", tuple(LOSS_AGGREGATIONS))
     # seq-mean-token-sum-norm divisor; None: actor.loss_scale_factor
     loss_scale_factor: int | None = ranged(None, AT_LEAST_ONE)
 
@@ -280,7 +280,7 @@ class KLStageConfig(Freezable):
 
     name: str = "stage"
     end: float = 1.0
-    controller: str = choice("power_law", (WARMUP, *CONTROLLER_TYPES))
+    controller: str = choice("power_law", (WARMUP, *KL_CONTROLLERS))
     target_kl: float | None = None
     band: list[float] | None = None  # [low, high] for the band rule; default [target/1.5, target·1.5]
     horizon: float = 10000.0
@@ -293,7 +293,7 @@ class KLControlConfig(Freezable):
     """How β moves (verl `algorithm.kl_ctrl`). It drives the coefficients listed in `apply_to` that are enabled:
     `loss` starts from `actor.kl_loss_coef`, `reward` from `kl_coef`; a term not listed keeps its coefficient."""
 
-    type: str = choice("fixed", (*CONTROLLER_TYPES, "staged"))
+    type: str = choice("fixed", (*KL_CONTROLLERS, "staged"))
     kl_coef: float = ranged(0.001, COEFFICIENT)
     target_kl: float = ranged(0.1, POSITIVE)
     horizon: float = ranged(10000.0, POSITIVE)
@@ -335,7 +335,7 @@ class AlgorithmConfig(Freezable):
     lam: float = ranged(0.95, UNIT_INTERVAL)
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_penalty: str = choice("kl", KL_ESTIMATORS)
+    kl_penalty: str = choice("kl", KL_PENALTY_CHOICES)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
