@@ -8,7 +8,7 @@ import importlib.util
 
 from megatron_ppo.algo.policy_loss import SEQUENCE_LEVEL_LOSSES
 from megatron_ppo.config.layout import divisors, world_size
-from megatron_ppo.config.schema import ROLES, MegatronConfig, PPOConfig
+from megatron_ppo.config.schema import ROLES, TRAINED_ROLES, MegatronConfig, PPOConfig
 
 
 def layout_problems(c: PPOConfig) -> list[str]:
@@ -90,7 +90,7 @@ def _shared_layout_problems(c: PPOConfig) -> list[str]:
     )
     changes = {
         role: [(other, i) for other in ROLES for i in differing if layouts[other][i] != layouts[role][i]]
-        for role in ("actor", "critic", "ref")
+        for role in ROLES
     }
     nearest = min(changes, key=lambda role: len(changes[role]))
     shape = " ".join(
@@ -177,7 +177,7 @@ def _context_parallel_problems(c: PPOConfig) -> list[str]:
     if c.model.num_experts:
         p.append(f"{setting} with mixture-of-experts layers is not built: the CP split of each row and the routers' "
                  "padding mask are not combined; use CP 1")  # fmt: skip
-    for role in ("actor", "critic"):
+    for role in TRAINED_ROLES:
         if getattr(c, role).loss_agg_mode == "seq-mean-token-mean":
             p.append(f"{setting}: {role}.loss_agg_mode='seq-mean-token-mean' divides by each row's token count, "
                      "which no CP rank sees whole; use token-mean or seq-mean-token-sum(-norm), or CP 1")  # fmt: skip

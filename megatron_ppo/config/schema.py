@@ -44,6 +44,7 @@ ROPE_FACTOR = Range(lambda v: v >= 1, "≥ 1 (Llama 3.1: 8), or null: off")
 SAVE_FREQ = Range(lambda v: v >= -1, "≥ -1 (-1: never, 0: only at the end)")
 OFF_OR_POSITIVE = Range(lambda v: v > 0, "> 0 (or null: off)")
 ROLES = ("actor", "ref", "critic")
+TRAINED_ROLES = ("actor", "critic")  # the roles with an optimizer; the reference is frozen
 # Why the jobs of one run may set a key differently (`per_job`; `run_identity.meant_to_change`): how a job runs,
 # where it writes and when it stops; the run's length (the KL and learning-rate schedules refuse, on load, a change
 # they cannot follow, with their own message); how the work is cut into micro-batches (the same training).
@@ -190,6 +191,11 @@ class DataConfig(Freezable):
     # "addition": build the tiny recipe's data (tokenizer, SFT policy, sampled rows) first
     task: str | None = choice(None, (None, "addition"))
     addition: AdditionTaskConfig = field(default_factory=AdditionTaskConfig)
+
+    @property
+    def max_length(self) -> int:
+        """The longest row in tokens: max_prompt_length + max_response_length."""
+        return self.max_prompt_length + self.max_response_length
 
 
 @dataclass

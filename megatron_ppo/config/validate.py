@@ -21,7 +21,7 @@ from megatron_ppo.config.gpu_only import cpu_problems
 from megatron_ppo.config.hf_rope import hf_rope_scaling
 from megatron_ppo.config.layout import data_parallel_size, divisors, model_parallel_size, world_size
 from megatron_ppo.config.layout_rules import layout_problems
-from megatron_ppo.config.schema import WATCH_ACTIONS, GuardsConfig, KLStageConfig, PPOConfig
+from megatron_ppo.config.schema import TRAINED_ROLES, WATCH_ACTIONS, GuardsConfig, KLStageConfig, PPOConfig
 
 LOGGERS = ("console", "tensorboard", "wandb")
 
@@ -117,7 +117,7 @@ def _guard_problems(c: PPOConfig) -> list[str]:
 def _cross_key_problems(c: PPOConfig) -> list[str]:
     """Rules between keys (each key's own choices and range are on its schema field)."""
     p: list[str] = []
-    for role in ("actor", "critic"):
+    for role in TRAINED_ROLES:
         optim = f"{role}.optim"
         if get(c, f"{optim}.min_lr") > get(c, f"{optim}.lr"):
             p.append(
@@ -188,7 +188,7 @@ def _model_problems(c: PPOConfig) -> list[str]:
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups="
             f"{m.num_query_groups}; each query group must hold the same number of heads"
         )
-    longest = c.data.max_prompt_length + c.data.max_response_length
+    longest = c.data.max_length
     if m.position_embedding_type == "learned_absolute" and longest > m.max_position_embeddings:
         p.append(
             f"data.max_prompt_length + data.max_response_length = {longest} exceeds "
@@ -200,8 +200,8 @@ def _model_problems(c: PPOConfig) -> list[str]:
 def _batch_problems(c: PPOConfig) -> list[str]:
     p: list[str] = []
     train = c.data.train_batch_size
-    longest = c.data.max_prompt_length + c.data.max_response_length
-    for role in ("actor", "critic"):
+    longest = c.data.max_length
+    for role in TRAINED_ROLES:
         cfg = get(c, role)
         mini, micro = cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu
         if min(train, mini, micro or 1) < 1:

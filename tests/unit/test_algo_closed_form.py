@@ -211,7 +211,7 @@ def test_grouped_estimators_are_registered_as_those_reading_the_group_index() ->
     import inspect
 
     reads_index = {name for name, fn in algo.ADV_ESTIMATORS.items() if "index" in inspect.signature(fn).parameters}
-    assert algo.GROUPED_ESTIMATORS == reads_index
+    assert reads_index == algo.GROUPED_ESTIMATORS
     assert {"grpo", "rloo"} <= algo.GROUPED_ESTIMATORS and "gae" not in algo.GROUPED_ESTIMATORS
 
 
