@@ -29,8 +29,10 @@ from megatron_ppo.config.fields import (
     UNIT_INTERVAL,
     Range,
     choice,
+    each_of,
     per_job,
     ranged,
+    shared_layout,
 )
 from megatron_ppo.config.frozen import Freezable
 from megatron_ppo.config.gpus import GPU_SPECS
@@ -108,13 +110,14 @@ class ModelConfig(Freezable):
 class MegatronConfig(Freezable):
     """Parallel layout of one role (verl: `actor_rollout_ref.actor.megatron.*`)."""
 
-    tensor_model_parallel_size: int = ranged(1, AT_LEAST_ONE)
-    pipeline_model_parallel_size: int = ranged(1, AT_LEAST_ONE)
+    tensor_model_parallel_size: int = shared_layout(ranged(1, AT_LEAST_ONE))
+    pipeline_model_parallel_size: int = shared_layout(ranged(1, AT_LEAST_ONE))
     virtual_pipeline_model_parallel_size: int | None = ranged(None, AT_LEAST_ONE)
-    context_parallel_size: int = ranged(1, AT_LEAST_ONE)
+    context_parallel_size: int = shared_layout(ranged(1, AT_LEAST_ONE))
     # experts split over EP ranks (carved out of the data-parallel × context-parallel ranks)
-    expert_model_parallel_size: int = ranged(1, AT_LEAST_ONE)
-    expert_tensor_parallel_size: int | None = ranged(None, AT_LEAST_ONE)  # each expert's TP; None: the same as TP
+    expert_model_parallel_size: int = shared_layout(ranged(1, AT_LEAST_ONE))
+    # each expert's TP; None: the same as TP
+    expert_tensor_parallel_size: int | None = shared_layout(ranged(None, AT_LEAST_ONE))
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     recompute_granularity: str | None = choice(None, (None, "full", "selective"))
@@ -366,9 +369,6 @@ class RewardConfig(Freezable):
     normalize: bool = False  # running mean/std over all rewards seen
 
 
-WATCH_ACTIONS = ("warn", "lr_backoff", "kl_bump")
-
-
 @dataclass
 class WatchConfig(Freezable):
     """A watched metric: when `metric` first rises above `max` (and again after it has come back under), the run
@@ -376,7 +376,7 @@ class WatchConfig(Freezable):
 
     metric: str = "actor/ref_kl"  # the KL of the actor update (train/guards.py, UPDATE_KL)
     max: float = 0.05
-    action: str = "warn"  # one of WATCH_ACTIONS (checked in validate: list items are not walked by field rules)
+    action: str = choice("warn", ("warn", "lr_backoff", "kl_bump"))
 
 
 def _default_watch() -> list[WatchConfig]:
@@ -429,7 +429,10 @@ class TrainerConfig(Freezable):
     default_local_dir: str = per_job("outputs/checkpoints", RUN_CONTROL)
     log_dir: str = per_job("outputs/tensorboard", RUN_CONTROL)
     # console, tensorboard, wandb (the `wandb` extra; W&B project = project_name, run name = experiment_name)
-    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"], metadata={PER_JOB: RUN_CONTROL})
+    logger: list[str] = field(
+        default_factory=lambda: ["console", "tensorboard"],
+        metadata=each_of(("console", "tensorboard", "wandb"), **{PER_JOB: RUN_CONTROL}),
+    )
     resume_mode: str = per_job(choice("auto", ("auto", "disable", "resume_path")), RUN_CONTROL)
     resume_from_path: str | None = per_job(None, RUN_CONTROL)
     # Where default_local_dir holds another run's checkpoints, move them (and `latest`) into
