@@ -110,7 +110,7 @@ def sdpa_backend(config: PPOConfig, masked: bool = False) -> str:
     s at most 4096 here) and keys repeated per query head when `masked`; asked of PyTorch's dispatcher itself."""
     from torch.nn.attention import SDPBackend
 
-    from megatron_ppo.models.transformer_config import DTYPES
+    from megatron_ppo.models.dtypes import DTYPES
     from megatron_ppo.parallel.device import current_device
 
     model, tp = config.model, config.actor.megatron.tensor_model_parallel_size
