@@ -43,7 +43,7 @@ from megatron_ppo.parallel.collectives import (
     undo_share,
 )
 from megatron_ppo.parallel.device import current_device
-from megatron_ppo.phases import GENERATION_BATCH_ROWS, GENERATION_CACHE_SHARE
+from megatron_ppo.planner.phases import GENERATION_BATCH_ROWS, GENERATION_CACHE_SHARE
 
 # The module attributes that switch sequence parallelism on in Megatron's layers (as its inference's
 # `set_model_to_sequence_parallel` lists them), besides the config's own flag.
