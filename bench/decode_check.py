@@ -2,7 +2,7 @@
 cache (Megatron-Core's static inference context) and without (every step re-runs the prefix), side by side: tokens/s
 of each, their ratio, and how many answers agree token for token (in bf16 the cached decode step and the full
 re-run round differently, so greedy answers may part after a near tie; fp32 parity is the CPU tests' job). The
-check fails when the cached decoder does not run or is not faster."""
+check fails when the cached decoder does not run or, on the GPU, is not faster."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ def check_decode(plan, work: Path) -> dict[str, Any]:
         answers[cached] = generation.answers
     out["speedup"] = out["cached_tokens_per_s"] / out["uncached_tokens_per_s"]
     out["rows_identical"] = sum(a == b for a, b in zip(answers[True], answers[False], strict=True))
-    out["ok"] = out["speedup"] > 1.0 and all(len(tokens) == NEW_TOKENS[size] for tokens, _ in answers[True])
+    # the dry run's 8 new tokens are too few for the cache to pay off on a CPU: there it only has to run
+    faster = out["speedup"] > 1.0 or plan is DRY
+    out["ok"] = faster and all(len(tokens) == NEW_TOKENS[size] for tokens, _ in answers[True])
     return out
 
 
