@@ -30,6 +30,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_ppo.models.context_parallel import gather_per_token, split_micro_batch
 from megatron_ppo.models.gpt import RoleModel, unwrap
 from megatron_ppo.models.moe import expert_parallel_shapes, pad_tokens, routing_padding_mask
+from megatron_ppo.models.router_replay import Action
 from megatron_ppo.models.widths import padded_width, pass_shape
 from megatron_ppo.parallel.device import module_device, to_device
 
@@ -48,6 +49,7 @@ def run_micro_batches(
     loss_fn: LossFn,
     *,
     forward_only: bool,
+    routing: Action | None = None,
 ) -> list[dict[str, Any]]:
     """Run the schedule over `micro_batches` (each with `input_ids` `[b, s]`, optional `position_ids` and a boolean
     `attention_mask` `[b, 1, s, s]`, True where attention is not allowed; causal without one); `loss_fn` sees the
@@ -56,7 +58,11 @@ def run_micro_batches(
     The model's inputs are padded below and to the right to the shapes of `model_shapes` (the layout's and the
     bucket's width, the expert-parallel group's shape, one shape per pipeline pass); the last stage's output is
     cut back to the micro-batch's own `[b, s]` (this CP rank's tokens of it) before `loss_fn`, so no padding enters
-    a loss, a metric or a log-prob. The tokens the model computed and the real ones go to `model.padding`."""
+    a loss, a metric or a log-prob. The tokens the model computed and the real ones go to `model.padding`.
+
+    `routing` (a model with `router_replay`): "record" keeps every micro-batch's routes for
+    `model.router_replay.collect`; "replay" routes each micro-batch as its `routed_experts` say
+    (`models.router_replay`). Either way the routers route live again after the pass."""
     num_micro_batches = len(micro_batches)
     cp_size = parallel_state.get_context_parallel_world_size()
     sp_tp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
@@ -86,7 +92,12 @@ def run_micro_batches(
         if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
             lengths = batch.get("lengths", torch.full((rows,), width, device=device))
             mask = routing_padding_mask(lengths, tuple(input_ids.shape))
+            if replay is not None:
+                replay.before_forward(chunk, batch, tuple(input_ids.shape))
             output = chunk(input_ids, position_ids, attention_mask, padding_mask=mask)
+            if replay is not None:
+                replay.after_forward(chunk, index, input_ids.shape[0], rows, micro_batches[index]["input_ids"].shape[1],
+                                     cp_size)  # fmt: skip
         else:
             output = chunk(input_ids, position_ids, attention_mask)
         if unwrap(chunk).post_process and tuple(output.shape[:2]) != (rows, width):
@@ -95,17 +106,26 @@ def run_micro_batches(
             output = output[:rows, :width]
         return output, partial(_scaled_loss, loss_fn, batch, num_micro_batches)
 
+    replay = model.router_replay if routing is not None else None
+    if routing is not None and replay is None:
+        raise ValueError(f"routing={routing!r}: the {model.role} model was built without routing replay")
     iterators = [iter(enumerate(micro_batches)) for _ in model.chunks]
     forward_backward = get_forward_backward_func()
-    results = forward_backward(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=model.chunks if len(model.chunks) > 1 else model.chunks[0],
-        num_microbatches=num_micro_batches,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
+    if replay is not None:
+        replay.start(routing)
+    try:
+        results = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=model.chunks if len(model.chunks) > 1 else model.chunks[0],
+            num_microbatches=num_micro_batches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+    finally:
+        if replay is not None:
+            replay.end_pass()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return []
     if cp_size > 1:

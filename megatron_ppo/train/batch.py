@@ -115,9 +115,9 @@ def select[AnyBatch: dict](batch: AnyBatch, indices: Sequence[int]) -> AnyBatch:
     index = torch.as_tensor(list(indices), dtype=torch.long)
     width = int(batch["lengths"][index].max())
     out = {}
-    for key, value in batch.items():  # every tensor has the rows first
+    for key, value in batch.items():  # every tensor has the rows first; those of 2 dims or more, tokens second
         rows = value[index]
-        out[key] = rows[:, :width] if rows.dim() == 2 else rows
+        out[key] = rows[:, :width] if rows.dim() >= 2 else rows
     return out
 
 
