@@ -105,9 +105,11 @@ class RouterReplayBinding:
         return sorted(seen.values(), key=lambda item: item[0])
 
     def start(self, action: Action) -> None:
-        """Begin a pass that records (`record`) or replays the micro-batches' `routed_experts` (`replay`)."""
+        """Begin a pass that records (`record`) or replays the micro-batches' `routed_experts` (`replay`); the
+        mismatch counts start afresh (`take_mismatch` reads the pass's)."""
         self.action = action
         self._records = {}
+        self._mismatch = None
 
     def before_forward(self, chunk: torch.nn.Module, batch: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> None:
         """Arm `chunk`'s routers for a forward of `batch` (this CP rank's tokens) padded to `shape` = (rows, local

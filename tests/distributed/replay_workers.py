@@ -18,6 +18,7 @@ from megatron_ppo.models import build_role_model, unwrap, vocab_parallel_log_pro
 from megatron_ppo.models.router_replay import ROUTED_EXPERTS
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.phases import Phase
+from megatron_ppo.train.batch import collate
 from megatron_ppo.train.experience import forward_passes
 from megatron_ppo.train.micro_batching import micro_batching
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
@@ -75,12 +76,14 @@ def replay_run(rank: int, world_size: int, workdir: str, layout: MegatronConfig,
     ref_untouched = all(r.router_replay_action is None and r.recorded_topk_idx is None and r.target_topk_idx is None
                         for r in ref_replays)  # fmt: skip
     exp = workers.experience(workers.ROWS, seed=3, passes=dict(passes))
+    r3 = {} if world_size > 1 else _r3_first_pass(layout, actor, passes)
     runs = {"plain": _update_twice(actor, layout, config, exp)}
-    recompute = dataclasses.replace(layout, recompute_granularity="full", recompute_method="uniform",
-                                    recompute_num_layers=1)  # fmt: skip
-    again = build_role_model("actor", MOE_MODEL, recompute, routing_replay=True)
-    workers.load(again, workdir / "initial")
-    runs["recompute"] = _update_twice(again, recompute, config, exp)
+    if world_size == 1:  # full recompute: the same update
+        recompute = dataclasses.replace(layout, recompute_granularity="full", recompute_method="uniform",
+                                        recompute_num_layers=1)  # fmt: skip
+        again = build_role_model("actor", MOE_MODEL, recompute, routing_replay=True)
+        workers.load(again, workdir / "initial")
+        runs["recompute"] = _update_twice(again, recompute, config, exp)
     # the live routing of the updated weights, recorded: how far replay held the routers
     drifted = forward_passes(config, batch, actor, None, None)[ROUTED_EXPERTS]
     real = torch.arange(batch["input_ids"].shape[1])[None, :] < batch["lengths"][:, None]
@@ -95,6 +98,7 @@ def replay_run(rank: int, world_size: int, workdir: str, layout: MegatronConfig,
         "runs": runs,
         "drift_after_update": float(changed),
         "seconds": time.perf_counter() - started,
+        "r3": r3,
     }
 
 
@@ -125,3 +129,22 @@ def _update_twice(actor, layout: MegatronConfig, config, exp) -> dict[str, Any]:
         epochs.append({key: update.metrics.get(f"actor/{key}")
                        for key in ("old_gap", "router_replay_mismatch", "pg_loss", "grad_norm")})  # fmt: skip
     return {"epochs": epochs, "router_grads": router_grads, "left": list(left_in_queues)}
+
+
+def _r3_first_pass(layout: MegatronConfig, actor, passes) -> dict[str, float]:
+    """R3 from rows: the rows carry the R2 record as `routed_experts` (through `collate`), so the R3 first pass
+    must give R2's log-probs; with every route moved to the next expert, other log-probs."""
+    config = _config(layout, "R3", epochs=1)
+    records = passes[ROUTED_EXPERTS].long() - 1
+    out = {}
+    for name, shift in (("same", 0), ("moved", 1)):
+        rows = [dataclasses.replace(row, routed_experts=((records[i, : row_length(row)] + shift) % 4).int())
+                for i, row in enumerate(workers.rows(workers.ROWS, seed=3))]  # fmt: skip
+        batch = collate(rows, pad_id=0)
+        old = forward_passes(config, batch, actor, None, None)["old_log_prob"]
+        out[name] = float(((old - passes["old_log_prob"]).abs() * batch["loss_mask"]).max())
+    return out
+
+
+def row_length(row) -> int:
+    return len(row.prompt_ids) + len(row.response_ids)

@@ -70,6 +70,14 @@ def test_recompute_consumes_each_record_once(runs) -> None:
         assert math.isclose(a["pg_loss"], b["pg_loss"], rel_tol=1e-6, abs_tol=1e-9)
 
 
+def test_r3_replays_the_rows_routes(runs) -> None:
+    """Rows carrying the R2 record as `routed_experts` give R2's old log-probs in the R3 first pass (the rows'
+    routes replayed, through `collate`); moved to other experts, they give other log-probs."""
+    r3 = runs["ep1"][0]["r3"]
+    assert r3["same"] < 1e-6
+    assert r3["moved"] > 1e-2
+
+
 def test_records_bound_to_the_actor_only(runs) -> None:
     """The reference, built with replay before the actor (first on Megatron's global list), is never armed: its
     routers route live (its log-probs match the EP 1 run's own reference), and the actor binds only its own."""
