@@ -88,18 +88,22 @@ def routed_experts(record: dict[str, Any], key: str, shape: RoutingShape, num_to
     tensor of `torch.int32`, checked against the model's `shape`."""
     values = record.get(key)
     if values is None:
-        raise BadRow("missing_field", f"'{key}' is missing; actor.router_replay.mode=R3 replays every row's routing: "
-                     f"expected [{num_tokens} tokens][{shape.num_layers} layers][{shape.topk}] expert indices")  # fmt: skip
+        raise BadRow("missing_field", f"'{key}' is missing; actor.router_replay.mode=R3 replays every row's "
+                     f"routing: expected [{num_tokens} tokens][{shape.num_layers} layers][{shape.topk}] expert "
+                     "indices")  # fmt: skip
     try:
         experts = torch.tensor(values, dtype=torch.long)
     except (TypeError, ValueError, OverflowError, RuntimeError) as e:
         raise BadRow("wrong_type", f"'{key}' is not a rectangular list of integer expert indices ({e})") from None
     expected = f"[{num_tokens} (or {num_tokens - 1}) tokens, {shape.num_layers} layers, top-{shape.topk}]"
-    if experts.dim() != 3 or experts.shape[0] not in (num_tokens, num_tokens - 1) or tuple(experts.shape[1:]) != (
-        shape.num_layers, shape.topk
+    if (
+        experts.dim() != 3
+        or experts.shape[0] not in (num_tokens, num_tokens - 1)
+        or tuple(experts.shape[1:]) != (shape.num_layers, shape.topk)
     ):
-        raise BadRow("routing_mismatch", f"'{key}' has shape {list(experts.shape)}; the model expects {expected} "
-                     "(model.num_layers, model.num_experts_per_tok; one entry per prompt and response token)")  # fmt: skip
+        raise BadRow("routing_mismatch", f"'{key}' has shape {list(experts.shape)}; the model expects "
+                     f"{expected} (model.num_layers, model.num_experts_per_tok; one entry per prompt and response "
+                     "token)")  # fmt: skip
     if experts.numel() and (int(experts.min()) < 0 or int(experts.max()) >= shape.num_experts):
         bad = int(experts.max()) if int(experts.max()) >= shape.num_experts else int(experts.min())
         raise BadRow("routing_mismatch", f"'{key}' names expert {bad}; the model has model.num_experts="

@@ -107,9 +107,7 @@ def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
     return spec, use_te
 
 
-def build_role_model(
-    role: str, model: ModelConfig, layout: MegatronConfig, routing_replay: bool = False
-) -> RoleModel:
+def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, routing_replay: bool = False) -> RoleModel:
     """This rank's chunks of `role`'s GPT.
 
     actor: the policy, wrapped in Megatron's DDP (grad buffers, data-parallel reduction).

@@ -125,7 +125,10 @@ class RouterReplayBinding:
         padded[: records.shape[0], : records.shape[1]] = records
         tokens = padded.transpose(0, 1)  # Megatron's token order: [s, b], flattened sequence-major
         if self.sequence_parallel:
-            tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+            tp, rank = (
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_tensor_model_parallel_rank(),
+            )
             tokens = tokens.chunk(tp, dim=0)[rank]
         tokens = tokens.reshape(-1, *records.shape[2:]).long()  # [tokens, L, K]
         fallback = torch.arange(self.topk, device=tokens.device)
@@ -171,8 +174,8 @@ class RouterReplayBinding:
     def collect(self, share: Sequence[int], groups: Sequence[Sequence[int]], num_rows: int, width: int,
                 like: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """The record pass's routes by row: `[num_rows, width, L, K]` (`record_dtype`, expert + 1, 0 for none) on
-        `like`'s device (the batch's), the same on every rank. `share` and `groups` are the pass's (`train.batch.replica_micro_batches`):
-        this replica's rows and each micro-batch's positions in them."""
+        `like`'s device (the batch's), the same on every rank. `share` and `groups` are the pass's
+        (`train.batch.replica_micro_batches`): this replica's rows and each micro-batch's positions in them."""
         device = current_device()  # NCCL gathers device tensors only
         own = torch.zeros((len(share), width, self.num_layers, self.topk), dtype=self.dtype, device=device)
         for index, group in enumerate(groups):

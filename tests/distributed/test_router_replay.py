@@ -1,8 +1,8 @@
 """MoE routing replay (R2) through the trainer's own experience pass and actor update, on a tiny MoE model: the
 update's forwards route as the old-log-prob pass recorded (log-probs equal to the old ones before any step), keep
 those routes after a step while the router still learns, consume each record once under full recompute, never touch
-a neighbouring model's routers; and EP 2, TP 2 (with sequence parallelism), PP 2 and PP 2 × VPP 2 record the same
-routes as EP 1."""
+a neighbouring model's routers; and EP 2, TP 2 (with sequence parallelism), PP 2, PP 2 × VPP 2 and CP 2 record the
+same routes as EP 1 and replay them alike; R3 replays the rows' routes."""
 
 from __future__ import annotations
 
@@ -20,12 +20,8 @@ LAYOUTS = {
     "tp2-sp": MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True),
     "pp2": MegatronConfig(pipeline_model_parallel_size=2),
     "pp2-vpp2": MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+    "cp2": MegatronConfig(context_parallel_size=2),
 }
-
-
-import os
-
-ONLY = os.environ.get("REPLAY_ONLY", ",".join(LAYOUTS)).split(",")
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +29,6 @@ def runs(tmp_path_factory) -> dict:
     workdir = str(tmp_path_factory.mktemp("replay"))
     out = {"ep1": run_distributed(replay_workers.replay_run, 1, workdir, MegatronConfig(), True)}
     for name, layout in LAYOUTS.items():
-        if name not in ONLY:
-            continue
         out[name] = run_distributed(replay_workers.replay_run, 2, workdir, layout)
     return out
 
