@@ -85,9 +85,11 @@ def replay_run(rank: int, world_size: int, workdir: str, layout: MegatronConfig,
         workers.load(again, workdir / "initial")
         runs["recompute"] = _update_twice(again, recompute, config, exp)
     # the live routing of the updated weights, recorded: how far replay held the routers
-    drifted = forward_passes(config, batch, actor, None, None)[ROUTED_EXPERTS]
     real = torch.arange(batch["input_ids"].shape[1])[None, :] < batch["lengths"][:, None]
-    changed = (drifted.sort(-1).values != passes[ROUTED_EXPERTS].sort(-1).values).any(-1)[real].float().mean()
+    changed = torch.tensor(float("nan"))
+    if world_size == 1:
+        drifted = forward_passes(config, batch, actor, None, None)[ROUTED_EXPERTS]
+        changed = (drifted.sort(-1).values != passes[ROUTED_EXPERTS].sort(-1).values).any(-1)[real].float().mean()
     return {
         "passes": {k: v.clone() for k, v in passes.items()},
         "real": real,
