@@ -17,7 +17,7 @@ from megatron_ppo.config.schema import MegatronConfig, RouterReplaySettings
 from megatron_ppo.models import build_role_model, unwrap, vocab_parallel_log_probs
 from megatron_ppo.models.router_replay import ROUTED_EXPERTS
 from megatron_ppo.parallel import init_distributed
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.batch import collate
 from megatron_ppo.train.experience import forward_passes
 from megatron_ppo.train.micro_batching import micro_batching
