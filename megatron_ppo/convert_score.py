@@ -39,11 +39,11 @@ import torch
 from megatron_ppo import checkpoint
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.layout import world_size
-from megatron_ppo.config.schema import ModelConfig, PPOConfig, RewardModelConfig
+from megatron_ppo.config.schema import DataConfig, ModelConfig, PPOConfig, RewardModelConfig
 from megatron_ppo.convert import hf_model_config, layout_problems
 from megatron_ppo.critic_init import HF_SCORE, converted_critic_checkpoint, holds_role
 from megatron_ppo.data.batching import dynamic_micro_batches, fixed_micro_batches
-from megatron_ppo.data.pairs import expand_records, is_pair
+from megatron_ppo.data.pairs import expand_records, is_pair, of_side
 from megatron_ppo.data.parse import TOKEN_REWARDS_KEY, Tokenizer, row_tokens
 from megatron_ppo.data.rows import SCORED_BY_KEY, DataError, decode_json_line, format_of, records_of, scored_by
 from megatron_ppo.data.values import BadRow
@@ -258,15 +258,11 @@ def _readable_rows(
             record = decode_json_line(raw) if isinstance(raw, bytes) else raw
             by_model = not is_pair(record, data) or data.pair_reward == "model"
             expanded = []
-            for one in (one for _, one in expand_records(record, where, data, scoring=True)):
-                prompt, response = row_tokens(one, tokenizer, data)
-                if one.get(TOKEN_REWARDS_KEY) is not None:
-                    raise BadRow("token_rewards", f"the row gives '{TOKEN_REWARDS_KEY}'; a reward model gives a "
-                                 "sequence reward: drop the column to score the row")  # fmt: skip
-                if by_model and len(prompt) + len(response) > max_tokens:
-                    raise BadRow("too_long", f"{len(prompt) + len(response)} tokens, more than the reward model's "
-                                 f"max_position_embeddings={max_tokens}")  # fmt: skip
-                expanded.append(_ScoringRow(one, prompt + response, by_model))
+            for side, one in expand_records(record, where, data, scoring=True):
+                try:
+                    expanded.append(_scoring_row(one, tokenizer, data, by_model, max_tokens))
+                except BadRow as bad:
+                    raise of_side(bad, side, where) from None
         except BadRow as bad:
             if data.on_bad_row == "error":
                 raise DataError(f"{where}: {bad.problem}") from None
@@ -277,6 +273,17 @@ def _readable_rows(
     if not rows:
         raise DataError(f"no rows to score in {path} ({len(rejects)} rejected)")
     return rows, rejects
+
+
+def _scoring_row(record: Any, tokenizer: Tokenizer, data: DataConfig, by_model: bool, max_tokens: int) -> _ScoringRow:
+    prompt, response = row_tokens(record, tokenizer, data)
+    if record.get(TOKEN_REWARDS_KEY) is not None:
+        raise BadRow("token_rewards", f"the row gives '{TOKEN_REWARDS_KEY}'; a reward model gives a sequence reward: "
+                     "drop the column to score the row")  # fmt: skip
+    if by_model and len(prompt) + len(response) > max_tokens:
+        raise BadRow("too_long", f"{len(prompt) + len(response)} tokens, more than the reward model's "
+                     f"max_position_embeddings={max_tokens}")  # fmt: skip
+    return _ScoringRow(record, prompt + response, by_model)
 
 
 @torch.no_grad()

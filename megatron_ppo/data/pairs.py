@@ -71,5 +71,11 @@ def expand_records(record: Any, source: str, config: DataConfig, scoring: bool =
     return rows
 
 
+def of_side(bad: BadRow, where: str, source: str) -> BadRow:
+    """`bad`, raised by one row of the record at `source`, saying which of a pair's rows it is (`where`)."""
+    return bad if where == source else BadRow(bad.kind, f"the pair's {where.removeprefix(source).strip()} row: "
+                                              f"{bad.problem}")  # fmt: skip
+
+
 def _response_keys(config: DataConfig) -> tuple[str, str]:
     return config.chosen_key, config.rejected_key

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from megatron_ppo.config.fields import choices_of
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data.chat import BUILTIN_FORMAT
-from megatron_ppo.data.pairs import expand_records
+from megatron_ppo.data.pairs import expand_records, of_side
 from megatron_ppo.data.parse import ParsedRow, Row, Tokenizer, parse_row
 from megatron_ppo.data.scoring import Scorer
 from megatron_ppo.data.values import BadRow
@@ -69,6 +69,8 @@ class DataReport:
         )
         if self.scored:
             line += f"; scored {self.scored} rows with {self.scorer}"
+        for path, info in self.scored_by.items():
+            line += f"; {path} scored by the reward model {info.get('reward_model')} ({info.get('checkpoint_hash')})"
         if self.builtin_chat_prompts:
             line += (
                 f"; {self.builtin_chat_prompts} chat prompts rendered in the built-in {BUILTIN_FORMAT} format "
@@ -124,9 +126,12 @@ def read_rows(
                 try:
                     if isinstance(raw, bytes):
                         record = decode_json_line(raw)
-                    # a preference pair is two rows: rejected together when either is bad
-                    parsed_rows = [parse_row(one, where, tokenizer, config, scorer)
-                                   for where, one in expand_records(record, source, config)]  # fmt: skip
+                    parsed_rows = []  # a preference pair is two rows: rejected together when either is bad
+                    for where, one in expand_records(record, source, config):
+                        try:
+                            parsed_rows.append(parse_row(one, where, tokenizer, config, scorer))
+                        except BadRow as bad:
+                            raise of_side(bad, where, source) from None
                 except BadRow as bad:
                     if rejects is None:
                         raise DataError(f"{source}: {bad.problem}") from None

@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "checkpoint_weights": 4,
     "convert": 5,
     "critic_init": 5,
+    "convert_score": 5,
     "train": 6,
     "plot": 6,
     "tasks": 7,
