@@ -34,7 +34,7 @@ def _offloaded(config):
 
 def _measure(config, rows: list, timed) -> dict[str, Any]:
     """Two iterations (the first warms kernels and creates the optimizer states); peak memory of the second."""
-    from megatron_ppo import plan as planner
+    from megatron_ppo.planner import plan as planner
     from megatron_ppo.train.ppo import PPOTrainer
 
     gc.collect()

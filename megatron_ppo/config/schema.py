@@ -1,8 +1,8 @@
 """The typed shape of a megatron-ppo config: one dataclass per group, verl's leaf names where verl has them.
 
-Top level: model, data, actor, ref, critic, algorithm, reward, reward_model, guards, trainer, cluster. Each role (actor, ref,
-critic) has a `megatron` section (its parallel layout); the trained roles also have an `optim` section — the
-shape of verl's Megatron config, so `actor_rollout_ref.actor.*` paths map onto `actor.*`.
+Top level: model, data, actor, ref, critic, algorithm, reward, reward_model, guards, trainer, cluster. Each role
+(actor, ref, critic) has a `megatron` section (its parallel layout); the trained roles also have an `optim` section —
+the shape of verl's Megatron config, so `actor_rollout_ref.actor.*` paths map onto `actor.*`.
 Each field carries its own rule (`choice`: the values it may take; `ranged`: its valid range), which
 `validate.py` walks; rules across keys (batch divisibility, layouts, KL stages) live in `validate.py`. Every section
 is `Freezable`: once validated, the config is read-only (`frozen.py`).

@@ -1,7 +1,8 @@
 """Read the offline dataset — JSONL lines or Parquet rows of (prompt, response, reward) — into `Row`s of token ids.
 
-What a row may hold and how it is checked is in `parse.py`; a preference pair is two rows (`pairs.py`). A bad row raises `DataError` naming its "path:line"
-(data.on_bad_row=error), or is written with its reason to the rejects file and counted (skip). Over-long rows are
+What a row may hold and how it is checked is in `parse.py`; a preference pair is two rows (`pairs.py`). A bad row
+raises `DataError` naming its "path:line" (data.on_bad_row=error), or is written with its reason to the rejects file
+and counted (skip). Over-long rows are
 dropped or truncated (data.overlong_policy) and counted, or refused (error): nothing is left out without a number in
 the `DataReport`.
 """

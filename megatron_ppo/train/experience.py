@@ -17,7 +17,7 @@ from megatron_ppo.parallel.collectives import (
     gather_rows_data_parallel,
     is_last_stage,
 )
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.batch import Batch, replica_micro_batches
 from megatron_ppo.train.micro_batching import MicroBatching, micro_batching
 

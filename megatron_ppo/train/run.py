@@ -8,16 +8,16 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from megatron_ppo import checkpoint
+from megatron_ppo.checkpoint import directory
+from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.convert import converted_init_checkpoint
-from megatron_ppo.critic_init import converted_critic_checkpoint
+from megatron_ppo.convert.critic_init import converted_critic_checkpoint
+from megatron_ppo.convert.huggingface import converted_init_checkpoint
 from megatron_ppo.data.rows import DataReport, read_rows
 from megatron_ppo.data.scoring import build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
-from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 from megatron_ppo.parallel.ranks import describe_rank
 from megatron_ppo.train.evaluation import ValidationSet
@@ -64,14 +64,15 @@ def other_reward_models(config: PPOConfig, *reports: DataReport) -> list[str]:
     if not named:
         return []
     if weights.init_checkpoint and os.path.isdir(named):  # scoring names the checkpoint a root resolves to
-        named = str(checkpoint.find_resumable(named) or named)
+        named = str(directory.find_resumable(named) or named)
     lines = []
     for report in reports:
         for path, info in report.scored_by.items():
             scorer = info.get("reward_model")
             if scorer and os.path.realpath(scorer) != os.path.realpath(named):
-                lines.append(f"{path} was scored by the reward model {scorer} (checkpoint {info.get('checkpoint_hash')})"
-                             f", not by {named}, which reward_model.model.* names: its rewards are {scorer}'s")  # fmt: skip
+                lines.append(f"{path} was scored by the reward model {scorer} (checkpoint "
+                             f"{info.get('checkpoint_hash')}), not by {named}, which reward_model.model.* names: "
+                             f"its rewards are {scorer}'s")  # fmt: skip
     return lines
 
 

@@ -33,10 +33,10 @@ import torch
 from megatron_ppo.config.gpus import gpu_spec
 from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.flops import flop_parameter_count, iteration_flops
 from megatron_ppo.models.gpt import RoleModel
 from megatron_ppo.parallel.device import on_cuda
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.flops import flop_parameter_count, iteration_flops
+from megatron_ppo.planner.phases import Phase
 
 TIMED = (Phase.EXPERIENCE, Phase.UPDATE_ACTOR, Phase.UPDATE_CRITIC)  # the phases with a timing and a FLOP count
 

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from megatron_ppo.config import load_config
-from megatron_ppo.convert_score import score
+from megatron_ppo.convert.reward_scoring import score
 
 
 def score_recipe(rank: int, world_size: int, recipe: str, overrides: list[str]) -> list[float] | None:

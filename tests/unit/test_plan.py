@@ -13,8 +13,8 @@ import pytest
 
 from megatron_ppo.config import load_config
 from megatron_ppo.config.gpus import GPU_SPECS
-from megatron_ppo.flops import active_parameter_count, expert_parameter_count, parameter_count
-from megatron_ppo.plan import plan, suggest
+from megatron_ppo.planner.flops import active_parameter_count, expert_parameter_count, parameter_count
+from megatron_ppo.planner.plan import plan, suggest
 
 REPO = Path(__file__).resolve().parents[2]
 # Sizes on the models' Hugging Face cards (billions of parameters).
@@ -226,7 +226,7 @@ def test_moe_without_offload_on_one_node_is_flagged_with_a_fitting_expert_parall
 def test_each_phase_counts_what_the_offload_switches_leave_on_the_gpu() -> None:
     """With everything offloaded a role's update holds only that role's state and activations; a switch turned
     off adds that kind of the idle role to every phase that does not need it, and nothing to the others."""
-    from megatron_ppo.plan import RESERVED_GIB
+    from megatron_ppo.planner.plan import RESERVED_GIB
 
     recipe = REPO / "recipes" / "qwen2.5-32b-1node.yaml"
     offloaded = plan(load_config(recipe))

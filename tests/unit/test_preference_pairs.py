@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_ppo.config.schema import DataConfig, PPOConfig
-from megatron_ppo.convert_score import _readable_rows, write_parquet_atomically
+from megatron_ppo.convert.reward_scoring import _readable_rows, write_parquet_atomically
 from megatron_ppo.data import DataError, read_rows, render_builtin_chat
 from megatron_ppo.data.rows import SCORED_BY_KEY, scored_by
 from tests.unit.test_data_rows import TOK
@@ -33,7 +33,12 @@ def test_a_pair_is_two_rows_of_one_group_with_the_given_scores(tmp_path: Path) -
     path = _write(tmp_path / "pairs.jsonl", [PAIR, other, {"prompt": "1+1?", "response": "2", "reward": 0.5}])
     rows, report = read_rows([path], TOK, DataConfig(pair_reward="given"))
     assert [(r.reward, r.source.removeprefix(f"{path}:")) for r in rows] == [
-        (8.5, "1 (chosen)"), (2.0, "1 (rejected)"), (1.0, "2 (chosen)"), (3.0, "2 (rejected)"), (0.5, "3")]
+        (8.5, "1 (chosen)"),
+        (2.0, "1 (rejected)"),
+        (1.0, "2 (chosen)"),
+        (3.0, "2 (rejected)"),
+        (0.5, "3"),
+    ]
     assert rows[0].uid == rows[1].uid == f"pair:{path}:1" and rows[2].uid == rows[3].uid != rows[0].uid
     assert rows[0].response_ids == [*TOK.encode("4"), TOK.eos_id]  # the responses, each its own row
     assert rows[1].response_ids == [*TOK.encode("5"), TOK.eos_id] and rows[0].prompt_ids == rows[1].prompt_ids

@@ -1,8 +1,8 @@
 """`megatron-ppo score`: rewards from a reward model for every row of the dataset files, before PPO.
 
 The reward model (`reward_model.model.*`) is a Hugging Face `*ForSequenceClassification` with one label — converted
-on first use under `reward_model.megatron`, as the critic's init is (`critic_init.converted_critic_checkpoint`: the
-trunk through the conversion table, its `score` as the value head), into
+on first use under `reward_model.megatron`, as the critic's init is (`critic_init.converted_critic_checkpoint`:
+the trunk through the conversion table, its `score` as the value head), into
 `<trainer.default_local_dir>/hf_init_reward_model/<hash>` — or a megatron-ppo checkpoint holding a value head (its
 "critic"). It runs forward-only and frozen under its own TP/PP, data-parallel over the other ranks, in micro-batches
 as the trainer's: `micro_batch_size_per_gpu` rows, or `forward_max_token_len_per_gpu` tokens with `use_dynamic_bsz`.
@@ -36,12 +36,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from megatron_ppo import checkpoint
+from megatron_ppo.checkpoint import directory, store
+from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import DataConfig, ModelConfig, PPOConfig, RewardModelConfig
-from megatron_ppo.convert import hf_model_config, layout_problems
-from megatron_ppo.critic_init import HF_SCORE, converted_critic_checkpoint, holds_role
+from megatron_ppo.convert.critic_init import HF_SCORE, converted_critic_checkpoint, holds_role
+from megatron_ppo.convert.huggingface import hf_model_config, layout_problems
 from megatron_ppo.data.batching import dynamic_micro_batches, fixed_micro_batches
 from megatron_ppo.data.pairs import expand_records, is_pair, of_side
 from megatron_ppo.data.parse import TOKEN_REWARDS_KEY, Tokenizer, row_tokens
@@ -60,7 +61,6 @@ from megatron_ppo.parallel.collectives import (
 )
 from megatron_ppo.parallel.device import current_device
 from megatron_ppo.parallel.ranks import is_first_of_last_stage
-from megatron_ppo.run_identity import RunIdentity
 
 SCORED_SUFFIX = ".scored.parquet"
 PASS_ROWS = 4096  # rows per pass over the model: bounds the rewards gathered and the micro-batches held at once
@@ -94,7 +94,7 @@ class RewardModelSource:
             return cls(weights.path, True, model)
         if weights.init_checkpoint:
             try:
-                resolved = checkpoint.resolve(weights.init_checkpoint)
+                resolved = directory.resolve(weights.init_checkpoint)
             except FileNotFoundError as missing:
                 raise ConfigError([f"reward_model.model.init_checkpoint: {missing}"]) from None
             if not holds_role(resolved, "critic"):
@@ -178,7 +178,7 @@ def planned_outputs(config: PPOConfig) -> list[tuple[Path, Path]]:
             problems.append(f"{source}: its scored file {output} would be an input; set reward_model.output_dir")
         elif output.resolve() in seen:
             problems.append(f"{source} and {seen[output.resolve()]} would both be scored into {output}; give them "
-                            "distinct names, or leave reward_model.output_dir unset (each beside its input)")  # fmt: skip
+                            "distinct names, or leave reward_model.output_dir unset")  # fmt: skip
         elif output.exists() and scored_by(output) is None:
             problems.append(f"{output} exists and is not a file `score` wrote: move it, or set reward_model.output_dir")
         seen[output.resolve()] = source
@@ -198,7 +198,7 @@ def score_files(
         cache = Path(config.trainer.default_local_dir) / "hf_init_reward_model" / digest
         path = converted_critic_checkpoint(source.path, cache, source.model, config.reward_model.megatron)
     model = build_role_model(REWARD_MODEL, source.model, config.reward_model.megatron)
-    checkpoint.load_weights(model, path, "critic")
+    store.load_weights(model, path, "critic")
     scored_with = {"reward_model": str(Path(source.path).resolve()), "checkpoint_hash": digest,
                    "converted": str(path) if source.hf else None}  # fmt: skip
     results = []
@@ -229,7 +229,8 @@ def score_file(
     if rewards is not None:  # the last pipeline stage
         scores[wanted] = rewards.cpu().float()
     if is_first_of_last_stage():
-        records = [{**row.record, config.data.reward_key: value} for row, value in zip(rows, scores.tolist(), strict=True)]
+        key = config.data.reward_key
+        records = [{**row.record, key: value} for row, value in zip(rows, scores.tolist(), strict=True)]
         info = {**scored_with, "source": str(input_path.resolve()), "rows": len(rows), "scored_by_model": len(wanted),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
         write_parquet_atomically(records, output, {SCORED_BY_KEY: json.dumps(info)})
@@ -375,10 +376,11 @@ def checkpoint_hash(path: str | Path) -> str:
 def _checkpoint_model(path: Path, fallback: ModelConfig) -> ModelConfig:
     """The architecture a megatron-ppo checkpoint was saved with: a conversion's `hf_model`, else the run's
     `model.*` (run.json), else `fallback` (the recipe's model: a task's initialisation saves neither)."""
-    state = torch.load(path / checkpoint.TRAINER_STATE, weights_only=True)
+    state = torch.load(path / directory.TRAINER_STATE, weights_only=True)
     if "hf_model" in state:
         return ModelConfig(**json.loads(state["hf_model"]))
     identity = RunIdentity.read(path)
     if identity is not None:
-        return ModelConfig(**{k.removeprefix("model."): v for k, v in identity.config.items() if k.startswith("model.")})
+        flat = identity.config
+        return ModelConfig(**{key.removeprefix("model."): v for key, v in flat.items() if key.startswith("model.")})
     return fallback

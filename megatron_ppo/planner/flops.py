@@ -4,7 +4,7 @@ planner's step-time estimate and the trainer's measured MFU (`train/throughput.p
 from __future__ import annotations
 
 from megatron_ppo.config.schema import ModelConfig, PPOConfig
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.phases import Phase
 
 
 def parameter_count(model: ModelConfig) -> int:

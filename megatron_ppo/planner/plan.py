@@ -38,14 +38,14 @@ from megatron_ppo.config.gpus import gpu_spec
 from megatron_ppo.config.layout import data_parallel_size, expert_layout, world_size
 from megatron_ppo.config.schema import ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate
-from megatron_ppo.flops import (
+from megatron_ppo.planner.flops import (
     active_parameter_count,
     expert_parameter_count,
     flop_parameter_count,
     iteration_flops,
     parameter_count,
 )
-from megatron_ppo.phases import PHASE_NEEDS, Phase, offload_switches, resident_kinds
+from megatron_ppo.planner.phases import PHASE_NEEDS, Phase, offload_switches, resident_kinds
 
 GIB = 1024**3
 RESERVED_GIB = 3.0
