@@ -43,6 +43,14 @@ def test_override_with_spaces_stays_one_argument() -> None:
     assert command[-1] == "trainer.experiment_name=a b"
 
 
+def test_the_scoring_job_runs_score_on_the_recipes_nodes(capsys) -> None:
+    assert main([str(REPO / "recipes" / "qwen2.5-32b.yaml"), "--score", "--dry-run"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert "PPO_COMMAND=score" in line and "--nodes=4" in line and "--job-name=score-" in line
+    assert "PPO_COMMAND=train" in shlex.join(sbatch_command(str(REPO / "recipes" / "qwen2.5-32b.yaml"), []))
+    assert main([str(REPO / "recipes" / "qwen2.5-32b.yaml"), "--score", "--chain", "2", "--dry-run"]) == 2
+
+
 def test_dry_run_chain_prints_dependent_jobs(capsys) -> None:
     assert main([str(REPO / "recipes" / "tiny-cpu.yaml"), "--dry-run", "--chain", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
