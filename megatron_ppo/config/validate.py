@@ -158,13 +158,16 @@ def _cross_key_problems(c: PPOConfig) -> list[str]:
 
 
 def _reward_model_problems(c: PPOConfig) -> list[str]:
-    """The scoring job's weights and layout (its model's own rules, heads and layers against TP/PP, are checked
-    against the reward model's config when `score` reads it, before anything is built)."""
+    """The scoring job's weights and layout, when the config names a reward model (its model's own rules, heads
+    and layers against TP/PP, are checked against the reward model's config when `score` reads it, before anything
+    is built; the tiny task's scoring shares the actor's layout and checks that itself)."""
     p: list[str] = []
     weights, layout = c.reward_model.model, c.reward_model.megatron
     if weights.path and weights.init_checkpoint:
         p.append(f"reward_model.model.path={weights.path!r} and reward_model.model.init_checkpoint="
                  f"{weights.init_checkpoint!r} both name the reward model; set one of them")  # fmt: skip
+    if not (weights.path or weights.init_checkpoint):
+        return p
     split = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size * layout.context_parallel_size
     if world_size(c) % split:
         p.append(f"reward_model.megatron: TP×PP×CP = {split} does not divide the world size {world_size(c)} "

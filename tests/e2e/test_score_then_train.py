@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from megatron_ppo.runs.report import read_run
 from tests.support.hf_models import offline_recipe, save_hf_model, save_hf_scorer
 from tests.support.tensorboard import scalars
 
@@ -46,13 +47,15 @@ def test_scored_pairs_train_through_the_cli_and_the_log_names_their_reward_model
     assert f"scored 8 rows of {pairs} → {scored}" in log and "tokens/s" in log
     rows = pq.read_table(scored).to_pylist()
     assert [(r["prompt"], r["response"], r["pair"]) for r in rows] == [
-        (p, response, side) for p, c, r in PAIRS for response, side in ((c, "chosen"), (r, "rejected"))]
+        (p, response, side) for p, c, r in PAIRS for response, side in ((c, "chosen"), (r, "rejected"))
+    ]
     assert len({r["uid"] for r in rows}) == 4 and rows[0]["uid"] == rows[1]["uid"]
 
-    log = _cli("train", recipe, [f"data.train_files={scored}", f"reward_model.model.path={actor_hf}",
-                                 "trainer.total_training_steps=1"], tmp_path / "train.log")  # fmt: skip
-    flat = " ".join(log.split())  # the console wraps long lines
-    assert f"scored by the reward model {reward_model.resolve()}" in flat
-    assert f"not by {actor_hf}, which reward_model.model.* names" in flat
+    _cli("train", recipe, [f"data.train_files={scored}", f"reward_model.model.path={actor_hf}",
+                           "trainer.total_training_steps=1"], tmp_path / "train.log")  # fmt: skip
+    _, events = read_run(tmp_path / "tb")
+    data = [e.message for e in events if e.tag == "data"]
+    assert f"{scored} scored by the reward model {reward_model.resolve()}" in data[0]
+    assert any(f"not by {actor_hf}, which reward_model.model.* names" in line for line in data[1:]), data
     (mean,) = scalars(tmp_path / "tb")["reward/mean"].values()
     assert mean == pytest.approx(sum(r["reward"] for r in rows) / len(rows), abs=1e-5)  # the batch: all 8 rows

@@ -64,7 +64,8 @@ def test_dry_run_of_the_32b_recipe_on_4_nodes_prints_the_sbatch_line(capsys) -> 
     (line,) = capsys.readouterr().out.strip().splitlines()
     assert shlex.split(line) == [
         "sbatch", "--parsable", "--nodes=4", "--ntasks-per-node=8", "--time=04:00:00", "--job-name=ppo-qwen2.5-32b",
-        "--output=logs/%x-%j.out", "--export=ALL,PPO_LOG_ROOT=logs", "--gpus-per-node=8", "--partition=gpu",
+        "--output=logs/%x-%j.out", "--export=ALL,PPO_LOG_ROOT=logs,PPO_COMMAND=train", "--gpus-per-node=8",
+        "--partition=gpu",
         str(REPO / "slurm" / "ppo.sbatch"), recipe, "cluster.partition=gpu", "cluster.nodes=4",
     ]  # fmt: skip
 

@@ -21,7 +21,8 @@ from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.layout_rules import SHARED_LAYOUT_KEYS
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.convert.reward_scoring import FileScores, RewardModelSource, check_layout, planned_outputs, score_files
+from megatron_ppo.convert import reward_scoring
+from megatron_ppo.convert.reward_scoring import FileScores, RewardModelSource
 from megatron_ppo.data.rows import Row, read_rows
 from megatron_ppo.parallel.collectives import barrier
 from megatron_ppo.tasks.addition.recipe import prepare_addition_task, task_directory
@@ -97,8 +98,8 @@ def score(config: PPOConfig) -> list[FileScores]:
                 f"rows' rule rewards; fit mse {fit['mse']:.3f}, correlation with the labels {fit['correlation']:.3f}"
             )
         barrier()
-        scoring = with_changes(config, {"reward_model.model.path": str(reward_model),
-                                        "data.train_files": config.data.train_files or [str(task.data_path)]})  # fmt: skip
+        files = config.data.train_files or [str(task.data_path)]
+        scoring = with_changes(config, {"reward_model.model.path": str(reward_model), "data.train_files": files})
         source = RewardModelSource.of(scoring)
-        check_layout(scoring, source)
-        return score_files(scoring, source, task.tokenizer, planned_outputs(scoring))
+        reward_scoring.check_layout(scoring, source)
+        return reward_scoring.score_files(scoring, source, task.tokenizer, reward_scoring.planned_outputs(scoring))
