@@ -42,6 +42,25 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _score(args: argparse.Namespace) -> int:
+    from megatron_ppo.data.rows import DataError
+
+    config = load_config(args.recipe, args.overrides)
+    try:
+        if config.data.task == "addition":
+            from megatron_ppo.tasks import addition
+
+            addition.score(config)
+        else:
+            from megatron_ppo.convert.reward_scoring import score
+
+            score(config)
+    except DataError as problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def report_guard_stop(stop: GuardStopped) -> None:
     """A guard's stop as one line on stderr, from the first process only (every rank stops at the same guard)."""
     from megatron_ppo.parallel import dist_env_from_environment
@@ -163,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _recipe_command(commands, "validate", "compose, validate and print a recipe's resolved config", _validate)
     _recipe_command(commands, "train", "run a recipe (under torchrun for several processes)", _train)
+    _recipe_command(commands, "score", "rewards from reward_model.* for every row of the data files, written to new "
+                    "Parquet files (under torchrun for several processes)", _score)  # fmt: skip
     comparer = _recipe_command(commands, "compare-kl", "the tiny recipe with KL off, fixed, adaptive and staged",
                                _compare_kl)  # fmt: skip
     comparer.add_argument("--plot", nargs="?", const="", metavar="FILE", help="also draw the four runs on one figure "

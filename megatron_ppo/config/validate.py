@@ -141,11 +141,33 @@ def _cross_key_problems(c: PPOConfig) -> list[str]:
             f"critic.model.hf_checkpoint={critic_model.hf_checkpoint!r} and critic.model.init_checkpoint="
             f"{critic_model.init_checkpoint!r} both name the critic's initial weights; set one of them"
         )
+    p += _reward_model_problems(c)
     if (critic_model.hf_checkpoint or critic_model.init_checkpoint) and not c.needs_critic:
         p.append(
             f"critic.model initialises a critic, but algorithm.adv_estimator={c.algorithm.adv_estimator!r} trains "
             "none; unset critic.model.hf_checkpoint / init_checkpoint or use adv_estimator=gae"
         )
+    return p
+
+
+def _reward_model_problems(c: PPOConfig) -> list[str]:
+    """The scoring job's weights and layout, when the config names a reward model (its model's own rules, heads
+    and layers against TP/PP, are checked against the reward model's config when `score` reads it, before anything
+    is built; the tiny task's scoring shares the actor's layout and checks that itself)."""
+    p: list[str] = []
+    weights, layout = c.reward_model.model, c.reward_model.megatron
+    if weights.path and weights.init_checkpoint:
+        p.append(f"reward_model.model.path={weights.path!r} and reward_model.model.init_checkpoint="
+                 f"{weights.init_checkpoint!r} both name the reward model; set one of them")  # fmt: skip
+    if not (weights.path or weights.init_checkpoint):
+        return p
+    split = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size * layout.context_parallel_size
+    if world_size(c) % split:
+        p.append(f"reward_model.megatron: TP×PP×CP = {split} does not divide the world size {world_size(c)} "
+                 f"(cluster.nodes × cluster.gpus_per_node); make it one of {divisors(world_size(c))}")  # fmt: skip
+    if layout.context_parallel_size > 1 or layout.expert_model_parallel_size > 1:
+        p.append("reward_model.megatron: scoring runs under TP and PP (and data parallelism over the rest); set "
+                 "context_parallel_size and expert_model_parallel_size to 1")  # fmt: skip
     return p
 
 

@@ -188,6 +188,18 @@ def parse_row(
     return ParsedRow(row, scored=scored, builtin_chat=tokens.builtin_chat, mismatch=mismatch)
 
 
+def row_tokens(record: Any, tokenizer: Tokenizer, config: DataConfig) -> tuple[list[int], list[int]]:
+    """The prompt and response ids `parse_row` trains a record on (text tokenized, eos appended; ids as given), with
+    the checks of its fields, without reading its reward: what a reward model scores (`megatron-ppo score`)."""
+    if not isinstance(record, dict):
+        raise BadRow("not_object", f"the row is {describe(record)}; expected an object")
+    if record.get(PROMPT_IDS_KEY) is not None or record.get(RESPONSE_IDS_KEY) is not None:
+        tokens = _token_id_tokens(record, tokenizer, config)
+    else:
+        tokens = _text_tokens(*_text_fields(record, config), tokenizer, config, has_log_probs=False)
+    return tokens.prompt_ids, tokens.response_ids
+
+
 def _text_fields(record: dict[str, Any], config: DataConfig) -> tuple[Any, str]:
     prompt = _required(record, config.prompt_key)
     _check_messages(prompt, config.prompt_key)

@@ -8,13 +8,14 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from megatron_ppo.checkpoint import directory
 from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.convert.critic_init import converted_critic_checkpoint
 from megatron_ppo.convert.huggingface import converted_init_checkpoint
-from megatron_ppo.data.rows import read_rows
+from megatron_ppo.data.rows import DataReport, read_rows
 from megatron_ppo.data.scoring import build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
 from megatron_ppo.data.values import RoutingShape
@@ -56,6 +57,26 @@ def distributed_run(config: PPOConfig) -> Iterator[InitialWeights]:
         destroy_distributed()
 
 
+def other_reward_models(config: PPOConfig, *reports: DataReport) -> list[str]:
+    """A line for each data file scored (`megatron-ppo score`) by another reward model than `reward_model.model.*`
+    names, when it names one: the run's rewards are that model's."""
+    weights = config.reward_model.model
+    named = weights.path or weights.init_checkpoint
+    if not named:
+        return []
+    if weights.init_checkpoint and os.path.isdir(named):  # scoring names the checkpoint a root resolves to
+        named = str(directory.find_resumable(named) or named)
+    lines = []
+    for report in reports:
+        for path, info in report.scored_by.items():
+            scorer = info.get("reward_model")
+            if scorer and os.path.realpath(scorer) != os.path.realpath(named):
+                lines.append(f"{path} was scored by the reward model {scorer} (checkpoint "
+                             f"{info.get('checkpoint_hash')}), not by {named}, which reward_model.model.* names: "
+                             f"its rewards are {scorer}'s")  # fmt: skip
+    return lines
+
+
 def train(config: PPOConfig) -> list[dict[str, float]]:
     """Offline PPO on `data.train_files`: the metrics of every iteration."""
     if not config.model.tokenizer or not config.data.train_files:
@@ -90,6 +111,8 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
         trainer.logger.event(0, "data", report.summary())
         if validation is not None:
             trainer.logger.event(0, "data", f"validation: {val_report.summary()}")
+        for line in other_reward_models(config, report, *([val_report] if validation is not None else [])):
+            trainer.logger.event(0, "data", line)
         trainer.resume()
         try:
             return trainer.fit()
