@@ -13,8 +13,9 @@ import torch
 
 from megatron_ppo.checkpoint import directory, store
 from megatron_ppo.checkpoint.run_identity import RunIdentity
+from megatron_ppo.checkpoint.verify import CheckpointError
 from megatron_ppo.checkpoint.run_start import start_run
-from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import MegatronConfig, OptimConfig, PPOConfig
 from megatron_ppo.models import build_role_model
@@ -130,7 +131,7 @@ def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
     report["first"] = (first.identity.run_id, first.resume_from, str(first.log_dir), first.messages)
     try:
         start_run(_config(root, resume_mode="disable"))
-    except ConfigError as refusal:
+    except UserError as refusal:
         report["refused"] = str(refusal)
     report["after_refusal"] = _listing(root / "ckpt")
     changed = _config(root, resume_mode="auto", exit_interval=3)
@@ -138,7 +139,12 @@ def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
     resumed = start_run(changed)
     report["resumed"] = (resumed.identity.run_id, resumed.resume_from.name, str(resumed.log_dir), resumed.messages)
     older = start_run(_config(root, resume_mode="resume_path", resume_from_path=str(root / "ckpt" / "step_4")))
-    report["older"] = (older.identity.run_id, older.resume_from.name, older.messages, _listing(root / "ckpt"))
+    before_load = _listing(root / "ckpt")["latest"]
+    store.load_checkpoint(older.resume_from, {"actor": actor}, {"actor": optimizer})  # as the trainer does, then
+    if rank == 0:
+        directory.point_latest_at(older.name_in_latest)  # it names the checkpoint (`PPOTrainer.resume`)
+    report["older"] = (older.identity.run_id, older.resume_from.name, older.messages, before_load,
+                       _listing(root / "ckpt"))  # fmt: skip
     fresh = start_run(_config(root, resume_mode="disable", overwrite=True))
     moved = sorted((root / "ckpt" / "moved-aside").iterdir())
     report["fresh"] = (fresh.identity.run_id, fresh.resume_from, fresh.messages, _listing(root / "ckpt"),
@@ -154,13 +160,13 @@ def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
     store.save_checkpoint(root / "init", 1, {"actor": actor}, {}, {"step": 1})
     try:
         start_run(_config(root, resume_mode="resume_path", resume_from_path=str(root / "init")))
-    except ConfigError as refusal:
+    except UserError as refusal:
         report["no_identity"] = str(refusal)
     auto_over_init = _config(root, resume_mode="auto")
     auto_over_init.trainer.default_local_dir = str(root / "init")
     try:
         start_run(auto_over_init)
-    except ConfigError as refusal:
+    except UserError as refusal:
         report["auto_without_identity"] = str(refusal)
     return report
 
@@ -195,7 +201,7 @@ def local_checkpoint_into_extra_state_model(rank: int, world_size: int, root: st
     try:
         store.load_weights(te_like, saved, "actor")
         report["missing_weight_error"] = None
-    except RuntimeError as error:
+    except CheckpointError as error:
         report["missing_weight_error"] = str(error)
     return report
 

@@ -57,7 +57,8 @@ def test_a_run_starts_only_where_no_other_run_has_checkpoints(tmp_path) -> None:
     assert "in 1 key(s): actor.optim.lr: 1e-06 → 0.002" in messages[1], messages
     assert messages[2] == ("changed since the checkpoint (keys meant to change): trainer.exit_interval: None → 3; "
                            "trainer.resume_mode: 'disable' → 'auto'")  # fmt: skip
-    run_id, source, messages, listing = report["older"]
+    run_id, source, messages, before_load, listing = report["older"]
+    assert before_load == "step_6", "latest moves only once the checkpoint has loaded"
     assert (run_id, source, listing["latest"]) == (first_id, "step_4", "step_4"), "latest follows the resumed run"
     run_id, source, messages, listing, moved = report["fresh"]
     assert run_id != first_id and source is None and listing == {"latest": None}
