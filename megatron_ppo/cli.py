@@ -129,18 +129,14 @@ def _report(args: argparse.Namespace) -> int:
     # further runs and key=value overrides share the positional tail: an existing path is a run (or a recipe)
     targets = [args.run_or_recipe, *(t for t in args.overrides if "=" not in t or Path(t).exists())]
     overrides = [t for t in args.overrides if t not in targets]
-    try:
-        log_dirs = [t if Path(t).is_dir() else load_config(t, overrides).trainer.log_dir for t in targets]
-        if args.plot is None:
-            for log_dir in log_dirs:
-                print_report(log_dir)
-            return 0
-        from megatron_ppo.runs.figure import plot_runs
+    log_dirs = [t if Path(t).is_dir() else load_config(t, overrides).trainer.log_dir for t in targets]
+    if args.plot is None:
+        for log_dir in log_dirs:
+            print_report(log_dir)
+        return 0
+    from megatron_ppo.runs.figure import plot_runs
 
-        print(f"figure: {plot_runs(log_dirs, args.plot or None)}")
-    except FileNotFoundError as missing:
-        print(f"error: {missing} (has the run started? see trainer.log_dir)", file=sys.stderr)
-        return 1
+    print(f"figure: {plot_runs(log_dirs, args.plot or None)}")
     return 0
 
 
