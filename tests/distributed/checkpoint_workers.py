@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from functools import partial
+import json
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +244,47 @@ def resumed_optimizer_takes_the_same_step(rank: int, world_size: int, root: str,
     sync_parameters(actor)
     differences = {name: (value - expected[name]).abs().max().item() for name, value in weights(actor).items()}
     return {"uninterrupted": uninterrupted, "resumed": resumed, "largest_weight_difference": max(differences.values())}
+
+
+def damaged_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Run A saves steps 2, 4, 6 (keeping 2); then its checkpoints are damaged one way after another: a shard of the
+    one `latest` names truncated, a trainer state truncated in a checkpoint without manifest, a run id that is a path."""
+    root, ckpt = Path(root), Path(root) / "ckpt"
+    init_distributed(MegatronConfig(), seed=0)
+    actor, optimizer = _actor_and_optimizer()
+    run = start_run(_config(root, resume_mode="disable")).identity
+    for step in (2, 4, 6):
+        store.save_checkpoint(ckpt, step, {"actor": actor}, {"actor": optimizer}, {"step": step}, run=run, keep=2)
+    report: dict[str, Any] = {"manifest": sorted(json.loads((ckpt / "step_6" / "manifest.json").read_text())["files"])}
+    shard = sorted((ckpt / "step_6").glob("*.distcp"))[0]
+    if rank == 0:
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    barrier()
+    report["damage"] = directory.damage(ckpt / "step_6")
+    auto = start_run(_config(root, resume_mode="auto"))
+    report["auto"] = (auto.resume_from.name, auto.messages[0], auto.name_in_latest.name, _listing(ckpt)["latest"])
+    try:
+        start_run(_config(root, resume_mode="resume_path", resume_from_path=str(ckpt / "step_6")))
+    except UserError as refusal:
+        report["resume_path"] = (str(refusal), _listing(ckpt)["latest"])
+    # step_6 is damaged, not complete: the save of step 8 keeps 2 complete ones (4 and 8), the damaged one aside
+    store.save_checkpoint(ckpt, 8, {"actor": actor}, {"actor": optimizer}, {"step": 8}, run=run, keep=2)
+    report["after_prune"] = sorted(_listing(ckpt))
+    if rank == 0:  # damage a checkpoint the manifest cannot speak for: the load itself says so
+        (ckpt / "step_4" / "manifest.json").unlink()
+        (ckpt / "step_4" / directory.TRAINER_STATE).write_bytes(b"PK\x03\x04 truncated")
+    barrier()
+    try:
+        store.load_checkpoint(ckpt / "step_4", {"actor": actor}, {"actor": optimizer})
+    except CheckpointError as unreadable:
+        report["load"] = str(unreadable)
+    if rank == 0:
+        escaped = json.loads((ckpt / "step_8" / "run.json").read_text()) | {"run_id": "../../escaped"}
+        (ckpt / "step_8" / "run.json").write_text(json.dumps(escaped))
+    barrier()
+    try:
+        start_run(_config(root, resume_mode="auto"))
+    except UserError as refusal:
+        report["escape"] = str(refusal)
+    report["outside"] = sorted(p.name for p in root.parent.iterdir() if p.name == "escaped")
+    return report

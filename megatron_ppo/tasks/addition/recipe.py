@@ -29,6 +29,7 @@ from megatron_ppo.models.generation import generate
 from megatron_ppo.parallel.collectives import barrier
 from megatron_ppo.tasks.addition.problems import AdditionProblem, corpus, demonstrate, reward, split_problems
 from megatron_ppo.tasks.addition.sft import run_sft
+from megatron_ppo.train.experience import check_rows_for_rollout_correction
 from megatron_ppo.train.metrics import is_logging_rank
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.ppo import PPOTrainer
@@ -190,6 +191,7 @@ def prepare_addition_task(config: PPOConfig) -> AdditionTask:
     sft_path = _sft_checkpoint(config, tokenizer, train, work)
     data_path = _offline_dataset(config, tokenizer, train, sft_path, work)
     rows, report = read_rows([data_path], tokenizer, config.data, rejects_path=work / "data" / "rejects.jsonl")
+    check_rows_for_rollout_correction(config, rows)  # before the PPO run builds its models
     return AdditionTask(tokenizer, heldout, rows, report.summary(), str(sft_path))
 
 
