@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import pickle
 import shutil
 from collections.abc import Iterator
@@ -83,24 +84,29 @@ def reading(checkpoint: Path, what: str) -> Iterator[None]:
 
 @contextmanager
 def writing(temporary: Path, step: int) -> Iterator[None]:
-    """Writing a checkpoint into `temporary`: a failure to write (a full disk above all, which torch reports as
-    `unexpected pos`, or a directory that refuses writes) removes the partial save and ends in a `CheckpointError`
-    that says so, the space left and the previous checkpoint still named by `latest`."""
+    """Writing a checkpoint into `temporary`. A write the filesystem refuses (a full disk above all, which torch
+    reports as `unexpected pos` or a checkpoint exception without the errno; a read-only or vanished directory)
+    removes the partial save and ends in a `CheckpointError` saying so, with the space left and the checkpoint
+    `latest` still names. Other failures are not the user's: they propagate as they are."""
     try:
         yield
-    except (OSError, RuntimeError) as error:
+    except BaseException as error:  # torch's CheckpointException derives from BaseException
+        root = temporary.parent
+        free = shutil.disk_usage(root).free if root.is_dir() else 0
+        code = _errno_in(error)
+        full = code in (errno.ENOSPC, errno.EDQUOT) or free < _FULL_BELOW_BYTES
+        if isinstance(error, KeyboardInterrupt | SystemExit) or not (full or code is not None):
+            raise
         shutil.rmtree(temporary, ignore_errors=True)
-        free = shutil.disk_usage(temporary.parent).free if temporary.parent.is_dir() else 0
-        full = _errno_in(error) in (errno.ENOSPC, errno.EDQUOT) or free < _FULL_BELOW_BYTES
-        latest = temporary.parent / "latest"
+        latest = root / "latest"
         kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no earlier checkpoint"
-        cause = "the disk is full" if full else f"{type(error).__name__}: {next(iter(str(error).splitlines()), '')}"
+        cause = "the disk is full" if full else os.strerror(code)
+        fix = ("free space there, or point trainer.default_local_dir at a larger disk, and resume" if full
+               else "make trainer.default_local_dir writable, and resume")  # fmt: skip
         raise CheckpointError(
-            f"the checkpoint of step {step} could not be written to {temporary.parent} ({cause}; "
-            f"{free / 2**20:.1f} MiB free): the partial save was removed and {kept}; "
-            + ("free space there, or point trainer.default_local_dir at a larger disk, and resume"
-               if full else "make trainer.default_local_dir writable, and resume")
-        ) from error  # fmt: skip
+            f"the checkpoint of step {step} could not be written to {root} ({cause}; {free / 2**20:.1f} MiB free): "
+            f"the partial save was removed and {kept}; {fix}"
+        ) from error
 
 
 _FULL_BELOW_BYTES = 16 * 2**20  # a failed write with less free than this: the disk filled up
