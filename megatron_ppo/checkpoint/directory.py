@@ -4,7 +4,8 @@ the one `latest` names, and pruning.
 A checkpoint is written to `<root>/.tmp_step_N`, published by renaming it to `<root>/step_N`, and only then named
 in `<root>/latest` (itself replaced atomically, `point_latest_at`); the writing is `store.save_checkpoint`'s. A save
 killed at any point therefore leaves the previous checkpoint as the newest complete one; `find_resumable` skips
-anything incomplete with a warning. A step saved again (after a rollback to it) replaces the old `step_N` by two
+anything incomplete with a warning. Complete means: the files a save writes last are there, and every file matches
+the manifest the save wrote (`verify.py`); `damage` says why a checkpoint is not. A step saved again (after a rollback to it) replaces the old `step_N` by two
 renames, the old one kept as `.replaced_step_N` until the new one is in place; `restore_replaced` undoes a save
 killed between the two.
 
@@ -137,7 +138,8 @@ def prune(root: Path, run_id: str, keep: int, step: int, protect: Sequence[Path]
     The line of training is the checkpoints up to `step`, newest first; a checkpoint past `step` (left by a branch
     the run abandoned when it resumed from an older one) counts as older than all of them. The checkpoint just
     saved ranks first, so the one `latest` names is never deleted; nor is another run's checkpoint, or an
-    incomplete one (left for a person to inspect)."""
+    incomplete or damaged one (left for a person to inspect; it never counts among the `keep`, so it never
+    becomes the only checkpoint left)."""
     own = [(s, path) for s, path in complete_checkpoints(root) if run_of(path) == run_id]
     own.sort(key=lambda item: (item[0] <= step, item[0]), reverse=True)
     for _, path in own[keep:]:

@@ -247,7 +247,8 @@ def _unknown_characters(prompt: str, response: str, ids: list[int], tokenizer: T
     parts = [(name, sorted({c for c in text if tokenizer.encode(c) == [unk]})) for name, text in
              (("prompt", prompt), ("response", response))]  # fmt: skip
     found = "; ".join(f"{name} {''.join(chars)!r}" for name, chars in parts if chars) or "characters"
-    return f"{ids.count(unk)} tokens are the tokenizer's unknown token (id {unk}), from text outside its vocabulary: {found}"
+    return (f"{ids.count(unk)} tokens are the tokenizer's unknown token (id {unk}), from text outside its "
+            f"vocabulary: {found}")  # fmt: skip
 
 
 def _apart_vs_together(apart: list[int], together: list[int]) -> str | None:

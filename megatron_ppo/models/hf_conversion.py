@@ -243,7 +243,7 @@ class SafetensorsReader:
             single = hf_dir / "model.safetensors"
             if not single.is_file():
                 raise ConfigError([f"{hf_dir} holds neither model.safetensors nor model.safetensors.index.json: "
-                                   "expected the weights as safetensors (save_pretrained(safe_serialization=True))"])  # fmt: skip
+                                   "expected the weights as safetensors"])  # fmt: skip
             try:
                 with safe_open(str(single), framework="pt") as f:
                     self.files = {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)

@@ -33,6 +33,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # huggingface_hub's default ("5GB")
 
 class OutputExistsError(UserError, FileExistsError):
     """A conversion's output directory holds files already: nothing is written over them."""
+
+
 # Copied from the Hugging Face directory the model's config comes from, those that exist: what `from_pretrained`
 # (model, generation and tokenizer) reads besides the weights.
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -100,7 +100,7 @@ def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0
             raise LaunchError(
                 f"port {env.master_port} on {env.master_addr} (MASTER_PORT) is already in use, by another run or "
                 "program, so this process cannot start its process group: set another free port "
-                "(MASTER_PORT=29501 python -m megatron_ppo ...), or launch with `torchrun --standalone`, which picks one"
+                "(MASTER_PORT=29501 python -m megatron_ppo ...), or launch with `torchrun --standalone` (it picks one)"
             ) from None
         dist.init_process_group(
             backend="nccl" if chosen.type == "cuda" else "gloo",

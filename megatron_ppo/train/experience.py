@@ -156,8 +156,8 @@ def check_rows_for_rollout_correction(config: PPOConfig, rows: Sequence[Row]) ->
     `rollout_is` or `rollout_rs` set, every row carries behaviour log-probs; a `DataError` naming the first that
     does not otherwise."""
     settings = config.algorithm.rollout_correction
-    which = [f"{key}={value}" for key, value in (("rollout_is", settings.rollout_is),
-                                                  ("rollout_rs", settings.rollout_rs)) if value is not None]  # fmt: skip
+    asked = (("rollout_is", settings.rollout_is), ("rollout_rs", settings.rollout_rs))
+    which = [f"{key}={value}" for key, value in asked if value is not None]
     lacking = [row for row in rows if row.behavior_log_probs is None]
     if which and lacking:
         raise DataError(

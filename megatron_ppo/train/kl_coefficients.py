@@ -105,9 +105,11 @@ class KLCoefficients:
             try:
                 controller.load_state_dict(state[term])
             except ValueError as differs:
-                raise ConfigError([
-                    f"{differs} (KL term {term!r}); the stages' ends are fractions of the run's length, so a changed "
-                    "trainer.total_training_steps (or trainer.total_epochs, data.train_batch_size) or "
-                    "algorithm.kl_ctrl.stages moves them: resume with the values the run started with (the "
-                    "checkpoint's run.json lists them), or start a new run (trainer.resume_mode=disable)"
-                ]) from None
+                raise ConfigError(
+                    [
+                        f"{differs} (KL term {term!r}); the stages' ends are fractions of the run's length, so a "
+                        "changed trainer.total_training_steps (or trainer.total_epochs, data.train_batch_size) or "
+                        "algorithm.kl_ctrl.stages moves them: resume with the values the run started with (the "
+                        "checkpoint's run.json lists them), or start a new run (trainer.resume_mode=disable)"
+                    ]
+                ) from None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from functools import partial
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +14,8 @@ import torch
 
 from megatron_ppo.checkpoint import directory, store
 from megatron_ppo.checkpoint.run_identity import RunIdentity
-from megatron_ppo.checkpoint.verify import CheckpointError
 from megatron_ppo.checkpoint.run_start import start_run
+from megatron_ppo.checkpoint.verify import CheckpointError
 from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import MegatronConfig, OptimConfig, PPOConfig
@@ -248,7 +248,8 @@ def resumed_optimizer_takes_the_same_step(rank: int, world_size: int, root: str,
 
 def damaged_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Run A saves steps 2, 4, 6 (keeping 2); then its checkpoints are damaged one way after another: a shard of the
-    one `latest` names truncated, a trainer state truncated in a checkpoint without manifest, a run id that is a path."""
+    one `latest` names truncated, a trainer state truncated in a checkpoint without manifest, a run id that is a
+    path."""
     root, ckpt = Path(root), Path(root) / "ckpt"
     init_distributed(MegatronConfig(), seed=0)
     actor, optimizer = _actor_and_optimizer()

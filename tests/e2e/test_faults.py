@@ -18,6 +18,6 @@ def base(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("case", [c for c in CASES if c.in_tests], ids=lambda c: c.name.replace(" ", "-"))
 def test_fault(case, base: Path, tmp_path: Path) -> None:
     outcome = run_case(case, base, tmp_path)
-    assert outcome.ok, f"{case.name}: exit {outcome.exit_code}, saw {outcome.saw!r}, kept {outcome.kept}\n" + (
-        outcome.log[-4000:]
+    assert outcome.ok, (
+        f"{case.name}: exit {outcome.exit_code}, saw {outcome.saw!r}, kept {outcome.kept}\n" + (outcome.log[-4000:])
     )

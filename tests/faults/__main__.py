@@ -41,7 +41,9 @@ def main() -> int:
                 failed.append(case.name)
                 console.print(f"[red]{case.name}[/red]: output tail\n{outcome.log[-3000:]}")
         Console(width=200).print(table)
-    print(f"{len(cases) - len(failed)} of {len(cases)} cases hold" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"{len(cases) - len(failed)} of {len(cases)} cases hold" + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -236,26 +236,45 @@ def plan_zero_nodes(folder: Path, work: Path) -> Outcome:
 def _mounted(setup: str, listing: Path | None = None) -> list[str]:
     """A command prefix running the command in a private mount namespace after `setup` (as an unprivileged user's
     namespace allows): the mounts exist for that command only; `listing`: print what that folder holds at the end."""
-    then = f'"$@"; status=$?; echo "left on the disk: $(ls -A {listing} | tr "\\n" " ")"; exit $status' if listing else 'exec "$@"'
+    then = (
+        f'"$@"; status=$?; echo "left on the disk: $(ls -A {listing} | tr "\\n" " ")"; exit $status'
+        if listing
+        else 'exec "$@"'
+    )
     return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f"{setup} && {{ {then}; }}", "sh"]
 
 
 CASES = [
     Case("convert into a run", "convert hf-to-mcore --out <a run's checkpoint directory>", convert_into_run),
-    Case("resume_path damaged", "trainer.resume_from_path=<step_2, a shard truncated>; latest names step_6",
-         resume_path_to_damaged),
-    Case("auto, latest damaged", "latest names step_6, a shard truncated; a killed job's lock left behind",
-         auto_past_damaged_latest),
+    Case(
+        "resume_path damaged",
+        "trainer.resume_from_path=<step_2, a shard truncated>; latest names step_6",
+        resume_path_to_damaged,
+    ),
+    Case(
+        "auto, latest damaged",
+        "latest names step_6, a shard truncated; a killed job's lock left behind",
+        auto_past_damaged_latest,
+    ),
     Case("second job", "train while another job holds the run directory", second_job),
     Case("disk full", "the checkpoint directory's disk fills up during the first save", disk_full_at_save),
     Case("run id a path", "run.json of step_6 names the run '../../escaped'", run_id_is_a_path, in_tests=False),
-    Case("read-only directory", "the checkpoint directory cannot be written", unwritable_checkpoint_directory,
-         in_tests=False),
-    Case("changed run length", "resume with trainer.total_training_steps=8 (was 6)", changed_run_length,
-         in_tests=False),
+    Case(
+        "read-only directory",
+        "the checkpoint directory cannot be written",
+        unwritable_checkpoint_directory,
+        in_tests=False,
+    ),
+    Case(
+        "changed run length", "resume with trainer.total_training_steps=8 (was 6)", changed_run_length, in_tests=False
+    ),
     Case("port taken", "one process while MASTER_PORT is in use", taken_port, in_tests=False),
-    Case("rollout_is, no log-probs", "algorithm.rollout_correction.rollout_is=token on rows without them",
-         rollout_correction_without_log_probs, in_tests=False),
+    Case(
+        "rollout_is, no log-probs",
+        "algorithm.rollout_correction.rollout_is=token on rows without them",
+        rollout_correction_without_log_probs,
+        in_tests=False,
+    ),
     Case("micro-batch 0", "actor.ppo_micro_batch_size_per_gpu=0", zero_micro_batch, in_tests=False),
     Case("plan --nodes 0", "plan recipes/tiny-cpu.yaml --nodes 0", plan_zero_nodes, in_tests=False),
 ]

@@ -156,7 +156,9 @@ def test_a_bom_and_unknown_characters_are_read_and_counted(tmp_path, tokenizer) 
     from megatron_ppo.data.tokenizer import load_tokenizer
 
     data = tmp_path / "bom.jsonl"
-    data.write_bytes("\ufeff".encode() + (json.dumps(GOOD) + "\n" + json.dumps(GOOD | {"response": "3 three"})).encode())
+    data.write_bytes(
+        "\ufeff".encode() + (json.dumps(GOOD) + "\n" + json.dumps(GOOD | {"response": "3 three"})).encode()
+    )
     config = load_config(RECIPE, ["data.task=null"])
     rows, report = read_rows([data], load_tokenizer(tokenizer), config.data)
     assert len(rows) == 2 and report.unknown_characters == 1
@@ -178,10 +180,12 @@ def test_the_rejects_file_is_strict_json(tmp_path, tokenizer) -> None:
 
 
 @pytest.mark.parametrize(("args", "named"), [
-    (["validate", str(RECIPE), "actor.ppo_micro_batch_size_per_gpu=0"], "actor.ppo_micro_batch_size_per_gpu=0: must be ≥ 1"),
+    (["validate", str(RECIPE), "actor.ppo_micro_batch_size_per_gpu=0"],
+     "actor.ppo_micro_batch_size_per_gpu=0: must be ≥ 1"),
     (["plan", str(RECIPE), "--nodes", "0"], "cluster.nodes=0: must be ≥ 1"),
     (["convert", "hf-to-mcore", "--out", "/tmp/never-written"], "needs --hf"),
-    (["convert", "hf-to-mcore", "--hf", "/nonexistent", "--out", "/tmp/never-written"], "/nonexistent holds no config.json"),
+    (["convert", "hf-to-mcore", "--hf", "/nonexistent", "--out", "/tmp/never-written"],
+     "/nonexistent holds no config.json"),
 ])  # fmt: skip
 def test_config_and_conversion_inputs_end_in_one_line(capsys, args, named) -> None:
     assert main(args) == 2

@@ -17,7 +17,9 @@ from megatron_ppo.checkpoint import lock
 from megatron_ppo.checkpoint.lock import RunDirectoryLocked
 
 REPO = Path(__file__).resolve().parents[2]
-HOLD = "import sys, time; from megatron_ppo.checkpoint import lock; lock.acquire(sys.argv[1]); print('held', flush=True)"
+HOLD = (
+    "import sys, time; from megatron_ppo.checkpoint import lock; lock.acquire(sys.argv[1]); print('held', flush=True)"
+)
 
 
 def _holder(directory: Path, job_id: str, then: str) -> subprocess.Popen:
