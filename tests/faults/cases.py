@@ -66,8 +66,15 @@ def cli(folder: Path, work: Path, args: list[str], env: dict[str, str] | None = 
 
 
 def error_line(output: str) -> str:
-    """The first `error:` line, the whole block's first sentence kept; '' when there is none."""
-    return next((line for line in output.splitlines() if line.startswith("error:")), "")
+    """The `error:` line, with the first problem of a config error's list ('' when there is none)."""
+    lines = output.splitlines()
+    index = next((i for i, line in enumerate(lines) if line.startswith("error:")), None)
+    if index is None:
+        return ""
+    shown = lines[index]
+    if shown.endswith(":") and index + 1 < len(lines):
+        shown += " " + lines[index + 1].strip().removeprefix("- ")
+    return shown
 
 
 def line_with(output: str, text: str) -> str:
@@ -133,7 +140,8 @@ def auto_past_damaged_latest(folder: Path, work: Path) -> Outcome:
     ok = code == 0 and "resumed from" in skipped and "differ from manifest.json" in skipped and took_over != ""
     ok = ok and named == "step_6" and "step 5:" in output
     kept = f"step_2, step_4; step_6 saved again over the damaged one, latest → {named}"
-    return Outcome(code, skipped[skipped.index("resumed") :] if skipped else "", kept, ok, output)
+    saw = skipped[skipped.index("resumed") :].rsplit(" continues", 1)[0] + " continues" if skipped else ""
+    return Outcome(code, saw, kept, ok, output)
 
 
 def changed_run_length(folder: Path, work: Path) -> Outcome:
