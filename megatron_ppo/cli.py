@@ -84,6 +84,14 @@ def _convert(args: argparse.Namespace) -> int:
     from megatron_ppo.convert import huggingface
     from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 
+    needed = {
+        "hf-to-mcore": ("hf", "out"),
+        "mcore-to-hf": ("megatron", "hf_config", "out"),
+        "verify": ("hf", "megatron"),
+    }
+    if missing := [f"--{name.replace('_', '-')}" for name in needed[args.direction] if not getattr(args, name)]:
+        raise ConfigError([f"convert {args.direction} needs {' and '.join(missing)} (python -m megatron_ppo convert "
+                           "--help)"])  # fmt: skip
     if args.direction == "mcore-to-hf":  # one process, no process group: it reads the checkpoint's files
         if dist_env_from_environment().world_size > 1:
             raise ConfigError(["mcore-to-hf runs in one process: python -m megatron_ppo convert mcore-to-hf ..."])
@@ -91,11 +99,7 @@ def _convert(args: argparse.Namespace) -> int:
         written = huggingface.mcore_to_hf(args.megatron, args.hf_config, args.out, **shard)
         print(f"wrote {written.describe()}")
         return 0
-    if not args.hf:
-        raise ConfigError([f"convert {args.direction} needs --hf <Hugging Face model directory>"])
     if args.direction == "hf-to-mcore":
-        if not args.out:
-            raise ConfigError(["convert hf-to-mcore needs --out <a new directory for the checkpoint>"])
         huggingface.check_new_output(args.out)
     model = huggingface.hf_model_config(args.hf)
     layout = huggingface.conversion_layout(model, args.tp, args.pp, args.ep)

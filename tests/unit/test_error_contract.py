@@ -184,6 +184,7 @@ def test_the_rejects_file_is_strict_json(tmp_path, tokenizer) -> None:
      "actor.ppo_micro_batch_size_per_gpu=0: must be ≥ 1"),
     (["plan", str(RECIPE), "--nodes", "0"], "cluster.nodes=0: must be ≥ 1"),
     (["convert", "hf-to-mcore", "--out", "/tmp/never-written"], "needs --hf"),
+    (["convert", "mcore-to-hf", "--out", "/tmp/never-written"], "needs --megatron and --hf-config"),
     (["convert", "hf-to-mcore", "--hf", "/nonexistent", "--out", "/tmp/never-written"],
      "/nonexistent holds no config.json"),
 ])  # fmt: skip
