@@ -5,9 +5,9 @@ A checkpoint is written to `<root>/.tmp_step_N`, published by renaming it to `<r
 in `<root>/latest` (itself replaced atomically, `point_latest_at`); the writing is `store.save_checkpoint`'s. A save
 killed at any point therefore leaves the previous checkpoint as the newest complete one; `find_resumable` skips
 anything incomplete with a warning. Complete means: the files a save writes last are there, and every file matches
-the manifest the save wrote (`verify.py`); `damage` says why a checkpoint is not. A step saved again (after a rollback to it) replaces the old `step_N` by two
-renames, the old one kept as `.replaced_step_N` until the new one is in place; `restore_replaced` undoes a save
-killed between the two.
+the manifest the save wrote (`verify.py`); `damage` says why a checkpoint is not. A step saved again (after a
+rollback to it) replaces the old `step_N` by two renames, the old one kept as `.replaced_step_N` until the new one
+is in place; `restore_replaced` undoes a save killed between the two.
 
 A training run's checkpoints hold its identity (`run.json`, see `run_identity.py`). Resuming and rolling back
 follow one run only, and pruning removes only that run's older checkpoints, never the one `latest` names (nor those
