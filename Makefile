@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q --durations=25
 # torchrun --standalone: a free port per launch, so two jobs on one machine (two `make train`, or one beside the suite) never collide.
 TORCHRUN = OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone
 
-.PHONY: setup test test-fast test-floor lint lock gpu-wheels validate bench train score figure compare-kl drill plan submit report gpu-check
+.PHONY: setup test test-fast test-floor lint lock gpu-wheels validate bench train score figure compare-kl drill faults plan submit report gpu-check
 
 setup: $(STAMP)
 
@@ -83,6 +83,11 @@ DRILL_STAMP := $(shell date -u +%Y%m%d-%H%M%S)
 DRILL_DIR ?= outputs/drill/$(DRILL_STAMP)
 drill: setup
 	$(TORCHRUN) --nproc_per_node $(NPROC) -m tests.drill $(RECIPE) trainer.default_local_dir=$(DRILL_DIR)/checkpoints trainer.log_dir=$(DRILL_DIR)/tensorboard --plot $(DRILL_DIR)/drill.png $(OVERRIDES)
+
+# The faults a user can cause (damaged checkpoints, a conversion into a run, a second job, a full disk, ...), each
+# through the real CLI on a copy of one short tiny run: a table of fault, what the user saw, exit status, what was kept.
+faults: setup
+	$(PY) -m tests.faults $(FAULTS)
 
 # Layout check, per-GPU memory and step-time estimate before any job (exit 1 when it does not fit).
 plan: setup

@@ -193,7 +193,7 @@ def _model_problems(c: PPOConfig) -> list[str]:
             f"model.rope_scaling_factor={m.rope_scaling_factor!r} scales RoPE, but model.position_embedding_type="
             f"{m.position_embedding_type!r}; set it to null or use rope"
         )
-    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is None and m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
         p.append(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
             f"{m.num_attention_heads}; change one or set model.kv_channels"
@@ -225,7 +225,7 @@ def _batch_problems(c: PPOConfig) -> list[str]:
     for role in TRAINED_ROLES:
         cfg = get(c, role)
         mini, micro = cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu
-        if min(train, mini, micro or 1) < 1:
+        if min(train, mini, 1 if micro is None else micro) < 1:
             continue  # reported by the range check
         if train % mini:
             p.append(
@@ -234,7 +234,7 @@ def _batch_problems(c: PPOConfig) -> list[str]:
             )
         layout = cfg.megatron
         model_parallel = model_parallel_size(layout)
-        if model_parallel < 1 or world_size(c) % model_parallel:
+        if model_parallel < 1 or world_size(c) < 1 or world_size(c) % model_parallel:
             continue  # the layout problem is reported on its own
         dp = data_parallel_size(c, layout)
         if mini % dp:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.fields import field_problems
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data.chat import BUILTIN_FORMAT
@@ -55,6 +57,8 @@ class DataReport:
     tokenization_mismatches: int = 0
     first_mismatch: str | None = None  # "path:line: what differs"
     scored_by: dict[str, dict[str, Any]] = field(default_factory=dict)  # file → the reward model that scored it
+    unknown_characters: int = 0  # kept rows with text outside the tokenizer's vocabulary (the unknown token)
+    first_unknown: str | None = None  # "path:line: which characters"
 
     def summary(self) -> str:
         """One line for the log."""
@@ -81,10 +85,15 @@ class DataReport:
                 f"; {self.tokenization_mismatches} rows tokenize differently apart than together, kept with the ids "
                 f"apart (data.tokenization_check=warn; first: {self.first_mismatch})"
             )
+        if self.unknown_characters:
+            line += (
+                f"; {self.unknown_characters} rows hold characters outside the tokenizer's vocabulary, trained on as "
+                f"its unknown token (data.tokenization_check=strict refuses them; first: {self.first_unknown})"
+            )
         return line
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset problem; the message names the file (and line) and says what was expected."""
 
 
@@ -140,8 +149,8 @@ def read_rows(
                     report.rejected += 1
                     report.reasons[bad.kind] = report.reasons.get(bad.kind, 0) + 1
                     shown = record.decode("utf-8", "replace").rstrip("\r\n") if isinstance(record, bytes) else record
-                    entry = {"source": source, "kind": bad.kind, "reason": bad.problem, "row": shown}
-                    rejects.write(json.dumps(entry, default=str) + "\n")
+                    entry = {"source": source, "kind": bad.kind, "reason": bad.problem, "row": _json_safe(shown)}
+                    rejects.write(json.dumps(entry, default=str, allow_nan=False) + "\n")
                     continue
                 report.rows_read += len(parsed_rows) - 1
                 for parsed in parsed_rows:
@@ -166,6 +175,10 @@ def _count(parsed: ParsedRow, report: DataReport) -> None:
         report.tokenization_mismatches += 1
         if report.first_mismatch is None:
             report.first_mismatch = f"{parsed.row.source}: {parsed.mismatch}"
+    if parsed.unknown is not None:
+        report.unknown_characters += 1
+        if report.first_unknown is None:
+            report.first_unknown = f"{parsed.row.source}: {parsed.unknown}"
 
 
 def _check_options(config: DataConfig) -> None:
@@ -225,9 +238,22 @@ def scored_by(path: str | Path) -> dict[str, Any] | None:
     return json.loads(metadata[SCORED_BY_KEY]) if SCORED_BY_KEY in metadata else None
 
 
+def _json_safe(value: Any) -> Any:
+    """`value` with every non-finite float as its name ("NaN", "Infinity", "-Infinity"): strict JSON has none, and
+    the rejects file stays readable by any JSON reader."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return {key: _json_safe(inner) for key, inner in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(inner) for inner in value]
+    return value
+
+
 def decode_json_line(line: bytes) -> Any:
+    """One JSONL line as JSON; a UTF-8 byte-order mark (which some editors write at a file's start) is dropped."""
     try:
-        return json.loads(line.decode("utf-8"))
+        return json.loads(line.decode("utf-8-sig"))
     except UnicodeDecodeError as e:
         raise BadRow("invalid_json", f"the line is not UTF-8 text ({e}); expected one JSON object per line") from e
     except json.JSONDecodeError as e:

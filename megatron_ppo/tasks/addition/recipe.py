@@ -29,6 +29,7 @@ from megatron_ppo.models.generation import generate, timed_generate
 from megatron_ppo.parallel.collectives import barrier
 from megatron_ppo.tasks.addition.problems import AdditionProblem, corpus, demonstrate, reward, split_problems
 from megatron_ppo.tasks.addition.sft import run_sft
+from megatron_ppo.train.experience import check_rows_for_rollout_correction
 from megatron_ppo.train.metrics import is_logging_rank
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.ppo import PPOTrainer
@@ -195,6 +196,7 @@ def prepare_addition_task(config: PPOConfig) -> AdditionTask:
     # data.train_files: the task's rows scored another way (`make score`: by a reward model), trained on instead
     paths = config.data.train_files or [data_path]
     rows, report = read_rows(paths, tokenizer, config.data, rejects_path=work / "data" / "rejects.jsonl")
+    check_rows_for_rollout_correction(config, rows)  # before the PPO run builds its models
     return AdditionTask(tokenizer, heldout, rows, report.summary(), str(sft_path), data_path)
 
 
