@@ -20,6 +20,7 @@ from megatron_ppo.parallel.collectives import (
 from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.batch import Batch, replica_micro_batches
 from megatron_ppo.train.micro_batching import MicroBatching, micro_batching
+from megatron_ppo.train.profiling import phase
 
 
 class ForwardPasses(TypedDict):
@@ -95,11 +96,14 @@ def forward_passes(
     back-off's), by default the config's."""
     micro = micro_batching(config, Phase.EXPERIENCE) if micro is None else micro
     with eval_mode(actor, ref, critic):
-        out = ForwardPasses(old_log_prob=forward_per_token(actor, batch, log_prob_fn(actor), micro["actor"]))
+        with phase("experience/old_log_prob"):
+            out = ForwardPasses(old_log_prob=forward_per_token(actor, batch, log_prob_fn(actor), micro["actor"]))
         if ref is not None:
-            out["ref_log_prob"] = forward_per_token(ref, batch, log_prob_fn(ref), micro["ref"])
+            with phase("experience/ref_log_prob"):
+                out["ref_log_prob"] = forward_per_token(ref, batch, log_prob_fn(ref), micro["ref"])
         if critic is not None:
-            out["values"] = forward_per_token(critic, batch, values_fn, micro["critic"])
+            with phase("experience/values"):
+                out["values"] = forward_per_token(critic, batch, values_fn, micro["critic"])
     return out
 
 
