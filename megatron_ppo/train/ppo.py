@@ -120,11 +120,11 @@ class PPOTrainer:
         self.guards = Guards(config.guards)
         self.memory = OutOfMemoryBackoff(config)
         self.keeper = CheckpointKeeper(trainer, self.run.identity, report=self._report_save)
-        self.profiler = profiling.Profiler(config.profiling, self.run.log_dir, global_rank(),
-                                 say=lambda line: self.logger.event(self.step, "profiling", line))  # fmt: skip
         self.evaluations: dict[int, dict[str, float]] = {}
         self.step = 0
         self.skipped_steps = 0
+        self.profiler = profiling.Profiler(config.profiling, self.run.log_dir, global_rank(),
+                                 say=lambda line: self.logger.event(self.step, "profiling", line))  # fmt: skip
         self.logger.event(0, "run", f"{trainer.project_name}/{trainer.experiment_name}")
         if critic_source is not None:
             self.logger.event(0, "critic", critic_source)
@@ -393,7 +393,6 @@ class PPOTrainer:
             self.profiler.begin(number)
             with profiling.phase(f"iteration {number}"):
                 metrics = self.iteration()
-            self.profiler.end(number)
             self.logger.log(number, metrics)
             self.history.append({"step": float(number), **metrics})
             self.keeper.poll()  # publish the pending save once every rank's write is done
@@ -412,6 +411,7 @@ class PPOTrainer:
             periodic = trainer.save_freq > 0 and self.step % trainer.save_freq == 0
             if self.step == number and periodic and self.step < self.total_steps:  # (an evaluation may roll back)
                 self.save()
+            self.profiler.end(number)  # the profiled range holds each iteration's evaluation and save too
         if trainer.save_freq >= 0:  # -1: never (verl), but for the preemption and job-budget saves above
             self.save()
         self.keeper.wait()  # the last save (or a pending one, such as a best evaluation's) is published

@@ -19,7 +19,8 @@ def test_a_trace_covers_exactly_the_chosen_iterations_on_the_chosen_rank_and_nam
     assert rank1["traces"] == ["rank1.steps2-3.pt.trace.json"], rank1
     iterations = [name for name in rank1["names"] if name.startswith("iteration ")]
     assert iterations == ["iteration 2", "iteration 3"], rank1["names"]
-    assert sorted(set(rank1["names"]) - set(iterations)) == PHASES, rank1["names"]
+    # the phases, beside torch's own annotations (`Optimizer.step#…`, `gloo:all_reduce`)
+    assert set(PHASES) <= set(rank1["names"]), sorted(set(PHASES) - set(rank1["names"]))
     # on the CPU, NVTX says once that it records nothing; the rank outside profile_ranks says nothing
     assert rank0["said"] == [], rank0["said"]
     nvtx = [line for line in rank1["said"] if "profiling.nvtx_ranges" in line]
