@@ -51,7 +51,8 @@ class Profiler:
 
     def __init__(self, config: ProfilingConfig, log_dir: str | Path, rank: int, say: Callable[[str], None]) -> None:
         global _nvtx_on
-        self.config, self.rank, self.say = config, rank, say
+        self.config = config
+        self.rank, self.say = rank, say
         self.folder = Path(log_dir) / TRACES
         self.here = rank in config.profile_ranks
         on_cuda = torch.cuda.is_available()
