@@ -22,7 +22,8 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from megatron_ppo.checkpoint import directory, store
 from megatron_ppo.checkpoint.weights import CheckpointWeights
 from megatron_ppo.config.errors import ConfigError
-from megatron_ppo.config.schema import ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
+from megatron_ppo.config.frozen import with_changes
+from megatron_ppo.config.schema import ROLES, ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate
 from megatron_ppo.models import RoleModel, build_role_model, run_micro_batches, unwrap
 from megatron_ppo.models.hf_conversion import (
@@ -56,9 +57,8 @@ def layout_problems(model: ModelConfig, layout: MegatronConfig) -> list[str]:
     """Why `model` cannot be split by `layout` on this machine's device (the config validation's layout and expert
     rules), if it cannot."""
     world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size * layout.expert_model_parallel_size
-    config = PPOConfig(model=model, cluster=ClusterConfig(gpus_per_node=world, device="cuda" if on_cuda() else "cpu"))
-    for role in ("actor", "ref", "critic"):
-        getattr(config, role).megatron = layout
+    cluster = ClusterConfig(gpus_per_node=world, device="cuda" if on_cuda() else "cpu")
+    config = with_changes(PPOConfig(model=model, cluster=cluster), {f"{role}.megatron": layout for role in ROLES})
     return [p for p in validate(config) if ".megatron" in p]
 
 

@@ -20,7 +20,7 @@ from megatron_ppo.checkpoint import store
 from megatron_ppo.checkpoint.async_save import SaveTiming
 from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.checkpoint.run_start import start_run
-from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.config.schema import ROLES, PPOConfig
 from megatron_ppo.convert.critic_init import load_critic
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, copy_weights
@@ -240,7 +240,7 @@ class PPOTrainer:
         return metrics | self._throughput(batch["lengths"], timings)
 
     def _built_roles(self) -> dict[str, RoleModel]:
-        return {role: model for role in ("actor", "ref", "critic") if (model := getattr(self, role)) is not None}
+        return {role: model for role in ROLES if (model := getattr(self, role)) is not None}
 
     def _throughput(self, lengths: torch.Tensor, timings: dict[str, float]) -> dict[str, float]:
         tokens, seconds = float(lengths.sum()), timings["iteration"]

@@ -202,7 +202,7 @@ def test_the_all_to_all_is_in_the_step_time_and_crosses_nodes_slower() -> None:
     nodes of 4 GPUs runs at the InfiniBand bandwidth."""
     config = load_config(MOE_RECIPE, ONE_NODE)
     m, d = config.model, config.data
-    tokens = d.train_batch_size * (d.max_prompt_length + d.max_response_length)
+    tokens = d.train_batch_size * d.max_length
     expected_gb = 27 * tokens * m.num_layers / 8 * m.num_experts_per_tok * 2 * m.hidden_size * 2 * 7 / 8 / 1e9
     within, across = GPU_SPECS["h100-80gb"].all_to_all_gb_s
     ep8 = plan(config)
