@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q --durations=25
 # torchrun --standalone: a free port per launch, so two jobs on one machine (two `make train`, or one beside the suite) never collide.
 TORCHRUN = OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone
 
-.PHONY: setup test test-fast test-floor lint lock gpu-wheels validate bench train score figure compare-kl drill faults plan submit report gpu-check
+.PHONY: setup test test-fast test-floor lint lock gpu-wheels validate bench train score figure compare-kl drill faults plan submit report gpu-check profile
 
 setup: $(STAMP)
 
@@ -89,6 +89,18 @@ drill: setup
 faults: setup
 	$(PY) -m tests.faults $(FAULTS)
 
+# A profiled run of the recipe, to the end of the step range: make profile [RECIPE=...] STEPS=a:b [NPROC=2] profiles
+# the iterations a ≤ n < b (profiling.profile_step_start/end) with the torch profiler on rank 0, in a scratch run
+# ($(PROFILE_DIR)); then `report` names its trace. OVERRIDES="profiling.profile_ranks=[0,1] ..." for more.
+STEPS ?= 2:4
+PROFILE_DIR ?= outputs/profile/$(DRILL_STAMP)
+profile: setup
+	$(TORCHRUN) --nproc_per_node $(NPROC) -m megatron_ppo train $(RECIPE) profiling.use_pytorch_profiler=true \
+		profiling.profile_step_start=$(word 1,$(subst :, ,$(STEPS))) profiling.profile_step_end=$(word 2,$(subst :, ,$(STEPS))) \
+		trainer.total_training_steps=$(shell echo $$(( $(word 2,$(subst :, ,$(STEPS))) - 1 ))) trainer.save_freq=-1 \
+		trainer.resume_mode=disable trainer.default_local_dir=$(PROFILE_DIR)/checkpoints trainer.log_dir=$(PROFILE_DIR)/tensorboard $(OVERRIDES)
+	$(PY) -m megatron_ppo report $(PROFILE_DIR)/tensorboard
+
 # Layout check, per-GPU memory and step-time estimate before any job (exit 1 when it does not fit).
 plan: setup
 	$(PY) -m megatron_ppo plan $(RECIPE) $(if $(NODES),--nodes $(NODES)) $(OVERRIDES)
@@ -111,6 +123,7 @@ bench: setup
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_actor_step
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_ppo_step
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_pipeline_shapes
+	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_async_save
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_logprob_chunks
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_decode
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_router_replay

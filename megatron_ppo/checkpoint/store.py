@@ -7,7 +7,8 @@ Loading goes through Megatron's sharded state dicts, so a checkpoint saved at on
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,12 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_ppo.checkpoint import directory, verify
+from megatron_ppo.checkpoint.async_save import AsyncSaves
 from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.models import RoleModel, unwrap
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel.collectives import barrier, global_rank
-from megatron_ppo.parallel.megatron_compat import checkpoint_writes_in_process
+from megatron_ppo.parallel.megatron_compat import async_save_request, checkpoint_writes_in_process
 
 OPTIMIZERS_SAVED = "checkpoint/optimizers_saved"
 # Transformer Engine modules' FP8 metadata: a local-spec checkpoint (made on CPU, or converted) has none of it
@@ -85,17 +87,24 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     run: RunIdentity | None = None,
     keep: int | None = None,
-    protect: Sequence[str | Path] = (),
+    protect: Sequence[str | Path] | Callable[[], Sequence[str | Path]] = (),
+    saves: AsyncSaves | None = None,
 ) -> Path:
     """Save models (and their optimizers) under their role names, `trainer_state` (plain Python/tensors) and the
     identity of the `run` saving them (None: an initialisation, such as the SFT start, that no run resumes).
 
     With `keep`, the run's own checkpoints beyond the newest `keep` are then deleted (`directory.prune`), except
     those in `protect` (the best evaluation's, which an evaluation-drop rollback returns to, and the good one a guard
-    rollback returns to). Each model's pending distributed-optimizer parameter all-gather is finished first
-    (`sync_parameters`), so what is written is the last step's weights on every rank."""
+    rollback returns to; a callable is asked when the checkpoint is published). Each model's pending
+    distributed-optimizer parameter all-gather is finished first (`sync_parameters`), so what is written is the last
+    step's weights on every rank.
+
+    With `saves`, the shards are written in the background (`async_save.py`): this returns once they are handed to
+    the writers, and the checkpoint is published (renamed to `step_N`, named in `latest`, older ones pruned) when
+    `saves` finalises it. The returned path is where it will be."""
     if keep and run is None:
         raise ValueError("pruning (keep) needs the run identity: only a run's own checkpoints are pruned")
+    started = time.perf_counter()
     root = Path(root)
     final, temporary = root / f"step_{step}", root / f".tmp_step_{step}"
     if global_rank() == 0:
@@ -111,28 +120,41 @@ def save_checkpoint(
     stateful = [role for role in models if role in optimizers and not _stateless(optimizers[role])]
     for role in stateful:
         sharded[f"{role}_optimizer"] = _optimizer_sharded_state(optimizers[role], sharded[role], role)
-    checkpoint_writes_in_process()
+    request = None
     with verify.writing(temporary, step):
-        dist_checkpointing.save(sharded, str(temporary))
+        if saves is None:
+            checkpoint_writes_in_process()
+            dist_checkpointing.save(sharded, str(temporary))
+        else:
+            request = async_save_request(sharded, str(temporary))
         torch.save(rng_states(), temporary / f"rng_rank{global_rank()}.pt")
         if global_rank() == 0:
             torch.save({**trainer_state, OPTIMIZERS_SAVED: stateful}, temporary / directory.TRAINER_STATE)
             if run is not None:
                 run.write(temporary)
-    barrier()
-    if global_rank() == 0:
-        with verify.writing(temporary, step):
-            verify.write_manifest(temporary)  # last: every rank's files are written
-        replaced = root / f"{directory.REPLACED_PREFIX}{final.name}"
-        if final.exists():  # `latest` may name it (a step saved again after a rollback): kept until replaced
+
+    def publish() -> None:
+        barrier()
+        if global_rank() == 0:
+            with verify.writing(temporary, step):
+                verify.write_manifest(temporary)  # last: every rank's files are written
+            replaced = root / f"{directory.REPLACED_PREFIX}{final.name}"
+            if final.exists():  # `latest` may name it (a step saved again after a rollback): kept until replaced
+                shutil.rmtree(replaced, ignore_errors=True)
+                final.rename(replaced)
+            temporary.rename(final)
+            directory.point_latest_at(final)
             shutil.rmtree(replaced, ignore_errors=True)
-            final.rename(replaced)
-        temporary.rename(final)
-        directory.point_latest_at(final)
-        shutil.rmtree(replaced, ignore_errors=True)
-        if keep:
-            directory.prune(root, run.run_id, keep, step, [Path(p) for p in protect])
-    barrier()
+            if keep:
+                spared = protect() if callable(protect) else protect
+                directory.prune(root, run.run_id, keep, step, [Path(p) for p in spared])
+        barrier()
+
+    if request is None:
+        publish()
+    else:
+        request.add_finalize_fn(publish)
+        saves.schedule(request, step, final, started)
     return final
 
 

@@ -1,8 +1,8 @@
 """The typed shape of a megatron-ppo config: one dataclass per group, verl's leaf names where verl has them.
 
-Top level: model, data, actor, ref, critic, algorithm, reward, reward_model, guards, trainer, cluster. Each role
-(actor, ref, critic) has a `megatron` section (its parallel layout); the trained roles also have an `optim` section —
-the shape of verl's Megatron config, so `actor_rollout_ref.actor.*` paths map onto `actor.*`.
+Top level: model, data, actor, ref, critic, algorithm, reward, reward_model, guards, trainer, cluster, profiling.
+Each role (actor, ref, critic) has a `megatron` section (its parallel layout); the trained roles also have an `optim`
+section — the shape of verl's Megatron config, so `actor_rollout_ref.actor.*` paths map onto `actor.*`.
 Each field carries its own rule (`choice`: the values it may take; `ranged`: its valid range), which
 `validate.py` walks; rules across keys (batch divisibility, layouts, KL stages) live in `validate.py`. Every section
 is `Freezable`: once validated, the config is read-only (`frozen.py`).
@@ -490,6 +490,10 @@ class TrainerConfig(Freezable):
     # default_local_dir/moved-aside/<UTC time>-<hex>/ instead of refusing to start; nothing is deleted.
     overwrite: bool = per_job(False, RUN_CONTROL)
     max_ckpt_to_keep: int | None = per_job(ranged(2, NON_NEGATIVE), RUN_CONTROL)
+    # Write checkpoints in the background (Megatron's asynchronous dist_checkpointing save: a forked writer per
+    # rank) while training goes on; published (step_N, `latest`) once every rank's write is done. Costs host memory
+    # for one copy of each rank's shards on GPUs (the fork's pages on the CPU). false: the loop waits for the disk.
+    async_save: bool = per_job(True, RUN_CONTROL)
     # One job of a chain stops cleanly (checkpoint, exit 0) for the next job to resume: after a step divisible by
     # exit_interval, or after exit_duration_in_mins of this job (Megatron-LM's --exit-interval/--exit-duration-in-mins).
     exit_interval: int | None = per_job(ranged(None, OFF_OR_POSITIVE), RUN_CONTROL)
@@ -512,6 +516,24 @@ class ClusterConfig(Freezable):
 
 
 @dataclass
+class ProfilingConfig(Freezable):
+    """Step-range profiling (`train/profiling.py`), with Megatron-Bridge's `ProfilingConfig` key names: the
+    iterations profile_step_start ≤ n < profile_step_end on the ranks profile_ranks."""
+
+    use_pytorch_profiler: bool = per_job(False, RUN_CONTROL)  # a torch-profiler trace in <log dir>/profile/
+    # cudaProfilerStart/Stop around the range, for nsys profile --capture-range=cudaProfilerApi
+    use_nsys_profiler: bool = per_job(False, RUN_CONTROL)
+    profile_step_start: int = per_job(ranged(10, AT_LEAST_ONE), RUN_CONTROL)
+    profile_step_end: int = per_job(ranged(12, AT_LEAST_ONE), RUN_CONTROL)  # the first iteration not profiled
+    profile_ranks: list[int] = field(default_factory=lambda: [0], metadata={PER_JOB: RUN_CONTROL})
+    record_shapes: bool = per_job(False, RUN_CONTROL)  # the torch trace records each operator's input shapes
+    # CUDA allocator history from profile_step_start, dumped at the range's end or the first out-of-memory error
+    record_memory_history: bool = per_job(False, RUN_CONTROL)
+    memory_snapshot_path: str = per_job("snapshot.pickle", RUN_CONTROL)  # relative: in <log dir>/profile/
+    nvtx_ranges: bool = per_job(False, RUN_CONTROL)  # the phases as NVTX ranges (for nsys), on CUDA
+
+
+@dataclass
 class PPOConfig(Freezable):
     """The whole config. `defaults:` in a YAML file is consumed by composition and is not part of it."""
 
@@ -526,6 +548,7 @@ class PPOConfig(Freezable):
     guards: GuardsConfig = field(default_factory=GuardsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     # What the run builds, derived once here (trainer, out-of-memory back-off and validation ask these):
     @property

@@ -67,7 +67,26 @@ def validate(config: PPOConfig) -> list[str]:
     problems += _kl_problems(config)
     problems += _reward_problems(config)
     problems += _algorithm_problems(config)
+    problems += _profiling_problems(config)
     return problems
+
+
+def _profiling_problems(c: PPOConfig) -> list[str]:
+    """The step range, the ranks and the switches that only one profiler reads."""
+    prof, p = c.profiling, []
+    if prof.profile_step_end <= prof.profile_step_start:
+        p.append(f"profiling.profile_step_end={prof.profile_step_end} must be > profiling.profile_step_start="
+                 f"{prof.profile_step_start}: the iterations start ≤ n < end are profiled")  # fmt: skip
+    ranks = world_size(c)
+    outside = [rank for rank in prof.profile_ranks if not 0 <= rank < ranks]
+    if outside:
+        p.append(f"profiling.profile_ranks={prof.profile_ranks}: {outside} not among the run's ranks 0–{ranks - 1}")
+    if prof.use_pytorch_profiler and prof.use_nsys_profiler:
+        p.append("profiling.use_pytorch_profiler and profiling.use_nsys_profiler both record CUDA activity "
+                 "(CUPTI) and disturb each other: switch one on at a time")  # fmt: skip
+    if prof.record_shapes and not prof.use_pytorch_profiler:
+        p.append("profiling.record_shapes is read by the torch profiler: set profiling.use_pytorch_profiler=true")
+    return p
 
 
 def _algorithm_problems(c: PPOConfig) -> list[str]:

@@ -1,11 +1,18 @@
 """Differences between the megatron-core releases the package admits (0.16.1 to 0.19.x), each bent once here,
-named by the release it follows, and the one Megatron default bent for how this package saves (synchronously).
+named by the release it follows, and how this package hands Megatron's checkpoint writer its results queue
+(synchronous and asynchronous saves).
 Device stand-ins (Megatron on a machine without CUDA) are `cpu_compat`'s job."""
 
 from __future__ import annotations
 
 import inspect
+import os
+import pickle
 import queue
+import shutil
+import tempfile
+import time
+import weakref
 from typing import Any
 
 import megatron.core
@@ -45,3 +52,59 @@ def checkpoint_writes_in_process() -> None:
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+class ForkedWriterResults:
+    """The one `put` / `get_nowait` pair Megatron's checkpoint writer asks of its results queue, across a fork:
+    `put` in a writer process forked from this one, `get_nowait` here. Each item is one pickle file in a private
+    temporary directory (written whole, then renamed into place), read back oldest first. A pipe (a
+    `multiprocessing.Queue`) would hold a writer back at its exit until its results are read, and they are read
+    only once it has exited; a `multiprocessing.Manager` queue is a server process holding copies of the
+    process-group sockets, which then stall the group's teardown (~50 s per run at two ranks on the CPU)."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="megatron-ppo-write-results-")
+        weakref.finalize(self, shutil.rmtree, self.directory, True)
+
+    def put(self, item: Any) -> None:
+        name = f"{time.time_ns():020d}-{os.getpid()}"
+        partial = os.path.join(self.directory, f".{name}")
+        with open(partial, "wb") as file:
+            pickle.dump(item, file)
+        os.replace(partial, os.path.join(self.directory, name))
+
+    def get_nowait(self) -> Any:
+        names = sorted(name for name in os.listdir(self.directory) if not name.startswith("."))
+        if not names:
+            raise queue.Empty
+        path = os.path.join(self.directory, names[0])
+        with open(path, "rb") as file:
+            item = pickle.load(file)
+        os.unlink(path)
+        return item
+
+
+def checkpoint_writes_in_a_forked_process() -> None:
+    """Asynchronous saves: Megatron's writer runs in a process forked from the trainer (`TemporalAsyncCaller`),
+    which hands its write results back on the module's `_results_queue`; a queue of this process (what
+    `checkpoint_writes_in_process` sets) never reaches back from the child, so it becomes a `ForkedWriterResults`
+    (synchronous saves use it as well). Set before the first asynchronous save; every release admitted keeps the
+    queue in the module global `_results_queue` and asks only `put` and `get_nowait` of it."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(filesystem_async._results_queue, ForkedWriterResults):
+        filesystem_async._results_queue = ForkedWriterResults()
+
+
+def async_save_request(sharded_state_dict: dict[str, Any], checkpoint_dir: str) -> Any:
+    """Start Megatron's asynchronous `dist_checkpointing.save` of `sharded_state_dict` (the plan, exchanged by every
+    rank now) and return the `AsyncRequest` that writes it (`AsyncCallsQueue.schedule_async_request`) and finalises
+    it (the global metadata, `metadata.json`). megatron-core 0.19 has an `async_strategy` argument whose default is
+    NVIDIA Resiliency Extension's writer (`nvrx`, a package we do not require); 0.16.1 has no such argument and only
+    megatron-core's own writer (`mcore`), which every release admitted has: that one is asked for."""
+    from megatron.core import dist_checkpointing
+
+    checkpoint_writes_in_a_forked_process()
+    takes_strategy = "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
+    kwargs = {"async_strategy": "mcore"} if takes_strategy else {}
+    return dist_checkpointing.save(sharded_state_dict, checkpoint_dir, async_sharded_save=True, **kwargs)

@@ -1,6 +1,7 @@
 """`report`: what a run left in TensorBoard — each scalar's first, last, min and max with their steps; the guard
 events grouped by kind (how often, at which steps, the last message); the evaluation history; then every guard,
-checkpoint, preemption and job event in step order. Read with TensorBoard's own reader, so it
+checkpoint, preemption and job event in step order; and the profiler's traces and memory snapshots in the run's
+folder (`profiling.*`). Read with TensorBoard's own reader, so it
 works on a run still in progress, on a finished one, or on one copied off the cluster.
 
     python -m megatron_ppo report outputs/tiny/tensorboard     (or the recipe: its trainer.log_dir)
@@ -22,6 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util import tensor_util
 
 from megatron_ppo.config.errors import UserError
+from megatron_ppo.train.profiling import TRACES
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,18 @@ def evaluation_history(log: RunLog) -> dict[int, dict[str, float]]:
     return dict(sorted(history.items()))
 
 
+def profile_files(run: Path) -> list[tuple[Path, str]]:
+    """The traces and memory snapshots `profiling.*` left in a run's folder, each with what it is and opens in."""
+    folder = run / TRACES
+    found = []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if path.name.endswith(".pt.trace.json"):
+            found.append((path, "torch profiler trace (ui.perfetto.dev, chrome://tracing)"))
+        elif path.suffix == ".pickle":
+            found.append((path, "CUDA memory snapshot (pytorch.org/memory_viz)"))
+    return found
+
+
 def print_report(log_dir: str | Path, console: Console | None = None) -> None:
     *others, run = find_runs(log_dir)
     log = load_run(run)
@@ -170,6 +184,14 @@ def print_report(log_dir: str | Path, console: Console | None = None) -> None:
         for event in events:
             log.add_row(str(event.step), event.tag, event.message)
         console.print(log)
+    profiles = profile_files(run)
+    if profiles:
+        files = Table(title=f"profiles ({run / TRACES})")
+        for column in ("file", "what", "MiB"):
+            files.add_column(column, justify="right" if column == "MiB" else "left")
+        for path, what in profiles:
+            files.add_row(path.name, what, f"{path.stat().st_size / 2**20:.2f}")
+        console.print(files)
     if others:
         console.print(f"{len(others)} other run(s) in {log_dir}: {', '.join(o.name for o in others)}; report one "
                       f"with `python -m megatron_ppo report {Path(log_dir) / '<run>'}`")  # fmt: skip

@@ -9,18 +9,26 @@ update a bad iteration inherited, and one more save interval of work is the pric
 policy (`docs/design.md`, "Good checkpoints"). Beside it the keeper holds the best evaluation's checkpoint, which an
 evaluation-drop rollback returns to.
 
+With `trainer.async_save`, a save's shards are written in the background (`checkpoint/async_save.py`) and the
+checkpoint is published later: at an iteration's end that finds every rank's write complete (`poll`), or when the
+keeper has to read the directory or save again — the next save, a rollback, a stop, a resume — which first wait
+for it (`wait`). Each save's cost (`SaveTiming`: how long training was blocked, how long the write took) goes to
+`report`.
+
 The keeper's own state (`state_dict`: the good and the best checkpoint as of a save) travels in the trainer state
 of every checkpoint, under the keys checkpoints have always had.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ppo.checkpoint import directory, store
+from megatron_ppo.checkpoint.async_save import AsyncSaves, SaveTiming
 from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.config.schema import TrainerConfig
 from megatron_ppo.models.gpt import RoleModel, sync_parameters
@@ -41,8 +49,11 @@ class CheckpointKeeper:
     guards have not judged yet (`unconfirmed`), the newest whose policy passed them (`good`), and the best
     evaluation's (`best`)."""
 
-    def __init__(self, trainer: TrainerConfig, run: RunIdentity) -> None:
-        self.root, self.keep, self.run = trainer.default_local_dir, trainer.max_ckpt_to_keep, run
+    def __init__(
+        self, trainer: TrainerConfig, run: RunIdentity, report: Callable[[SaveTiming], None] | None = None
+    ) -> None:
+        self.root, self.keep, self.run, self.report = trainer.default_local_dir, trainer.max_ckpt_to_keep, run, report
+        self.saves = AsyncSaves(report) if trainer.async_save else None
         self.saved: tuple[int, Path] | None = None  # (step, path) of the last save
         self.good: str | None = None  # the newest save whose policy passed the next iteration's guards
         self.unconfirmed: str | None = None  # a save the next iteration's guards have not judged yet
@@ -64,18 +75,35 @@ class CheckpointKeeper:
         path and whether it was written now. Pruning spares the good and the best checkpoint."""
         if self.saved is not None and self.saved[0] == step:
             return self.saved[1], False
+        started = time.perf_counter()
+        waited = self.wait()  # one pending save at most: the previous one is published first
         for model in models.values():
             sync_parameters(model)  # a distributed-optimizer step may still be gathering weights (CUDA overlap)
         path = store.save_checkpoint(
             self.root, step, models, optimizers, trainer_state, run=self.run, keep=self.keep,
-            protect=[p for p in (self.best, self.good) if p],
+            protect=lambda: [p for p in (self.best, self.good) if p], saves=self.saves,
         )  # fmt: skip
+        blocked = time.perf_counter() - started - (waited.waited_s if waited else 0.0)
+        if self.saves is not None:
+            self.saves.returned(blocked)
+        elif self.report is not None:
+            self.report(SaveTiming(step, path, False, blocked_s=blocked, write_s=blocked))
         self.saved, self.unconfirmed = (step, path), str(path)
         return path, True
+
+    def poll(self) -> None:
+        """At an iteration's end: publish the pending save if every rank's write is done (collective)."""
+        if self.saves is not None:
+            self.saves.poll()
+
+    def wait(self) -> SaveTiming | None:
+        """Publish the pending save, waiting for its write (collective); before anything reads the directory."""
+        return self.saves.wait() if self.saves is not None else None
 
     def resume(self, path: Path, models: dict[str, RoleModel], optimizers: dict[str, Any]) -> dict[str, Any]:
         """Load the checkpoint a run continues from; the next iteration judges it, as if saved just now. Returns
         the trainer state saved with it."""
+        self.wait()
         state = store.load_checkpoint(path, models, optimizers)
         self.load_state_dict(state)
         self.unconfirmed = str(path)
@@ -98,7 +126,9 @@ class CheckpointKeeper:
 
     # --- rollback and stop ---------------------------------------------------------------------------------------
     def rollback_target(self, target: Literal["latest", "best_eval"]) -> Rollback:
-        """The checkpoint a rollback to `target` loads: the best evaluation's, or the newest good one."""
+        """The checkpoint a rollback to `target` loads: the best evaluation's, or the newest good one (a pending
+        save is published first: it may be either)."""
+        self.wait()
         if target == "best_eval":
             return Rollback(Path(self.best) if self.best else None, "the best evaluation's checkpoint")
         why = "the newest good checkpoint: its policy passed the guards of the iteration after it"
@@ -113,6 +143,7 @@ class CheckpointKeeper:
         names it (a resume after a crash continues from here, not from a passed-over save). Returns the trainer
         state saved with it, and whether the best evaluation was forgotten: it was the unconfirmed save's, passed
         over with it, so the best is the loaded checkpoint's."""
+        self.wait()
         best, passed = self.best, self.unconfirmed
         state = store.load_checkpoint(path, models, optimizers)
         self.load_state_dict(state)
@@ -126,6 +157,7 @@ class CheckpointKeeper:
     def leave_for_stop(self) -> str:
         """Before a guard's stop: `latest` names the good checkpoint (a resume continues from it, not from a save
         the guards did not pass). Returns what the stop leaves, for its message."""
+        self.wait()
         good = self.good_checkpoint()
         if good is None:
             return "no good checkpoint was saved: a new launch starts over"

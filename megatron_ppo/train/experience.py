@@ -22,6 +22,7 @@ from megatron_ppo.parallel.collectives import (
 from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.batch import Batch, replica_micro_batches
 from megatron_ppo.train.micro_batching import MicroBatching, micro_batching
+from megatron_ppo.train.profiling import phase
 
 
 class ForwardPasses(TypedDict):
@@ -111,12 +112,15 @@ def forward_passes(
     routing = first_pass_routing(config, batch)
     records: dict[str, torch.Tensor] = {}
     with eval_mode(actor, ref, critic):
-        old = forward_per_token(actor, batch, log_prob_fn(actor), micro["actor"], routing, records)
+        with phase("experience/old_log_prob"):
+            old = forward_per_token(actor, batch, log_prob_fn(actor), micro["actor"], routing, records)
         out = ForwardPasses(old_log_prob=old, **records)  # type: ignore[typeddict-item]
         if ref is not None:
-            out["ref_log_prob"] = forward_per_token(ref, batch, log_prob_fn(ref), micro["ref"])
+            with phase("experience/ref_log_prob"):
+                out["ref_log_prob"] = forward_per_token(ref, batch, log_prob_fn(ref), micro["ref"])
         if critic is not None:
-            out["values"] = forward_per_token(critic, batch, values_fn, micro["critic"])
+            with phase("experience/values"):
+                out["values"] = forward_per_token(critic, batch, values_fn, micro["critic"])
     return out
 
 

@@ -17,6 +17,7 @@ import torch
 
 from megatron_ppo import algo
 from megatron_ppo.checkpoint import store
+from megatron_ppo.checkpoint.async_save import SaveTiming
 from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.checkpoint.run_start import start_run
 from megatron_ppo.config.schema import ROLES, PPOConfig
@@ -27,8 +28,10 @@ from megatron_ppo.models.gpt import RoleModel
 from megatron_ppo.models.kernels import describe_kernels
 from megatron_ppo.models.offload import HostOffload
 from megatron_ppo.models.widths import PaddingTally
+from megatron_ppo.parallel.collectives import global_rank
 from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.planner.phases import Phase
+from megatron_ppo.train import profiling
 from megatron_ppo.train.batch import build_sampler, collate
 from megatron_ppo.train.checkpoint_keeper import CheckpointKeeper
 from megatron_ppo.train.evaluation import Evaluator
@@ -117,10 +120,12 @@ class PPOTrainer:
         self.normalizer = algo.RunningRewardNormalizer() if config.reward.normalize else None
         self.guards = Guards(config.guards)
         self.memory = OutOfMemoryBackoff(config)
-        self.keeper = CheckpointKeeper(trainer, self.run.identity)
+        self.keeper = CheckpointKeeper(trainer, self.run.identity, report=self._report_save)
         self.evaluations: dict[int, dict[str, float]] = {}
         self.step = 0
         self.skipped_steps = 0
+        self.profiler = profiling.Profiler(config.profiling, self.run.log_dir, global_rank(),
+                                 say=lambda line: self.logger.event(self.step, "profiling", line))  # fmt: skip
         self.logger.event(0, "run", f"{trainer.project_name}/{trainer.experiment_name}")
         if critic_source is not None:
             self.logger.event(0, "critic", critic_source)
@@ -156,11 +161,28 @@ class PPOTrainer:
         self.guards.load_state_dict(state["guards"])
         self.memory.load_state_dict(state["memory"])
 
-    def save(self) -> Path:
-        path, written = self.keeper.save(self.step, self.models, self.optimizers, self.trainer_state())
+    def save(self, wait: bool = False) -> Path:
+        """Checkpoint this step; `wait`: published before this returns (`trainer.async_save` writes in the
+        background otherwise)."""
+        with profiling.phase("save"):
+            path, written = self.keeper.save(self.step, self.models, self.optimizers, self.trainer_state())
         if written:
-            self.logger.event(self.step, "checkpoint", f"saved {path} (good once the next iteration's guards pass)")
+            how = "writing in the background; " if self.keeper.saves is not None else ""
+            self.logger.event(self.step, "checkpoint", f"saved {path} ({how}good once the next iteration's guards "
+                              "pass)")  # fmt: skip
+        if wait:
+            self.keeper.wait()
         return path
+
+    def _report_save(self, timing: SaveTiming) -> None:
+        """A published save's cost, at its step: `checkpoint/blocked_s`, how long training stopped for it (for an
+        asynchronous save: its start, and any wait for its write), and `checkpoint/write_s`, its whole write."""
+        blocked = timing.blocked_s + timing.waited_s
+        self.logger.log(timing.step, {"checkpoint/blocked_s": blocked, "checkpoint/write_s": timing.write_s})
+        how = "in the background" if timing.asynchronous else "synchronously"
+        waited = f", {timing.waited_s:.2f} s of it waiting for the write" if timing.waited_s else ""
+        self.logger.event(timing.step, "checkpoint", f"published {timing.path}: written {how} in "
+                          f"{timing.write_s:.2f} s; training blocked {blocked:.2f} s{waited}")  # fmt: skip
 
     def resume(self) -> Path | None:
         """Load the checkpoint `start_run` chose (None: a new run), and log what the start decided."""
@@ -183,7 +205,7 @@ class PPOTrainer:
             # 1. batch: the next train_batch_size rows, tokenized, right-padded and on the run's device
             rows = [self.rows[i] for i in self.sampler.next_batch(config.data.train_batch_size)]
             batch = to_device(collate(rows, self.pad_id), current_device(), "the PPO batch")
-            with phase_timer(timings, Phase.EXPERIENCE.metric):
+            with phase_timer(timings, Phase.EXPERIENCE.metric), profiling.phase(Phase.EXPERIENCE.metric):
                 # 2. experience: log-probs of actor and reference, values of the critic (no grad; on every rank)
                 self.offload.enter(Phase.EXPERIENCE)
                 passes = self._retry_out_of_memory(Phase.EXPERIENCE, lambda: forward_passes(
@@ -237,7 +259,7 @@ class PPOTrainer:
         role_config = getattr(self.config, role)
         make_loss = role_loss(role, self.config, self.models[role], self.kl.coef("loss") or 0.0, self.ref is not None)
         phase = Phase.update(role)
-        with phase_timer(timings, phase.metric):
+        with phase_timer(timings, phase.metric), profiling.phase(phase.metric):
             self.offload.enter(phase)
             return self._retry_out_of_memory(phase, lambda: update_role(
                 role, self.models[role], self.optimizers[role], self.schedulers[role], experience,
@@ -253,6 +275,7 @@ class PPOTrainer:
                     zero_grads(model, self.optimizers[role])
 
         def log(message: str) -> None:  # at the number of the iteration under way
+            self.profiler.out_of_memory()
             self.logger.event(self.step + 1, "guard/out_of_memory", message)
             self.logger.log(self.step + 1, {"guard/out_of_memory": float(self.memory.retries)})
 
@@ -338,7 +361,8 @@ class PPOTrainer:
     def evaluation(self) -> dict[str, float]:
         """Evaluate the actor now: `eval/*` metrics, logged; the evaluation guards act on `eval/reward_mean`
         (a new best is saved as a checkpoint first, when the evaluation-drop guard may need to return to it)."""
-        measured = self.evaluate(self.actor, self.ref)
+        with profiling.phase("evaluation"):
+            measured = self.evaluate(self.actor, self.ref)
         # the decoding's speed (`models.generation.Generation.metrics`) is logged as perf/, not as an evaluation
         speed = {key: measured.pop(key) for key in [k for k in measured if k.startswith("generation_")]}
         results = {f"eval/{k}": v for k, v in measured.items()}
@@ -376,28 +400,34 @@ class PPOTrainer:
             self.evaluation()
         while self.step < self.total_steps:
             number = self.step + 1  # logged under its own number, even when its guards rolled the run back
-            metrics = self.iteration()
+            self.profiler.begin(number)
+            with profiling.phase(f"iteration {number}"):
+                metrics = self.iteration()
             self.logger.log(number, metrics)
             self.history.append({"step": float(number), **metrics})
+            self.keeper.poll()  # publish the pending save once every rank's write is done
             completed = self.step == number  # else a guard rolled the run back to a checkpoint: nothing new
             if completed and self.evaluate is not None and trainer.test_freq and self.step % trainer.test_freq == 0:
                 self.history[-1] |= self.evaluation()
             if watch.agreed():
-                path = self.save()
+                path = self.save(wait=True)
                 self.logger.event(self.step, "preempted", f"signal received; checkpoint {path}, exiting to requeue")
                 mark_preempted()
                 raise Preempted(str(path))
             if self.step < self.total_steps and (reason := budget.reason(self.step)):
-                path = self.save()
+                path = self.save(wait=True)
                 self.logger.event(self.step, "job budget", f"{reason}; checkpoint {path}, the next job resumes")
                 raise JobBudgetReached(str(path))
             periodic = trainer.save_freq > 0 and self.step % trainer.save_freq == 0
             if self.step == number and periodic and self.step < self.total_steps:  # (an evaluation may roll back)
                 self.save()
+            self.profiler.end(number)  # the profiled range holds each iteration's evaluation and save too
         if trainer.save_freq >= 0:  # -1: never (verl), but for the preemption and job-budget saves above
             self.save()
+        self.keeper.wait()  # the last save (or a pending one, such as a best evaluation's) is published
 
     def close(self) -> None:
+        self.profiler.close()
         self.logger.close()
 
 

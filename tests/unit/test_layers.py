@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
 # Megatron modules used outside models/ and parallel/ (everything else of Megatron's, its process-group state
 # `parallel_state` above all, is reached through those two: `parallel/ranks.py` for this rank's place in the groups).
 MEGATRON_OUTSIDE = {
+    "megatron_ppo.checkpoint.async_save": {"megatron.core.dist_checkpointing.strategies.async_utils"},  # its writers
     "megatron_ppo.checkpoint.directory": {"megatron.core.dist_checkpointing"},  # is a directory Megatron's checkpoint
     "megatron_ppo.checkpoint.store": {"megatron.core.dist_checkpointing", "megatron.core.tensor_parallel",
                                 "megatron.core.dist_checkpointing.validation",

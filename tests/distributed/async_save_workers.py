@@ -1,0 +1,155 @@
+"""Spawned-rank code for the asynchronous-save tests (`test_async_save.py`); `python -m` of this module is the job
+the SIGKILL test kills."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_ppo.checkpoint import directory, store
+from megatron_ppo.checkpoint.async_save import AsyncSaves
+from megatron_ppo.config.frozen import with_changes
+from megatron_ppo.config.schema import MegatronConfig, TrainerConfig
+from megatron_ppo.models import build_role_model
+from megatron_ppo.models.gpt import sync_parameters
+from megatron_ppo.parallel import init_distributed
+from megatron_ppo.parallel.collectives import barrier
+from megatron_ppo.train.checkpoint_keeper import CheckpointKeeper
+from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
+from tests.distributed.checkpoint_workers import RUN, _one_update
+from tests.distributed.workers import MODEL, OPTIM, ROWS, SEED, ppo_config, weights
+
+LAYOUT = MegatronConfig(tensor_model_parallel_size=2, use_distributed_optimizer=True)
+
+
+def slow_writes(seconds: float) -> None:
+    """A slow file system: each rank's forked writer sleeps `seconds` after writing its shards, before it exits
+    (the finalisation cannot start before). Wraps Megatron's write function in the request `store` schedules."""
+    original = store.async_save_request
+
+    def slowed(sharded: dict[str, Any], checkpoint_dir: str) -> Any:
+        request = original(sharded, checkpoint_dir)
+
+        def write_then_sleep(*args: Any, **kwargs: Any) -> None:
+            request.async_fn(*args, **kwargs)
+            time.sleep(seconds)
+
+        return request._replace(async_fn=write_then_sleep)
+
+    store.async_save_request = slowed
+
+
+def _build(layout: MegatronConfig):
+    optim = dataclasses.replace(OPTIM, lr=1e-2, weight_decay=0.1, adam_eps=1e-8, lr_decay_style="constant")
+    actor = build_role_model("actor", MODEL, layout)
+    optimizer = build_optimizer(actor, optim, layout)
+    return actor, optimizer, build_scheduler(optimizer, optim, total_steps=10)
+
+
+def async_save_resumes_like_a_sync_save(rank: int, world_size: int, root: str, write_s: float) -> dict[str, Any]:
+    """Two updates; an asynchronous save whose write takes ≥ `write_s` (slowed) and, of the same state, a
+    synchronous one; a third update while the asynchronous write is under way; then the asynchronous checkpoint is
+    finalised, and fresh models load each checkpoint and take the third update again."""
+    root = Path(root)
+    init_distributed(LAYOUT, seed=SEED)
+    config = with_changes(ppo_config(LAYOUT), {"actor.ppo_mini_batch_size": ROWS // 2})
+    actor, optimizer, scheduler = _build(LAYOUT)
+    for seed in (1, 2):
+        _one_update(actor, optimizer, scheduler, config, seed)
+    slow_writes(write_s)
+    saves = AsyncSaves()
+    started = time.perf_counter()
+    pending = store.save_checkpoint(root / "async", 2, {"actor": actor}, {"actor": optimizer}, {"step": 2},
+                                    run=RUN, saves=saves)  # fmt: skip
+    returned_s = time.perf_counter() - started
+    writing = saves.queue.async_calls[0].async_caller.process.is_alive()  # this rank's writer, on return
+    saves.returned(returned_s)
+    started = time.perf_counter()
+    store.save_checkpoint(root / "sync", 2, {"actor": actor}, {"actor": optimizer}, {"step": 2}, run=RUN)
+    sync_s = time.perf_counter() - started
+    # training goes on while the write runs: the checkpoint must still hold the weights of step 2
+    uninterrupted = _one_update(actor, optimizer, scheduler, config, seed=3)
+    sync_parameters(actor)
+    expected = weights(actor)
+    while_pending = {"published": pending.exists(), "latest": directory.named_by_latest(root / "async"),
+                     "poll": saves.poll()}  # fmt: skip
+    barrier()
+    timing = saves.wait()
+    resumed = {}
+    for kind in ("async", "sync"):
+        actor, optimizer, scheduler = _build(LAYOUT)
+        store.load_checkpoint(root / kind / "step_2", {"actor": actor}, {"actor": optimizer})
+        update = _one_update(actor, optimizer, scheduler, config, seed=3)
+        sync_parameters(actor)
+        after = weights(actor)
+        resumed[kind] = (update, max((after[k] - expected[k]).abs().max().item() for k in expected))
+    return {"returned_s": returned_s, "writing_on_return": writing, "sync_s": sync_s, "while_pending": while_pending,
+            "timing": timing, "latest": directory.named_by_latest(root / "async"), "uninterrupted": uninterrupted,
+            "resumed": resumed}  # fmt: skip
+
+
+def keeper_waits_for_pending_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A keeper saving asynchronously (slowed writes, keep=2): the next save, a rollback's target, a stop and
+    pruning each meet a pending save."""
+    root = Path(root)
+    init_distributed(MegatronConfig(), seed=SEED)
+    actor, optimizer, _ = _build(MegatronConfig())
+    models, optimizers = {"actor": actor}, {"actor": optimizer}
+    trainer = TrainerConfig(default_local_dir=str(root), max_ckpt_to_keep=2, async_save=True)
+    keeper = CheckpointKeeper(trainer, RUN)
+    slow_writes(0.5)
+    report: dict[str, Any] = {}
+    for step in (1, 2):
+        keeper.save(step, models, optimizers, {"step": step})
+        keeper.judge([])  # each save passes the next iteration's guards: good
+    # step 2 is pending and unconfirmed-then-good; step 3's save must first publish it
+    keeper.save(3, models, optimizers, {"step": 3})
+    report["pending_after_save_3"] = keeper.saves.pending.step
+    report["published_before_save_3"] = sorted(p.name for _, p in directory.step_directories(root))
+    keeper.judge([])
+    # step 3 is pending: the good checkpoint (step 3) is loaded by a rollback only once published
+    target = keeper.rollback_target("latest")
+    report["rollback_target"] = (target.path.name if target.path else None, keeper.saves.pending)
+    keeper.save(4, models, optimizers, {"step": 4})
+    keeper.save(5, models, optimizers, {"step": 5})  # step 4 published: prune (keep 2) while 5 is pending
+    report["while_5_pending"] = sorted(p.name for p in root.iterdir() if "step" in p.name)
+    keeper.judge([])
+    report["stop"] = keeper.leave_for_stop()
+    report["after_stop"] = (sorted(p.name for _, p in directory.step_directories(root)),
+                            directory.named_by_latest(root).name, keeper.saves.pending)  # fmt: skip
+    return report
+
+
+def killed_mid_write(root: str) -> None:
+    """The job the SIGKILL test kills: step 1 saved and published, step 2's write under way (its writer sleeps
+    after writing its shards); prints `writing` and waits to be killed."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", "29555"))  # fmt: skip
+    init_distributed(MegatronConfig(), seed=SEED)
+    actor, optimizer, _ = _build(MegatronConfig())
+    saves = AsyncSaves()
+    save = functools.partial(store.save_checkpoint, Path(root), models={"actor": actor},
+                             optimizers={"actor": optimizer}, run=RUN, keep=2, saves=saves)  # fmt: skip
+    save(step=1, trainer_state={"step": 1})
+    saves.wait()
+    slow_writes(600)
+    with torch.no_grad():
+        for parameter in actor.chunks[0].parameters():
+            parameter.add_(1.0)
+    save(step=2, trainer_state={"step": 2})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any((Path(root) / ".tmp_step_2").glob("*.distcp")):
+        time.sleep(0.05)
+    print("writing", flush=True)
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    killed_mid_write(sys.argv[1])
