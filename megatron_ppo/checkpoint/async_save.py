@@ -29,6 +29,8 @@ from typing import Any
 
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+from megatron_ppo.checkpoint import verify
+
 
 @dataclass(frozen=True)
 class SaveTiming:
@@ -78,7 +80,7 @@ class AsyncSaves:
 
     def poll(self) -> SaveTiming | None:
         """Finalise the pending save if every rank's write is complete (collective, does not wait)."""
-        if self.pending is None or not self.queue.maybe_finalize_async_calls(blocking=False):
+        if self.pending is None or not self._finalise(blocking=False):
             return None
         return self._finalised(waited_s=0.0)
 
@@ -87,8 +89,21 @@ class AsyncSaves:
         if self.pending is None:
             return None
         started = time.perf_counter()
-        self.queue.maybe_finalize_async_calls(blocking=True)
+        self._finalise(blocking=True)
         return self._finalised(waited_s=time.perf_counter() - started)
+
+    def _finalise(self, blocking: bool) -> bool:
+        """Megatron's finalisation of the pending save, then the save's own, if its writers are done. A write that
+        failed in a writer process (a full disk above all) is reported as a synchronous save's is
+        (`verify.writing`: the partial save removed, one `CheckpointError`), and nothing is pending any more."""
+        pending = self.pending
+        assert pending is not None
+        with verify.writing(pending.path.parent / f".tmp_{pending.path.name}", pending.step):
+            try:
+                return self.queue.maybe_finalize_async_calls(blocking=blocking)
+            except BaseException:
+                self.pending = None
+                raise
 
     def _finalised(self, waited_s: float) -> SaveTiming:
         pending, self.pending = self.pending, None

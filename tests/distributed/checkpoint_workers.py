@@ -144,6 +144,7 @@ def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
     store.load_checkpoint(older.resume_from, {"actor": actor}, {"actor": optimizer})  # as the trainer does, then
     if rank == 0:
         directory.point_latest_at(older.name_in_latest)  # it names the checkpoint (`PPOTrainer.resume`)
+    barrier()  # every rank reads `latest` after rank 0 moved it (as `CheckpointKeeper.name_in_latest` waits)
     report["older"] = (older.identity.run_id, older.resume_from.name, older.messages, before_load,
                        _listing(root / "ckpt"))  # fmt: skip
     fresh = start_run(_config(root, resume_mode="disable", overwrite=True))
