@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ppo.models.context_parallel import gather_per_token, split_micro_batch
-from megatron_ppo.models.gpt import RoleModel, unwrap
+from megatron_ppo.models.gpt import RoleModel, logits_cut, unwrap
 from megatron_ppo.models.moe import expert_parallel_shapes, pad_tokens, routing_padding_mask
 from megatron_ppo.models.widths import padded_width, pass_shape
 from megatron_ppo.parallel.device import module_device, to_device
@@ -83,15 +83,16 @@ def run_micro_batches(
         input_ids, position_ids, attention_mask = pad_tokens(
             input_ids, position_ids, attention_mask, (shapes[index][0], shapes[index][1] // cp_size)
         )
-        if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
-            lengths = batch.get("lengths", torch.full((rows,), width, device=device))
-            mask = routing_padding_mask(lengths, tuple(input_ids.shape))
-            output = chunk(input_ids, position_ids, attention_mask, padding_mask=mask)
-        else:
-            output = chunk(input_ids, position_ids, attention_mask)
+        # the vocabulary logits come for the real tokens only, as a tensor of their own (models.gpt.logits_cut)
+        with logits_cut(chunk, rows, width):
+            if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
+                lengths = batch.get("lengths", torch.full((rows,), width, device=device))
+                mask = routing_padding_mask(lengths, tuple(input_ids.shape))
+                output = chunk(input_ids, position_ids, attention_mask, padding_mask=mask)
+            else:
+                output = chunk(input_ids, position_ids, attention_mask)
         if unwrap(chunk).post_process and tuple(output.shape[:2]) != (rows, width):
-            # the padding stays out of the loss, its metrics and its outputs (cut only where there is some: a
-            # slice's backward writes its gradient into a fresh full-size buffer)
+            # the critic's values `[rows, width, 1]`: the padding stays out of the loss, its metrics and outputs
             output = output[:rows, :width]
         return output, partial(_scaled_loss, loss_fn, batch, num_micro_batches)
 
