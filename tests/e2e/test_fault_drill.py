@@ -1,7 +1,7 @@
 """The fault drill in shortened form (`make drill` runs the full one): the tiny recipe with a NaN gradient on one
 rank, a gradient spike, an out-of-memory error at the actor update's start and one mid-update, a KL blow-up
-between saves, an evaluation drop and a KL blow-up in the last step of an iteration that ends with a save, injected at fixed steps. The run must finish, each guard must
-fire exactly at its step (read back from TensorBoard), each rollback must load the good checkpoint (never the save
+between saves, an evaluation drop and a KL blow-up in the last step of an iteration that ends with a save,
+injected at fixed steps. The run must finish, each guard must fire exactly at its step (read back from TensorBoard), each rollback must load the good checkpoint (never the save
 that holds the blow-up), the KL must be back under its threshold after it, and the policy must not end below its
 SFT start. Then the guard stop: two plain processes (as `srun` starts them) stopped by NaN gradients exit
 `GUARD_STOP_EXIT`, with one message and no traceback. Last, an out-of-memory error on one data-parallel rank only:
@@ -78,7 +78,8 @@ def test_out_of_memory_on_one_rank_stops_the_run_with_one_message_and_its_checkp
     checkpoint `latest` names, which is complete and untouched."""
     port = free_port()
     command = [sys.executable, "-m", "tests.drill", str(RECIPE), "--oom-one-rank",
-               f"data.addition.work_dir={tiny_work}", f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/tb"]  # fmt: skip
+               f"data.addition.work_dir={tiny_work}", f"trainer.default_local_dir={tmp_path}/ckpt",
+               f"trainer.log_dir={tmp_path}/tb"]  # fmt: skip
     ranks = [
         subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
             **os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
