@@ -1,14 +1,14 @@
-"""What `make gpu-check` needs on a bare CUDA machine (Python 3.12 and PyTorch, nothing else, no network), derived
-from the code rather than written down: the third-party modules that the check and the command line it launches
-import when their modules load (module-level imports of every own module they reach; those inside a function or a
-`try` are optional: wandb, matplotlib, Transformer Engine), the distributions that provide them here, everything
-those require (their metadata, markers evaluated, no extras), less what PyTorch itself requires (the machine has it), at the versions of `requirements/lock.txt`.
+"""What `make gpu-check` needs on a bare CUDA machine (Python 3.12 and PyTorch, nothing else, no network), derived from
+the code rather than written down: the third-party modules that the check and the command line it launches import
+when their modules load (module-level imports of every own module they reach; those inside a function or a `try` are
+optional: wandb, matplotlib, Transformer Engine), the distributions that provide them here, everything those require
+(their metadata, markers evaluated, no extras), less what PyTorch itself requires (the machine has it), at the
+versions of `requirements/lock.txt`.
 
     python -m bench.gpu_wheels            # the `name==version` list `make gpu-wheels` (bench/gpu_wheels.sh) fetches
     python -m bench.gpu_wheels --check    # on the GPU machine: exit 1 naming each module that does not import
 
-`--check` needs nothing but the source tree and the standard library (`gpu_check.py` runs it before part (a)).
-"""
+`--check` needs nothing but the source tree and the standard library (`gpu_check.py` runs it before part (a))."""
 
 from __future__ import annotations
 

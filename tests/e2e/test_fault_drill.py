@@ -1,11 +1,12 @@
-"""The fault drill in shortened form (`make drill` runs the full one): the tiny recipe with a NaN gradient on one
-rank, a gradient spike, an out-of-memory error at the actor update's start and one mid-update, a KL blow-up
-between saves, an evaluation drop and a KL blow-up in the last step of an iteration that ends with a save,
-injected at fixed steps. The run must finish, each guard must fire exactly at its step (read back from TensorBoard), each rollback must load the good checkpoint (never the save
-that holds the blow-up), the KL must be back under its threshold after it, and the policy must not end below its
-SFT start. Then the guard stop: two plain processes (as `srun` starts them) stopped by NaN gradients exit
-`GUARD_STOP_EXIT`, with one message and no traceback. Last, an out-of-memory error on one data-parallel rank only:
-that rank stops the run with one message and `OUT_OF_MEMORY_STOP_EXIT` instead of a hang, its checkpoint left."""
+"""The fault drill in shortened form (`make drill` runs the full one): the tiny recipe with a NaN gradient on one rank,
+a gradient spike, an out-of-memory error at the actor update's start and one mid-update, a KL blow-up between saves,
+an evaluation drop and a KL blow-up in the last step of an iteration that ends with a save, injected at fixed steps.
+The run must finish, each guard must fire exactly at its step (read back from TensorBoard), each rollback must load
+the good checkpoint (never the save that holds the blow-up), the KL must be back under its threshold after it, and
+the policy must not end below its SFT start. Then the guard stop: two plain processes (as `srun` starts them)
+stopped by NaN gradients exit `GUARD_STOP_EXIT`, with one message and no traceback. Last, an out-of-memory error on
+one data-parallel rank only: that rank stops the run with one message and `OUT_OF_MEMORY_STOP_EXIT` instead of a
+hang, its checkpoint left."""
 
 from __future__ import annotations
 
