@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ppo.config.compose import load_config
-from megatron_ppo.config.gpu_only import GPU_ONLY
+from megatron_ppo.config.gpu_only import CUDA_BRANCHES, GPU_ONLY
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,3 +82,14 @@ def test_readme_lists_every_gpu_only_setting_with_its_gpu_check_part() -> None:
     for entry in GPU_ONLY:
         row = next((line for line in readme.splitlines() if line.startswith(f"| `{entry.setting}`")), None)
         assert row is not None and entry.gpu_check in row, f"README's GPU-only table lacks {entry.setting}"
+
+
+def test_every_cuda_branch_names_cpu_tests_that_exist_and_the_readme_lists_it() -> None:
+    readme = (REPO / "README.md").read_text()
+    for branch in CUDA_BRANCHES:
+        nodes = [part.strip().split(" ")[0] for part in branch.test.split(";")]
+        for node in nodes:
+            path, _, name = node.partition("::")
+            text = (REPO / path).read_text()
+            assert not name or re.search(rf"^def {name}\(", text, re.M), f"{branch.where}: {node} does not exist"
+        assert branch.where.split(":")[0] in readme and nodes[0].split("::")[-1] in readme, branch.where
