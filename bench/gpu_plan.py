@@ -182,7 +182,7 @@ def tiny_recipe(plan: Plan, work: Path, name: str, tensor_parallel: int, sequenc
         raise RuntimeError(f"exit {result.returncode}:\n{(result.stdout + result.stderr)[-3000:]}")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_ppo.report import find_runs
+    from megatron_ppo.runs.report import find_runs
 
     events = EventAccumulator(str(find_runs(work / name / "tb")[-1]))  # the run's own folder
     events.Reload()

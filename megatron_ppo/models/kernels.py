@@ -111,7 +111,7 @@ def sdpa_backend(config: PPOConfig, masked: bool = False) -> str:
     keys repeated per query head when `masked`."""
     from torch.nn.attention import SDPBackend
 
-    from megatron_ppo.models.transformer_config import DTYPES
+    from megatron_ppo.models.dtypes import DTYPES
     from megatron_ppo.models.widths import padded_width, width_bucket
     from megatron_ppo.parallel.device import current_device
 
@@ -119,7 +119,7 @@ def sdpa_backend(config: PPOConfig, masked: bool = False) -> str:
     tp = layout.tensor_model_parallel_size
     heads, groups = model.num_attention_heads // tp, (model.num_query_groups or model.num_attention_heads) // tp
     head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
-    longest = min(config.data.max_prompt_length + config.data.max_response_length, model.max_position_embeddings)
+    longest = min(config.data.max_length, model.max_position_embeddings)
     bucket = width_bucket(layout.make_sequence_length_divisible_by, on_cuda())
     seq = padded_width(longest, layout.context_parallel_size, tp if layout.sequence_parallel else 1, bucket)
     seq = seq // layout.context_parallel_size  # this CP rank's tokens

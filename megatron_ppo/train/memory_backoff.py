@@ -40,7 +40,7 @@ import torch
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.parallel.collectives import any_and_every_rank_within, global_rank, host_group
 from megatron_ppo.parallel.ranks import data_parallel
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.guards import GUARD_STOP_EXIT
 from megatron_ppo.train.micro_batching import TOKEN_BUDGET, MicroBatching, micro_batch_keys, micro_batching
 

@@ -98,7 +98,11 @@ class Injector:
 def install(injector: Injector) -> None:
     """Patch the trainer's iteration, the role update, its forward-backward, the optimizer step and the task's
     scoring."""
-    iteration, update_role, actor_loss = ppo_module.PPOTrainer.iteration, ppo_module.update_role, ppo_module.actor_loss
+    iteration, update_role, actor_loss = (
+        ppo_module.PPOTrainer.iteration,
+        ppo_module.update_role,
+        update_module.actor_loss,
+    )
     optimizer_step, score = update_module.optimizer_step, recipe_module.score
     run_micro_batches = update_module.run_micro_batches
     last_rank = int(os.environ.get("WORLD_SIZE", "1")) - 1
@@ -168,7 +172,7 @@ def install(injector: Injector) -> None:
 
     ppo_module.PPOTrainer.iteration = drilled_iteration
     ppo_module.update_role = drilled_update_role
-    ppo_module.actor_loss = drilled_actor_loss
+    update_module.actor_loss = drilled_actor_loss  # what `update.role_loss` builds the actor's loss with
     update_module.optimizer_step = drilled_optimizer_step
     update_module.run_micro_batches = drilled_run_micro_batches
     recipe_module.score = drilled_score
