@@ -23,7 +23,7 @@ def test_gpu_check_dry_run_runs_every_part_and_writes_its_table(tmp_path: Path) 
     report = json.loads(out.read_text())
     parts = [report["a_tiny_recipe"], *report["b_ppo_iteration"], report["c_logprobs"], report["d_offload"],
              report["e_grad_norm_by_cut"], report["f_resume"], report["g_first_update"], report["h_layouts"],
-             report["h_tiny_recipe_tp2_sp"]]  # fmt: skip
+             report["h_tiny_recipe_tp2_sp"], report["i_decode"]]  # fmt: skip
     assert all(part["ok"] for part in parts), parts
     # (a) and (h)'s recipe trained through the CLI (the CUDA width bucket forced), not only validated
     for recipe in (report["a_tiny_recipe"], report["h_tiny_recipe_tp2_sp"]):
