@@ -121,7 +121,7 @@ def install(injector: Injector) -> None:
         injector.steps_left = kwargs["config"].ppo_epochs * -(-rows // kwargs["config"].ppo_mini_batch_size)
         return update_role(role, model, *args, **kwargs)
 
-    def drilled_run_micro_batches(model: Any, *args: Any, forward_only: bool) -> Any:
+    def drilled_run_micro_batches(model: Any, *args: Any, forward_only: bool, **kwargs: Any) -> Any:
         """The update's forward-backward: an out-of-memory error where a fault places it, before any collective."""
         if model.role == "actor" and not forward_only:
             placements = {"out_of_memory": 0, "out_of_memory_mid_phase": 1, "out_of_memory_one_rank": 1}
@@ -131,7 +131,7 @@ def install(injector: Injector) -> None:
                     injector.mark(name)
                     injector.done.add(name)  # the retry must run clean
                     raise torch.OutOfMemoryError(f"drill: injected out-of-memory error ({name})")
-        return run_micro_batches(model, *args, forward_only=forward_only)
+        return run_micro_batches(model, *args, forward_only=forward_only, **kwargs)
 
     def drilled_optimizer_step(optimizer: Any, clip_grad: float) -> Any:
         injector.mini_batch += 1
