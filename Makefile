@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q --durations=25
 # torchrun --standalone: a free port per launch, so two jobs on one machine (two `make train`, or one beside the suite) never collide.
 TORCHRUN = OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone
 
-.PHONY: setup test test-fast test-floor lint lock gpu-wheels validate bench train figure compare-kl drill plan submit report gpu-check
+.PHONY: setup test test-fast test-floor lint lock gpu-wheels validate bench train score figure compare-kl drill faults plan submit report gpu-check
 
 setup: $(STAMP)
 
@@ -63,6 +63,11 @@ train: setup
 	$(TORCHRUN) --nproc_per_node $(NPROC) -m megatron_ppo train $(RECIPE) $(OVERRIDES)
 	$(PY) -m megatron_ppo report $(RECIPE) $(OVERRIDES) --plot
 
+# Rewards from a reward model (reward_model.*) for every row of the recipe's data, written to new Parquet files (the
+# tiny recipe: its task's own reward model, trained from the task's labels on first use, scores its dataset).
+score: setup
+	$(TORCHRUN) --nproc_per_node $(NPROC) -m megatron_ppo score $(RECIPE) $(OVERRIDES)
+
 # The README's figure (docs/tiny-cpu.png) from the recipe's latest run (make train first).
 figure: setup
 	$(PY) -m megatron_ppo report $(RECIPE) $(OVERRIDES) --plot docs/tiny-cpu.png
@@ -79,14 +84,19 @@ DRILL_DIR ?= outputs/drill/$(DRILL_STAMP)
 drill: setup
 	$(TORCHRUN) --nproc_per_node $(NPROC) -m tests.drill $(RECIPE) trainer.default_local_dir=$(DRILL_DIR)/checkpoints trainer.log_dir=$(DRILL_DIR)/tensorboard --plot $(DRILL_DIR)/drill.png $(OVERRIDES)
 
+# The faults a user can cause (damaged checkpoints, a conversion into a run, a second job, a full disk, ...), each
+# through the real CLI on a copy of one short tiny run: a table of fault, what the user saw, exit status, what was kept.
+faults: setup
+	$(PY) -m tests.faults $(FAULTS)
+
 # Layout check, per-GPU memory and step-time estimate before any job (exit 1 when it does not fit).
 plan: setup
 	$(PY) -m megatron_ppo plan $(RECIPE) $(if $(NODES),--nodes $(NODES)) $(OVERRIDES)
 
 # sbatch on the cluster, sized from the recipe's cluster section:
-#   make submit RECIPE=... [NODES=4] [CHAIN=3] [DRY_RUN=1] [LOG_DIR=logs] [OVERRIDES="key=value ..."]
+#   make submit RECIPE=... [NODES=4] [CHAIN=3] [SCORE=1: the scoring job] [DRY_RUN=1] [LOG_DIR=logs] [OVERRIDES="key=value ..."]
 submit: setup
-	$(PY) slurm/submit.py $(RECIPE) $(if $(NODES),--nodes $(NODES)) $(if $(CHAIN),--chain $(CHAIN)) $(if $(DRY_RUN),--dry-run) $(if $(LOG_DIR),--log-dir $(LOG_DIR)) $(OVERRIDES)
+	$(PY) slurm/submit.py $(RECIPE) $(if $(NODES),--nodes $(NODES)) $(if $(CHAIN),--chain $(CHAIN)) $(if $(SCORE),--score) $(if $(DRY_RUN),--dry-run) $(if $(LOG_DIR),--log-dir $(LOG_DIR)) $(OVERRIDES)
 
 # A run's metrics (first/last/min/max) and guard/checkpoint events from its TensorBoard files.
 report: setup

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 from omegaconf import OmegaConf
 
 from megatron_ppo.config import ConfigError, load_config
+from megatron_ppo.config.errors import UserError
 
 if TYPE_CHECKING:
     from megatron_ppo.train.guards import GuardStopped
@@ -42,6 +44,25 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _score(args: argparse.Namespace) -> int:
+    from megatron_ppo.data.rows import DataError
+
+    config = load_config(args.recipe, args.overrides)
+    try:
+        if config.data.task == "addition":
+            from megatron_ppo.tasks import addition
+
+            addition.score(config)
+        else:
+            from megatron_ppo.convert.reward_scoring import score
+
+            score(config)
+    except DataError as problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def report_guard_stop(stop: GuardStopped) -> None:
     """A guard's stop as one line on stderr, from the first process only (every rank stops at the same guard)."""
     from megatron_ppo.parallel import dist_env_from_environment
@@ -51,21 +72,16 @@ def report_guard_stop(stop: GuardStopped) -> None:
 
 
 def _compare_kl(args: argparse.Namespace) -> int:
-    from megatron_ppo.runs.figure import PlotError
     from megatron_ppo.tasks import addition
 
-    try:
-        addition.compare_kl(load_config(args.recipe, args.overrides), plot=args.plot)
-    except PlotError as problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    addition.compare_kl(load_config(args.recipe, args.overrides), plot=args.plot)
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
     from megatron_ppo.planner.plan import format_plan, plan, suggest
 
-    overrides = [*args.overrides, *([f"cluster.nodes={args.nodes}"] if args.nodes else [])]
+    overrides = [*args.overrides, *([f"cluster.nodes={args.nodes}"] if args.nodes is not None else [])]
     config = load_config(args.recipe, overrides)
     result = plan(config, recipe=args.recipe)
     if args.json:
@@ -87,17 +103,23 @@ def _convert(args: argparse.Namespace) -> int:
     from megatron_ppo.convert import huggingface
     from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 
+    needed = {
+        "hf-to-mcore": ("hf", "out"),
+        "mcore-to-hf": ("megatron", "hf_config", "out"),
+        "verify": ("hf", "megatron"),
+    }
+    if missing := [f"--{name.replace('_', '-')}" for name in needed[args.direction] if not getattr(args, name)]:
+        raise ConfigError([f"convert {args.direction} needs {' and '.join(missing)} (python -m megatron_ppo convert "
+                           "--help)"])  # fmt: skip
     if args.direction == "mcore-to-hf":  # one process, no process group: it reads the checkpoint's files
         if dist_env_from_environment().world_size > 1:
             raise ConfigError(["mcore-to-hf runs in one process: python -m megatron_ppo convert mcore-to-hf ..."])
         shard = {"max_shard_bytes": int(args.max_shard_gb * 10**9)} if args.max_shard_gb else {}
-        try:
-            written = huggingface.mcore_to_hf(args.megatron, args.hf_config, args.out, **shard)
-        except FileExistsError as exists:
-            print(f"error: {exists}", file=sys.stderr)
-            return 2
+        written = huggingface.mcore_to_hf(args.megatron, args.hf_config, args.out, **shard)
         print(f"wrote {written.describe()}")
         return 0
+    if args.direction == "hf-to-mcore":
+        huggingface.check_new_output(args.out)
     model = huggingface.hf_model_config(args.hf)
     layout = huggingface.conversion_layout(model, args.tp, args.pp, args.ep)
     problems = huggingface.layout_problems(model, layout)
@@ -130,22 +152,14 @@ def _report(args: argparse.Namespace) -> int:
     # further runs and key=value overrides share the positional tail: an existing path is a run (or a recipe)
     targets = [args.run_or_recipe, *(t for t in args.overrides if "=" not in t or Path(t).exists())]
     overrides = [t for t in args.overrides if t not in targets]
-    try:
-        log_dirs = [t if Path(t).is_dir() else load_config(t, overrides).trainer.log_dir for t in targets]
-        if args.plot is None:
-            for log_dir in log_dirs:
-                print_report(log_dir)
-            return 0
-        from megatron_ppo.runs.figure import PlotError, plot_runs
+    log_dirs = [t if Path(t).is_dir() else load_config(t, overrides).trainer.log_dir for t in targets]
+    if args.plot is None:
+        for log_dir in log_dirs:
+            print_report(log_dir)
+        return 0
+    from megatron_ppo.runs.figure import plot_runs
 
-        try:
-            print(f"figure: {plot_runs(log_dirs, args.plot or None)}")
-        except PlotError as problem:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
-    except FileNotFoundError as missing:
-        print(f"error: {missing} (has the run started? see trainer.log_dir)", file=sys.stderr)
-        return 1
+    print(f"figure: {plot_runs(log_dirs, args.plot or None)}")
     return 0
 
 
@@ -163,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _recipe_command(commands, "validate", "compose, validate and print a recipe's resolved config", _validate)
     _recipe_command(commands, "train", "run a recipe (under torchrun for several processes)", _train)
+    _recipe_command(commands, "score", "rewards from reward_model.* for every row of the data files, written to new "
+                    "Parquet files (under torchrun for several processes)", _score)  # fmt: skip
     comparer = _recipe_command(commands, "compare-kl", "the tiny recipe with KL off, fixed, adaptive and staged",
                                _compare_kl)  # fmt: skip
     comparer.add_argument("--plot", nargs="?", const="", metavar="FILE", help="also draw the four runs on one figure "
@@ -201,8 +217,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    return run_reporting_errors(args)
+
+
+BUG = "this is a bug in megatron-ppo, not in your config or data: please report it with the traceback above"
+
+
+def run_reporting_errors(args: argparse.Namespace) -> int:
+    """Run the subcommand under the one error contract: a `UserError` (config, data, checkpoint, conversion,
+    directory, launch) is one `error:` block on stderr, printed once (by rank 0 under torchrun), and every process
+    exits 2; anything else is a bug: its traceback, a line saying so, exit 1."""
+    from megatron_ppo.parallel import dist_env_from_environment
+
     try:
         return args.run(args)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except UserError as error:
+        if dist_env_from_environment().rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
+    except Exception:
+        traceback.print_exc()
+        print(BUG, file=sys.stderr, flush=True)
+        return 1

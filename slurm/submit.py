@@ -1,7 +1,10 @@
 """Submit a recipe to Slurm: validate its layout for the node count, size the job from its `cluster` section,
 print the exact `sbatch` line, and submit it (or a chain of K jobs, each starting after the previous one succeeds).
 
-    python slurm/submit.py RECIPE [--nodes N] [--chain K] [--log-dir DIR] [--dry-run] [key=value ...]
+    python slurm/submit.py RECIPE [--nodes N] [--chain K] [--score] [--log-dir DIR] [--dry-run] [key=value ...]
+
+`--score` submits the scoring job instead (`megatron-ppo score`: rewards from `reward_model.*` for every row of the
+recipe's data files, written to new Parquet files), on the same nodes; a chain of it is refused.
 
 In a chain every job but the last must stop on its own before its time limit: unless the overrides set
 `trainer.exit_interval` or `trainer.exit_duration_in_mins`, the latter is set to the time limit less 10 minutes.
@@ -50,15 +53,16 @@ def chain_overrides(recipe: str, overrides: list[str]) -> list[str]:
 
 
 def sbatch_command(
-    recipe: str, overrides: list[str], dependency: str | None = None, log_dir: str = "logs"
+    recipe: str, overrides: list[str], dependency: str | None = None, log_dir: str = "logs", command_name: str = "train"
 ) -> list[str]:
-    """The sbatch argument list for `recipe` (validated first; raises ConfigError naming what to change)."""
+    """The sbatch argument list for `recipe` running `command_name` (train, or score; validated first; raises
+    ConfigError naming what to change)."""
     config = load_config(recipe, overrides)
     cluster = config.cluster
-    name = f"ppo-{config.trainer.experiment_name}"
+    name = f"{'ppo' if command_name == 'train' else command_name}-{config.trainer.experiment_name}"
     command = ["sbatch", "--parsable", f"--nodes={cluster.nodes}", f"--ntasks-per-node={cluster.gpus_per_node}",
                f"--time={cluster.time_limit}", f"--job-name={name}", f"--output={log_dir}/%x-%j.out",
-               f"--export=ALL,PPO_LOG_ROOT={log_dir}"]  # fmt: skip
+               f"--export=ALL,PPO_LOG_ROOT={log_dir},PPO_COMMAND={command_name}"]  # fmt: skip
     if cluster.device == "cuda":
         command.append(f"--gpus-per-node={cluster.gpus_per_node}")
     if cluster.partition:
@@ -76,16 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--nodes", type=int, help="override cluster.nodes (the layout is re-validated for it)")
     parser.add_argument("--chain", type=int, default=1, help="submit K jobs, each starting after the previous")
+    parser.add_argument("--score", action="store_true", help="submit the scoring job (megatron-ppo score) instead")
     parser.add_argument("--log-dir", default="logs", help="job stdout and per-job directories (default: logs)")
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch line(s) without submitting")
     args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *([f"cluster.nodes={args.nodes}"] if args.nodes else [])]
     previous = None
+    if args.score and args.chain > 1:
+        print("error: a scoring job runs once: drop --chain with --score", file=sys.stderr)
+        return 2
     try:
         if args.chain > 1:
             overrides += chain_overrides(args.recipe, overrides)
         for _ in range(args.chain):
-            command = sbatch_command(args.recipe, overrides, dependency=previous, log_dir=args.log_dir)
+            command = sbatch_command(args.recipe, overrides, dependency=previous, log_dir=args.log_dir,
+                                     command_name="score" if args.score else "train")  # fmt: skip
             print(shlex.join(command), flush=True)
             if args.dry_run:
                 previous = previous or "<previous job id>"

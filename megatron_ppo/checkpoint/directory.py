@@ -4,9 +4,10 @@ the one `latest` names, and pruning.
 A checkpoint is written to `<root>/.tmp_step_N`, published by renaming it to `<root>/step_N`, and only then named
 in `<root>/latest` (itself replaced atomically, `point_latest_at`); the writing is `store.save_checkpoint`'s. A save
 killed at any point therefore leaves the previous checkpoint as the newest complete one; `find_resumable` skips
-anything incomplete with a warning. A step saved again (after a rollback to it) replaces the old `step_N` by two
-renames, the old one kept as `.replaced_step_N` until the new one is in place; `restore_replaced` undoes a save
-killed between the two.
+anything incomplete with a warning. Complete means: the files a save writes last are there, and every file matches
+the manifest the save wrote (`verify.py`); `damage` says why a checkpoint is not. A step saved again (after a
+rollback to it) replaces the old `step_N` by two renames, the old one kept as `.replaced_step_N` until the new one
+is in place; `restore_replaced` undoes a save killed between the two.
 
 A training run's checkpoints hold its identity (`run.json`, see `run_identity.py`). Resuming and rolling back
 follow one run only, and pruning removes only that run's older checkpoints, never the one `latest` names (nor those
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from megatron.core import dist_checkpointing
 
+from megatron_ppo.checkpoint import verify
 from megatron_ppo.checkpoint.run_identity import RUN_FILE, RunIdentity
 
 logger = logging.getLogger(__name__)
@@ -32,8 +34,20 @@ REPLACED_PREFIX = ".replaced_"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+def damage(path: Path) -> str | None:
+    """Why `path` is not a complete checkpoint (None: it is): a file the save writes last is missing, or a file
+    differs from the manifest written at save (`verify.py`)."""
+    if not path.is_dir():
+        return "it does not exist"
+    if not (path / TRAINER_STATE).is_file():
+        return f"it has no {TRAINER_STATE} (a save that did not finish)"
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
+        return "it has no Megatron checkpoint metadata (a save that did not finish)"
+    return verify.damage(path)
+
+
 def is_complete(path: Path) -> bool:
-    return (path / TRAINER_STATE).is_file() and dist_checkpointing.check_is_distributed_checkpoint(str(path))
+    return damage(path) is None
 
 
 def step_directories(root: Path) -> list[tuple[int, Path]]:
@@ -67,14 +81,14 @@ def find_resumable(root: str | Path) -> Path | None:
     another run's. None when there is nothing to continue (or several runs and nothing to choose between them)."""
     root = Path(root)
     named = named_by_latest(root)
-    if named is not None and is_complete(named):
+    if named is not None and (why := damage(named)) is None:
         return named
     for partial in root.glob(".tmp_step_*") if root.is_dir() else []:
         logger.warning("ignoring %s: a save that did not finish", partial)
     complete = complete_checkpoints(root)
     if named is not None and (named / RUN_FILE).is_file():
         runs = {run_of(named)}
-        logger.warning("checkpoint %s named by %s is incomplete; looking for an older one of its run", named, LATEST)
+        logger.warning("skipping %s, named by %s: %s; looking for an older one of its run", named, LATEST, why)
     else:
         runs = {run_of(path) for _, path in complete}
         if named is not None and complete:
@@ -87,13 +101,17 @@ def find_resumable(root: str | Path) -> Path | None:
 
 
 def resolve(path: str | Path) -> Path:
-    """`path` if it is a complete checkpoint, else the newest complete one under it (a checkpoint root)."""
+    """`path` if it is a complete checkpoint, else the newest complete one under it (a checkpoint root); a
+    `CheckpointError` saying why otherwise (a damaged checkpoint: which files differ from its manifest)."""
     path = Path(path)
-    if is_complete(path):
+    why = damage(path)
+    if why is None:
         return path
+    if (path / TRAINER_STATE).is_file() or (path / verify.MANIFEST).is_file():
+        raise verify.CheckpointError(f"checkpoint {path} is damaged: {why}; use another checkpoint")
     found = find_resumable(path)
     if found is None:
-        raise FileNotFoundError(f"{path} is neither a complete checkpoint nor a directory holding one")
+        raise verify.CheckpointError(f"{path} is neither a complete checkpoint nor a directory holding one ({why})")
     return found
 
 
@@ -120,7 +138,8 @@ def prune(root: Path, run_id: str, keep: int, step: int, protect: Sequence[Path]
     The line of training is the checkpoints up to `step`, newest first; a checkpoint past `step` (left by a branch
     the run abandoned when it resumed from an older one) counts as older than all of them. The checkpoint just
     saved ranks first, so the one `latest` names is never deleted; nor is another run's checkpoint, or an
-    incomplete one (left for a person to inspect)."""
+    incomplete or damaged one (left for a person to inspect; it never counts among the `keep`, so it never
+    becomes the only checkpoint left)."""
     own = [(s, path) for s, path in complete_checkpoints(root) if run_of(path) == run_id]
     own.sort(key=lambda item: (item[0] <= step, item[0]), reverse=True)
     for _, path in own[keep:]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -21,11 +22,15 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from megatron_ppo.checkpoint.verify import CheckpointError
 from megatron_ppo.config.fields import PER_JOB, tagged_keys
 from megatron_ppo.config.frozen import nested
 from megatron_ppo.config.schema import PPOConfig
 
 RUN_FILE = "run.json"
+# What a run id read from a checkpoint may be (it names the run's TensorBoard folder): one path component, never
+# `.`/`..` or hidden; `new_run_id` makes `YYYYmmdd-HHMMSS-xxxxxx`
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 # dotted key → why the jobs of one run may change it: the fields the schema marks `per_job` (run control, the run's
 # length, micro-batching)
@@ -99,8 +104,19 @@ class RunIdentity:
         path = Path(directory) / RUN_FILE
         if not path.is_file():
             return None
-        payload = json.loads(path.read_text())
-        return cls(payload["run_id"], payload["config_hash"], payload["config"], payload.get("total_steps"))
+        try:
+            payload = json.loads(path.read_text())
+            identity = cls(payload["run_id"], payload["config_hash"], payload["config"], payload.get("total_steps"))
+        except (ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{path} is unreadable ({type(error).__name__}: {error}); the checkpoint is "
+                                  "damaged: use another one") from error  # fmt: skip
+        if not isinstance(identity.run_id, str) or not RUN_ID.fullmatch(identity.run_id):
+            raise CheckpointError(
+                f"{path} names the run {identity.run_id!r}, which is no run id (letters, digits, '-', '_', '.', not "
+                "starting with '.'): it would be used as a folder name (the run's TensorBoard folder), so it is "
+                "refused; the checkpoint's run.json was edited or damaged: use another checkpoint"
+            )
+        return identity
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:

@@ -17,13 +17,16 @@ Rank 0 reads the directories, decides and moves files; every rank receives its d
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_ppo.checkpoint import directory
+from megatron_ppo.checkpoint import directory, lock
 from megatron_ppo.checkpoint.run_identity import RunIdentity, config_differences, new_run_id
-from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.checkpoint.verify import CheckpointError
+from megatron_ppo.config.errors import ConfigError, UserError
 from megatron_ppo.config.schema import PPOConfig, TrainerConfig
 from megatron_ppo.parallel.collectives import broadcast_from_rank0, global_rank
 
@@ -39,27 +42,31 @@ class RunStart:
     resume_from: Path | None
     log_dir: Path
     messages: tuple[str, ...]
+    # the checkpoint `latest` is to name once it has loaded (the run goes on from it: a restart before its next
+    # save does too); None: `latest` names it already, or it lies outside the run's directory
+    name_in_latest: Path | None = None
 
 
 def start_run(config: PPOConfig) -> RunStart:
-    """Decide on rank 0 which run this is and prepare `trainer.default_local_dir` for it (see the module docstring);
-    raises `ConfigError` on every rank where the directory holds another run's checkpoints."""
+    """Decide on rank 0 which run this is and prepare `trainer.default_local_dir` for it (see the module docstring):
+    its lock taken (`lock.py`), the checkpoint to continue verified. A refusal (another run's checkpoints, a damaged
+    `trainer.resume_from_path`, another job holding the directory) is raised on every rank: rank 0 raises its own
+    `UserError`, the others a `UserError` with its message."""
     outcome: Any = None
     failure: Exception | None = None
     if global_rank() == 0:
         try:
             outcome = _start(config)
-        except ConfigError as refusal:
-            outcome = refusal.problems
-        except Exception as error:  # the other ranks are waiting for a decision: send them the failure
-            failure, outcome = error, f"rank 0 could not prepare the run's directories: {error!r}"
+        except UserError as refusal:  # the other ranks are waiting for a decision: send them the refusal...
+            failure, outcome = refusal, ("refused", str(refusal))
+        except Exception as error:  # ... or the failure
+            failure, outcome = error, ("failed", f"rank 0 could not prepare the run's directories: {error!r}")
     outcome = broadcast_from_rank0(outcome)
     if failure is not None:
         raise failure
-    if isinstance(outcome, list):
-        raise ConfigError(outcome)
-    if isinstance(outcome, str):
-        raise RuntimeError(outcome)
+    if isinstance(outcome, tuple):
+        kind, message = outcome
+        raise UserError(message) if kind == "refused" else RuntimeError(message)
     return outcome
 
 
@@ -67,6 +74,8 @@ def _start(config: PPOConfig) -> RunStart:
     trainer = config.trainer
     root = Path(trainer.default_local_dir)
     messages = []
+    if (taken_over := lock.acquire(root)) is not None:
+        messages.append(taken_over)
     if (restored := directory.restore_replaced(root)) is not None:
         messages.append(f"restored {restored}, which a killed save was replacing")
     source, how = _resume_source(trainer, root)
@@ -95,10 +104,11 @@ def _start(config: PPOConfig) -> RunStart:
         messages.append(_move_aside(root, foreign))
     named = directory.named_by_latest(root)
     in_root = source is not None and source.parent.resolve() == root.resolve()
+    name_in_latest = None
     if in_root and (named is None or named.resolve() != source.resolve()):
-        directory.point_latest_at(source)  # the run goes on from here: a restart before its next save does too
+        name_in_latest = source  # moved by the trainer once the checkpoint has loaded, not before
         messages.append(f"{root / directory.LATEST} now names {source.name}, the checkpoint this run continues")
-    return RunStart(identity, source, Path(trainer.log_dir) / identity.run_id, tuple(messages))
+    return RunStart(identity, source, Path(trainer.log_dir) / identity.run_id, tuple(messages), name_in_latest)
 
 
 def _resume_source(trainer: TrainerConfig, root: Path) -> tuple[Path | None, str]:
@@ -111,11 +121,17 @@ def _resume_source(trainer: TrainerConfig, root: Path) -> tuple[Path | None, str
         if source is None or RunIdentity.read(source) is None:
             return None, ""
         named = directory.named_by_latest(root)
-        return source, f"named by {root / directory.LATEST}" if named == source else "its newest complete checkpoint"
+        if named == source:
+            return source, f"named by {root / directory.LATEST}"
+        skipped = f"; skipped {named.name}, which {directory.LATEST} named: {directory.damage(named)}" if named else ""
+        return source, f"its newest complete checkpoint{skipped}"
     try:
         source = directory.resolve(trainer.resume_from_path)
-    except FileNotFoundError as missing:
-        raise ConfigError([f"trainer.resume_from_path={trainer.resume_from_path!r}: {missing}"]) from None
+    except CheckpointError as unusable:
+        raise ConfigError(
+            [f"trainer.resume_from_path={trainer.resume_from_path!r}: {unusable}; nothing was changed (latest names "
+             f"{_latest_name(root)}): resume from another checkpoint, or trainer.resume_mode=auto"]
+        ) from None  # fmt: skip
     if RunIdentity.read(source) is None:
         raise ConfigError(
             [f"trainer.resume_from_path: {source} holds no run identity (an initialisation, or a checkpoint from "
@@ -123,6 +139,30 @@ def _resume_source(trainer: TrainerConfig, root: Path) -> tuple[Path | None, str
              f"model.init_checkpoint={source} trainer.resume_mode=disable"]
         )  # fmt: skip
     return source, "trainer.resume_from_path"
+
+
+def _latest_name(root: Path) -> str:
+    named = directory.named_by_latest(root)
+    return "nothing" if named is None else named.name
+
+
+def check_directories(config: PPOConfig) -> None:
+    """Create `trainer.default_local_dir` and `trainer.log_dir` and write a file into each (on every process, before
+    any process group or model: a directory that refuses writes fails now, not at the first save after hours of
+    training); a `ConfigError` naming the key otherwise."""
+    problems = []
+    for key in ("default_local_dir", "log_dir"):
+        folder = Path(getattr(config.trainer, key))
+        probe = folder / f".write-test-{socket.gethostname()}-{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_text("megatron-ppo checks that this directory is writable\n")
+            probe.unlink()
+        except OSError as error:
+            problems.append(f"trainer.{key}={str(folder)!r} cannot be written ({error.strerror or error}: "
+                            f"{error.filename or folder}); make it writable or choose another directory")  # fmt: skip
+    if problems:
+        raise ConfigError(problems)
 
 
 def _other_runs_checkpoints(root: Path, run_id: str) -> list[Path]:

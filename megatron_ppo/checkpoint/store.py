@@ -18,7 +18,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megatron_ppo.checkpoint import directory
+from megatron_ppo.checkpoint import directory, verify
 from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.models import RoleModel, unwrap
 from megatron_ppo.models.gpt import sync_parameters
@@ -55,7 +55,7 @@ def _load_model_state(model: RoleModel, state: dict[str, Any], prefix: str, stri
         result = unwrap(chunk).load_state_dict(chunk_state, strict=False)
         missing = [key for key in result.missing_keys if not key.endswith(EXTRA_STATE)]
         if strict and (missing or result.unexpected_keys):
-            raise RuntimeError(
+            raise verify.CheckpointError(
                 f"the {model.role} model's chunk {index} does not match the checkpoint: missing {missing}, "
                 f"unexpected {result.unexpected_keys}; load a checkpoint of this model's architecture"
             )
@@ -65,11 +65,12 @@ def _load_sharded(sharded: dict[str, Any], path: Path) -> dict[str, Any]:
     """`dist_checkpointing.load` of `sharded` from `path`. Keys `sharded` asks for that the checkpoint lacks are
     refused by name, except Transformer Engine's `*_extra_state` (a local-spec checkpoint loaded into a TE model:
     TE starts its FP8 metadata fresh)."""
-    state, _, absent = dist_checkpointing.load(sharded, str(path), strict=StrictHandling.RETURN_UNEXPECTED)
+    with verify.reading(path, "the models' and optimizers' shards"):
+        state, _, absent = dist_checkpointing.load(sharded, str(path), strict=StrictHandling.RETURN_UNEXPECTED)
     lacking = sorted(key for key in absent if not key.endswith(EXTRA_STATE))
     if lacking:
         shown = ", ".join(lacking[:8]) + (f" and {len(lacking) - 8} more" if len(lacking) > 8 else "")
-        raise RuntimeError(
+        raise verify.CheckpointError(
             f"{path} lacks {len(lacking)} of the entries this run needs ({shown}): it holds another architecture "
             "(model.* keys) or other roles; load a checkpoint saved with this model"
         )
@@ -111,14 +112,17 @@ def save_checkpoint(
     for role in stateful:
         sharded[f"{role}_optimizer"] = _optimizer_sharded_state(optimizers[role], sharded[role], role)
     checkpoint_writes_in_process()
-    dist_checkpointing.save(sharded, str(temporary))
-    torch.save(rng_states(), temporary / f"rng_rank{global_rank()}.pt")
-    if global_rank() == 0:
-        torch.save({**trainer_state, OPTIMIZERS_SAVED: stateful}, temporary / directory.TRAINER_STATE)
-        if run is not None:
-            run.write(temporary)
+    with verify.writing(temporary, step):
+        dist_checkpointing.save(sharded, str(temporary))
+        torch.save(rng_states(), temporary / f"rng_rank{global_rank()}.pt")
+        if global_rank() == 0:
+            torch.save({**trainer_state, OPTIMIZERS_SAVED: stateful}, temporary / directory.TRAINER_STATE)
+            if run is not None:
+                run.write(temporary)
     barrier()
     if global_rank() == 0:
+        with verify.writing(temporary, step):
+            verify.write_manifest(temporary)  # last: every rank's files are written
         replaced = root / f"{directory.REPLACED_PREFIX}{final.name}"
         if final.exists():  # `latest` may name it (a step saved again after a rollback): kept until replaced
             shutil.rmtree(replaced, ignore_errors=True)
@@ -184,7 +188,8 @@ def _stateless(optimizer: Any) -> bool:
 def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: dict[str, Any]) -> dict[str, Any]:
     """Restore models, optimizers and this rank's RNG state; returns the trainer state saved with them."""
     path = Path(path)
-    trainer_state = torch.load(path / directory.TRAINER_STATE, weights_only=True)
+    with verify.reading(path, directory.TRAINER_STATE):
+        trainer_state = torch.load(path / directory.TRAINER_STATE, weights_only=True)
     saved_optimizers = [role for role in trainer_state.pop(OPTIMIZERS_SAVED) if role in optimizers]
     sharded: dict[str, Any] = {role: model_sharded_state(model, f"{role}.") for role, model in models.items()}
     for role in saved_optimizers:
@@ -199,7 +204,8 @@ def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: 
         _restore_adam_steps(optimizers[role])
     rng_file = path / f"rng_rank{global_rank()}.pt"
     if rng_file.is_file():
-        set_rng_states(torch.load(rng_file, weights_only=True))
+        with verify.reading(path, rng_file.name):
+            set_rng_states(torch.load(rng_file, weights_only=True))
     return trainer_state
 
 

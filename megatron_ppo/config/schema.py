@@ -1,8 +1,8 @@
 """The typed shape of a megatron-ppo config: one dataclass per group, verl's leaf names where verl has them.
 
-Top level: model, data, actor, ref, critic, algorithm, reward, guards, trainer, cluster. Each role (actor, ref,
-critic) has a `megatron` section (its parallel layout); the trained roles also have an `optim` section — the
-shape of verl's Megatron config, so `actor_rollout_ref.actor.*` paths map onto `actor.*`.
+Top level: model, data, actor, ref, critic, algorithm, reward, reward_model, guards, trainer, cluster. Each role
+(actor, ref, critic) has a `megatron` section (its parallel layout); the trained roles also have an `optim` section —
+the shape of verl's Megatron config, so `actor_rollout_ref.actor.*` paths map onto `actor.*`.
 Each field carries its own rule (`choice`: the values it may take; `ranged`: its valid range), which
 `validate.py` walks; rules across keys (batch divisibility, layouts, KL stages) live in `validate.py`. Every section
 is `Freezable`: once validated, the config is read-only (`frozen.py`).
@@ -188,6 +188,16 @@ class DataConfig(Freezable):
     # Text rows: tokenizing prompt and response apart vs together (verl's tokenization_sanity_check_mode):
     # strict rejects a row where they differ, warn counts it in the data report, off skips the check.
     tokenization_check: str = choice("warn", ("strict", "warn", "off"))
+    # Preference pairs (`data/pairs.py`): a row with a chosen_key and a rejected_key response (text, beside
+    # prompt_key) becomes two rows sharing one group id (the row's uid, else its file and line). Their rewards:
+    # "model" — from a reward model: `megatron-ppo score` (reward_model.*) writes them, and training refuses unscored
+    # pairs; "given" — the chosen_score_key / rejected_score_key columns (UltraFeedback's); "preference" — the pair
+    # itself, +1 chosen and −1 rejected (a choice to state: it knows no margin).
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    chosen_score_key: str = "chosen_score"
+    rejected_score_key: str = "rejected_score"
+    pair_reward: str = choice("model", ("model", "given", "preference"))
     train_batch_size: int = ranged(512, AT_LEAST_ONE)
     shuffle: bool = True
     seed: int = 1
@@ -383,6 +393,34 @@ class RewardConfig(Freezable):
 
 
 @dataclass
+class RewardModelWeightsConfig(Freezable):
+    """The reward model `megatron-ppo score` runs (verl: `reward_model.model.*`): one of the two, its architecture
+    its own (not `model.*`)."""
+
+    # a Hugging Face *ForSequenceClassification directory with one label (verl's reward_model.model.path):
+    # converted on first use under reward_model.megatron into <trainer.default_local_dir>/hf_init_reward_model
+    path: str | None = None
+    # a megatron-ppo checkpoint holding a value head ("critic": a PPO run's critic, or a converted reward model)
+    init_checkpoint: str | None = None
+    tokenizer: str | None = None  # null: model.tokenizer (text rows are tokenized with it; token-id rows need it)
+
+
+@dataclass
+class RewardModelConfig(Freezable):
+    """Scoring rows with a reward model before PPO (`megatron-ppo score`, `convert/reward_scoring.py`): forward-only
+    under its own layout over every row of data.train_files / data.val_files; the reward is the value head at the
+    row's last token, as transformers' sequence classifiers score."""
+
+    model: RewardModelWeightsConfig = field(default_factory=RewardModelWeightsConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # TP/PP of the scoring job; DP = the rest
+    micro_batch_size_per_gpu: int = ranged(16, AT_LEAST_ONE)  # rows per forward pass (verl's name)
+    use_dynamic_bsz: bool = False  # micro-batches by a token budget instead of a row count
+    forward_max_token_len_per_gpu: int = ranged(16384, AT_LEAST_ONE)  # that budget (verl's name)
+    # where the scored Parquet files go, as <input stem>.scored.parquet; null: beside each input
+    output_dir: str | None = None
+
+
+@dataclass
 class WatchConfig(Freezable):
     """A watched metric: when `metric` first rises above `max` (and again after it has come back under), the run
     logs a guard event and does `action` (warn only, back off every learning rate, or bump every KL β)."""
@@ -488,6 +526,7 @@ class PPOConfig(Freezable):
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     guards: GuardsConfig = field(default_factory=GuardsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

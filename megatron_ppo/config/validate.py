@@ -141,11 +141,33 @@ def _cross_key_problems(c: PPOConfig) -> list[str]:
             f"critic.model.hf_checkpoint={critic_model.hf_checkpoint!r} and critic.model.init_checkpoint="
             f"{critic_model.init_checkpoint!r} both name the critic's initial weights; set one of them"
         )
+    p += _reward_model_problems(c)
     if (critic_model.hf_checkpoint or critic_model.init_checkpoint) and not c.needs_critic:
         p.append(
             f"critic.model initialises a critic, but algorithm.adv_estimator={c.algorithm.adv_estimator!r} trains "
             "none; unset critic.model.hf_checkpoint / init_checkpoint or use adv_estimator=gae"
         )
+    return p
+
+
+def _reward_model_problems(c: PPOConfig) -> list[str]:
+    """The scoring job's weights and layout, when the config names a reward model (its model's own rules, heads
+    and layers against TP/PP, are checked against the reward model's config when `score` reads it, before anything
+    is built; the tiny task's scoring shares the actor's layout and checks that itself)."""
+    p: list[str] = []
+    weights, layout = c.reward_model.model, c.reward_model.megatron
+    if weights.path and weights.init_checkpoint:
+        p.append(f"reward_model.model.path={weights.path!r} and reward_model.model.init_checkpoint="
+                 f"{weights.init_checkpoint!r} both name the reward model; set one of them")  # fmt: skip
+    if not (weights.path or weights.init_checkpoint):
+        return p
+    split = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size * layout.context_parallel_size
+    if world_size(c) % split:
+        p.append(f"reward_model.megatron: TP×PP×CP = {split} does not divide the world size {world_size(c)} "
+                 f"(cluster.nodes × cluster.gpus_per_node); make it one of {divisors(world_size(c))}")  # fmt: skip
+    if layout.context_parallel_size > 1 or layout.expert_model_parallel_size > 1:
+        p.append("reward_model.megatron: scoring runs under TP and PP (and data parallelism over the rest); set "
+                 "context_parallel_size and expert_model_parallel_size to 1")  # fmt: skip
     return p
 
 
@@ -171,7 +193,7 @@ def _model_problems(c: PPOConfig) -> list[str]:
             f"model.rope_scaling_factor={m.rope_scaling_factor!r} scales RoPE, but model.position_embedding_type="
             f"{m.position_embedding_type!r}; set it to null or use rope"
         )
-    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is None and m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
         p.append(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
             f"{m.num_attention_heads}; change one or set model.kv_channels"
@@ -203,7 +225,7 @@ def _batch_problems(c: PPOConfig) -> list[str]:
     for role in TRAINED_ROLES:
         cfg = get(c, role)
         mini, micro = cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu
-        if min(train, mini, micro or 1) < 1:
+        if min(train, mini, 1 if micro is None else micro) < 1:
             continue  # reported by the range check
         if train % mini:
             p.append(
@@ -212,7 +234,7 @@ def _batch_problems(c: PPOConfig) -> list[str]:
             )
         layout = cfg.megatron
         model_parallel = model_parallel_size(layout)
-        if model_parallel < 1 or world_size(c) % model_parallel:
+        if model_parallel < 1 or world_size(c) < 1 or world_size(c) % model_parallel:
             continue  # the layout problem is reported on its own
         dp = data_parallel_size(c, layout)
         if mini % dp:

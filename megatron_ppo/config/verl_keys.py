@@ -27,8 +27,8 @@ VERL_ALIASES = {
 }
 UNSUPPORTED_VERL = {
     "actor_rollout_ref.rollout.": "offline PPO trains on a fixed dataset and has no rollout; set data.* instead",
-    "reward_model.": "rewards come from the dataset (data.reward_key) or are scored when it is read "
-    "(reward.score_fn: verl | custom, reward.custom_fn.path/name); no reward model is served",
+    "reward_model.enable": "no reward model is served during training: rewards come from the dataset, scored "
+    "beforehand by `megatron-ppo score` (reward_model.model.path) or when it is read (reward.score_fn)",
     "algorithm.rollout_correction.bypass_mode": "bypass mode (old_log_prob = the behaviour log-probs, no actor "
     "forward pass) is not built: old_log_prob is always the actor's own, and the behaviour log-probs enter through "
     "algorithm.rollout_correction.rollout_is / rollout_rs",

@@ -35,7 +35,7 @@ from megatron_ppo.models.hf_conversion import (
     model_config_from_hf,
     to_hf,
 )
-from megatron_ppo.models.hf_shards import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter
+from megatron_ppo.models.hf_shards import DEFAULT_MAX_SHARD_BYTES, OutputExistsError, ShardedSafetensorsWriter
 from megatron_ppo.parallel.device import on_cuda
 from megatron_ppo.parallel.ranks import expert_parallel, expert_tensor_parallel, is_first_of_last_stage, tensor_parallel
 
@@ -85,6 +85,26 @@ def architecture_mismatches(model: ModelConfig, hf_dir: str | Path) -> list[str]
 
 def hf_model_config(hf_dir: str | Path, params_dtype: str = "fp32") -> ModelConfig:
     return ModelConfig(**model_config_from_hf(hf_dir), params_dtype=params_dtype, make_vocab_size_divisible_by=128)
+
+
+def check_new_output(out_dir: str | Path) -> None:
+    """`convert hf-to-mcore --out` writes a new checkpoint: into a directory that does not exist or is empty, never
+    over a run's checkpoints (it would replace `step_0` and move `latest`) or anything else."""
+    out = Path(out_dir)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputExistsError(f"--out {out} is a file: give a new directory")
+    held = sorted(entry.name for entry in out.iterdir())
+    if not held:
+        return
+    steps = directory.step_directories(out)
+    what = (f"a training run's checkpoints ({', '.join(p.name for _, p in steps[:4])}"
+            f"{', …' if len(steps) > 4 else ''}; `latest` names {directory.named_by_latest(out).name})"
+            if steps and directory.named_by_latest(out) else f"{len(held)} entries ({', '.join(held[:4])}"
+            f"{', …' if len(held) > 4 else ''})")  # fmt: skip
+    raise OutputExistsError(f"--out {out} holds {what}: the conversion writes only into a new or empty directory, "
+                            "so nothing there is replaced; choose another --out")  # fmt: skip
 
 
 def hf_to_mcore(

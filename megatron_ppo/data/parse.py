@@ -62,6 +62,7 @@ class Tokenizer(Protocol):
     response, and its chat template (None: chat prompts use the built-in format)."""
 
     eos_id: int
+    unk_id: int | None  # the id of text outside the vocabulary; None: the tokenizer has none (byte-level)
     chat_template: ChatTemplate | None
 
     @property
@@ -99,6 +100,7 @@ class ParsedRow:
     scored: bool
     builtin_chat: bool
     mismatch: str | None  # the warn-mode tokenization difference, described
+    unknown: str | None = None  # the characters outside the tokenizer's vocabulary (not strict mode), described
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ class _Tokens:
     appends_eos: bool  # text rows: the per-token lists get 0.0 at the appended eos
     builtin_chat: bool
     apart_vs_together: str | None  # how the ids differ tokenized apart vs together; None: same or not checked
+    unknown: str | None = None  # text rows: the characters that became the unknown token, described
 
 
 def parse_row(
@@ -185,7 +188,19 @@ def parse_row(
         extra_info=record.get(EXTRA_INFO_KEY) if isinstance(record.get(EXTRA_INFO_KEY), dict) else None,
     )
     mismatch = tokens.apart_vs_together if config.tokenization_check == "warn" else None
-    return ParsedRow(row, scored=scored, builtin_chat=tokens.builtin_chat, mismatch=mismatch)
+    return ParsedRow(row, scored=scored, builtin_chat=tokens.builtin_chat, mismatch=mismatch, unknown=tokens.unknown)
+
+
+def row_tokens(record: Any, tokenizer: Tokenizer, config: DataConfig) -> tuple[list[int], list[int]]:
+    """The prompt and response ids `parse_row` trains a record on (text tokenized, eos appended; ids as given), with
+    the checks of its fields, without reading its reward: what a reward model scores (`megatron-ppo score`)."""
+    if not isinstance(record, dict):
+        raise BadRow("not_object", f"the row is {describe(record)}; expected an object")
+    if record.get(PROMPT_IDS_KEY) is not None or record.get(RESPONSE_IDS_KEY) is not None:
+        tokens = _token_id_tokens(record, tokenizer, config)
+    else:
+        tokens = _text_tokens(*_text_fields(record, config), tokenizer, config, has_log_probs=False)
+    return tokens.prompt_ids, tokens.response_ids
 
 
 def _text_fields(record: dict[str, Any], config: DataConfig) -> tuple[Any, str]:
@@ -232,6 +247,13 @@ def _text_tokens(prompt: Any, response: str, tokenizer: Tokenizer, config: DataC
     difference = None
     if config.tokenization_check != "off" or has_log_probs:
         difference = _apart_vs_together(prompt_ids + response_tokens, tokenizer.encode(prompt_text + response))
+    unknown = _unknown_characters(prompt_text, response, prompt_ids + response_tokens, tokenizer)
+    if unknown is not None and config.tokenization_check == "strict":
+        raise BadRow(
+            "unknown_characters",
+            f"{unknown} (data.tokenization_check=strict); expected text the tokenizer represents: use its "
+            "tokenizer, clean the data, or set data.tokenization_check=warn to train on the unknown token",
+        )
     return _Tokens(
         prompt_ids=prompt_ids,
         response_ids=[*response_tokens, tokenizer.eos_id],
@@ -241,7 +263,21 @@ def _text_tokens(prompt: Any, response: str, tokenizer: Tokenizer, config: DataC
         appends_eos=True,
         builtin_chat=builtin_chat,
         apart_vs_together=difference,
+        unknown=unknown,
     )
+
+
+def _unknown_characters(prompt: str, response: str, ids: list[int], tokenizer: Tokenizer) -> str | None:
+    """Where the tokenizer turned characters outside its vocabulary into its unknown token: which characters, and
+    in which part; None when no id is the unknown token."""
+    unk = tokenizer.unk_id
+    if unk is None or unk not in ids:
+        return None
+    parts = [(name, sorted({c for c in text if tokenizer.encode(c) == [unk]})) for name, text in
+             (("prompt", prompt), ("response", response))]  # fmt: skip
+    found = "; ".join(f"{name} {''.join(chars)!r}" for name, chars in parts if chars) or "characters"
+    return (f"{ids.count(unk)} tokens are the tokenizer's unknown token (id {unk}), from text outside its "
+            f"vocabulary: {found}")  # fmt: skip
 
 
 def _apart_vs_together(apart: list[int], together: list[int]) -> str | None:
@@ -305,6 +341,8 @@ def _score(record: dict[str, Any], data_source: str, response: str, scorer: Scor
 
 def _required(record: dict[str, Any], key: str) -> Any:
     value = record.get(key)
+    if value is None and key in record:
+        raise BadRow("missing_field", f"'{key}' is null; expected a '{key}' value, not null")
     if value is None:
         present = ", ".join(f"'{k}'" for k in list(record)[:8]) or "none"
         raise BadRow("missing_field", f"'{key}' is missing (keys present: {present}); expected a '{key}' column")

@@ -1,7 +1,8 @@
 """Read the offline dataset — JSONL lines or Parquet rows of (prompt, response, reward) — into `Row`s of token ids.
 
-What a row may hold and how it is checked is in `parse.py`. A bad row raises `DataError` naming its "path:line"
-(data.on_bad_row=error), or is written with its reason to the rejects file and counted (skip). Over-long rows are
+What a row may hold and how it is checked is in `parse.py`; a preference pair is two rows (`pairs.py`). A bad row
+raises `DataError` naming its "path:line" (data.on_bad_row=error), or is written with its reason to the rejects file
+and counted (skip). Over-long rows are
 dropped or truncated (data.overlong_policy) and counted, or refused (error): nothing is left out without a number in
 the `DataReport`.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,15 +20,20 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.fields import field_problems
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data.chat import BUILTIN_FORMAT
+from megatron_ppo.data.pairs import expand_records, of_side
 from megatron_ppo.data.parse import ParsedRow, Row, Tokenizer, parse_row
 from megatron_ppo.data.scoring import Scorer
 from megatron_ppo.data.values import BadRow, RoutingShape
 
 __all__ = ["DataError", "DataReport", "Row", "Tokenizer", "read_rows"]
 
+# The Parquet metadata key under which `megatron-ppo score` names the reward model that scored a file (JSON: its
+# "reward_model" path, "checkpoint_hash", "source" file, ...); read back into `DataReport.scored_by`.
+SCORED_BY_KEY = b"megatron_ppo.scored_by"
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
@@ -49,6 +56,9 @@ class DataReport:
     builtin_chat_prompts: int = 0
     tokenization_mismatches: int = 0
     first_mismatch: str | None = None  # "path:line: what differs"
+    scored_by: dict[str, dict[str, Any]] = field(default_factory=dict)  # file → the reward model that scored it
+    unknown_characters: int = 0  # kept rows with text outside the tokenizer's vocabulary (the unknown token)
+    first_unknown: str | None = None  # "path:line: which characters"
 
     def summary(self) -> str:
         """One line for the log."""
@@ -63,6 +73,8 @@ class DataReport:
         )
         if self.scored:
             line += f"; scored {self.scored} rows with {self.scorer}"
+        for path, info in self.scored_by.items():
+            line += f"; {path} scored by the reward model {info.get('reward_model')} ({info.get('checkpoint_hash')})"
         if self.builtin_chat_prompts:
             line += (
                 f"; {self.builtin_chat_prompts} chat prompts rendered in the built-in {BUILTIN_FORMAT} format "
@@ -73,10 +85,15 @@ class DataReport:
                 f"; {self.tokenization_mismatches} rows tokenize differently apart than together, kept with the ids "
                 f"apart (data.tokenization_check=warn; first: {self.first_mismatch})"
             )
+        if self.unknown_characters:
+            line += (
+                f"; {self.unknown_characters} rows hold characters outside the tokenizer's vocabulary, trained on as "
+                f"its unknown token (data.tokenization_check=strict refuses them; first: {self.first_unknown})"
+            )
         return line
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset problem; the message names the file (and line) and says what was expected."""
 
 
@@ -100,7 +117,7 @@ def read_rows(
     _check_options(config)
     if not paths:
         raise DataError("no data files given; set data.train_files")
-    files = [(Path(p), _format_of(Path(p), config.format)) for p in paths]
+    files = [(Path(p), format_of(Path(p), config.format)) for p in paths]
     report = DataReport(scorer=None if scorer is None else scorer.name)
     rejects: IO[str] | None = None
     if config.on_bad_row == "skip":
@@ -111,27 +128,36 @@ def read_rows(
     rows: list[Row] = []
     try:
         for path, fmt in files:
-            records = _jsonl_records(path) if fmt == "jsonl" else _parquet_records(path)
+            records = records_of(path, fmt)
+            if fmt == "parquet" and (scorer_of_file := scored_by(path)) is not None:
+                report.scored_by[str(path)] = scorer_of_file
             for source, raw in records:
-                report.rows_read += 1
+                report.rows_read += 1  # a pair read is two rows, once both are kept
                 record = raw
                 try:
                     if isinstance(raw, bytes):
-                        record = _decode_json(raw)
-                    parsed = parse_row(record, source, tokenizer, config, scorer, routing)
+                        record = decode_json_line(raw)
+                    parsed_rows = []  # a preference pair is two rows: rejected together when either is bad
+                    for where, one in expand_records(record, source, config):
+                        try:
+                            parsed_rows.append(parse_row(one, where, tokenizer, config, scorer, routing))
+                        except BadRow as bad:
+                            raise of_side(bad, where, source) from None
                 except BadRow as bad:
                     if rejects is None:
                         raise DataError(f"{source}: {bad.problem}") from None
                     report.rejected += 1
                     report.reasons[bad.kind] = report.reasons.get(bad.kind, 0) + 1
                     shown = record.decode("utf-8", "replace").rstrip("\r\n") if isinstance(record, bytes) else record
-                    entry = {"source": source, "kind": bad.kind, "reason": bad.problem, "row": shown}
-                    rejects.write(json.dumps(entry, default=str) + "\n")
+                    entry = {"source": source, "kind": bad.kind, "reason": bad.problem, "row": _json_safe(shown)}
+                    rejects.write(json.dumps(entry, default=str, allow_nan=False) + "\n")
                     continue
-                _count(parsed, report)
-                fitted = _fit_length(parsed.row, config, report)
-                if fitted is not None:
-                    rows.append(fitted)
+                report.rows_read += len(parsed_rows) - 1
+                for parsed in parsed_rows:
+                    _count(parsed, report)
+                    fitted = _fit_length(parsed.row, config, report)
+                    if fitted is not None:
+                        rows.append(fitted)
     finally:
         if rejects is not None:
             rejects.close()
@@ -149,6 +175,10 @@ def _count(parsed: ParsedRow, report: DataReport) -> None:
         report.tokenization_mismatches += 1
         if report.first_mismatch is None:
             report.first_mismatch = f"{parsed.row.source}: {parsed.mismatch}"
+    if parsed.unknown is not None:
+        report.unknown_characters += 1
+        if report.first_unknown is None:
+            report.first_unknown = f"{parsed.row.source}: {parsed.unknown}"
 
 
 def _check_options(config: DataConfig) -> None:
@@ -157,7 +187,7 @@ def _check_options(config: DataConfig) -> None:
         raise ValueError("; ".join(problems))
 
 
-def _format_of(path: Path, fmt: str) -> str:
+def format_of(path: Path, fmt: str) -> str:
     if not path.is_file():
         raise DataError(f"data file {path} does not exist (or is not a file)")
     if fmt != "auto":
@@ -168,6 +198,12 @@ def _format_of(path: Path, fmt: str) -> str:
             "or set data.format=jsonl|parquet"
         )
     return _EXTENSIONS[path.suffix.lower()]
+
+
+def records_of(path: Path, fmt: str) -> Iterator[tuple[str, Any]]:
+    """(source "path:line" / "path:row N", record) for each row of a data file in `fmt` (`format_of`): a JSONL line
+    as its raw bytes (`decode_json_line`), a Parquet row as its dict."""
+    return _jsonl_records(path) if fmt == "jsonl" else _parquet_records(path)
 
 
 def _open_rejects(path: Path) -> IO[str]:
@@ -192,9 +228,32 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         yield f"{path}:row {number}", record
 
 
-def _decode_json(line: bytes) -> Any:
+def scored_by(path: str | Path) -> dict[str, Any] | None:
+    """What `megatron-ppo score` wrote into a Parquet file's metadata about the reward model that scored it; None for
+    a file it did not write (or not Parquet)."""
     try:
-        return json.loads(line.decode("utf-8"))
+        metadata = pq.read_schema(path).metadata or {}
+    except (pa.ArrowException, OSError):
+        return None
+    return json.loads(metadata[SCORED_BY_KEY]) if SCORED_BY_KEY in metadata else None
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` with every non-finite float as its name ("NaN", "Infinity", "-Infinity"): strict JSON has none, and
+    the rejects file stays readable by any JSON reader."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return {key: _json_safe(inner) for key, inner in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(inner) for inner in value]
+    return value
+
+
+def decode_json_line(line: bytes) -> Any:
+    """One JSONL line as JSON; a UTF-8 byte-order mark (which some editors write at a file's start) is dropped."""
+    try:
+        return json.loads(line.decode("utf-8-sig"))
     except UnicodeDecodeError as e:
         raise BadRow("invalid_json", f"the line is not UTF-8 text ({e}); expected one JSON object per line") from e
     except json.JSONDecodeError as e:

@@ -12,6 +12,7 @@ from pathlib import Path
 import sentencepiece as spm
 import tokenizers
 
+from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.data.chat import ChatTemplate, load_chat_template, token_text
 
 
@@ -25,6 +26,7 @@ class SentencePieceTokenizer:
         self.path = str(model_path)
         self.processor = spm.SentencePieceProcessor(model_file=self.path)
         self.eos_id = self.processor.eos_id()
+        self.unk_id = self.processor.unk_id() if self.processor.unk_id() >= 0 else None
         self.pad_id = self.processor.pad_id() if self.processor.pad_id() >= 0 else self.eos_id
         if self.eos_id < 0:
             raise ValueError(f"{self.path} defines no end-of-sequence piece; responses need one to end")
@@ -83,6 +85,9 @@ class HFTokenizer:
                 f"{config_file} names no eos_token known to {file} (found {eos!r}); responses need an end token"
             )
         self.eos_id = eos_id
+        # the piece text outside the vocabulary becomes (byte-level BPE has none: every byte is a piece)
+        unk = getattr(self.tokenizer.model, "unk_token", None) or token_text(config.get("unk_token"))
+        self.unk_id = self.tokenizer.token_to_id(unk) if unk else None
         pad_id = self.tokenizer.token_to_id(pad) if pad else None
         self.pad_id = eos_id if pad_id is None else pad_id
         self.chat_template = load_chat_template(file.parent, config)
@@ -102,5 +107,5 @@ def load_tokenizer(path: str | Path) -> SentencePieceTokenizer | HFTokenizer:
     """SentencePiece for a `.model` file, Hugging Face for `tokenizer.json` or a directory holding one."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"tokenizer {path} does not exist; set model.tokenizer to a .model or tokenizer.json")
+        raise ConfigError([f"model.tokenizer={str(path)!r} does not exist; set it to a .model or tokenizer.json"])
     return SentencePieceTokenizer(path) if path.suffix == ".model" else HFTokenizer(path)

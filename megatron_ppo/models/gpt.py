@@ -32,6 +32,11 @@ from megatron_ppo.parallel.device import current_device, on_cuda
 
 logger = logging.getLogger(__name__)
 
+# Besides the three PPO roles: the reward model `megatron-ppo score` runs, a critic's trunk and value head held frozen
+REWARD_MODEL = "reward_model"
+FROZEN_ROLES = ("ref", REWARD_MODEL)  # no gradients, no optimizer, not wrapped in DDP, eval mode
+VALUE_HEAD_ROLES = ("critic", REWARD_MODEL)  # a `ValueHead` instead of the vocabulary output layer
+
 
 @dataclass
 class RoleModel:
@@ -49,7 +54,7 @@ class RoleModel:
 
     @property
     def is_trained(self) -> bool:
-        return self.role != "ref"
+        return self.role not in FROZEN_ROLES
 
 
 @contextmanager
@@ -113,12 +118,13 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, rout
     actor: the policy, wrapped in Megatron's DDP (grad buffers, data-parallel reduction).
     critic: the same trunk with a `ValueHead` instead of the vocabulary output layer (untied), in DDP.
     ref: frozen — no gradients, no optimizer state, eval mode, not wrapped.
+    reward_model: the critic's shape (trunk and `ValueHead`), frozen as the reference is (`megatron-ppo score`).
     `routing_replay` (the actor under `actor.router_replay.mode` R2/R3): Megatron's router replay on this model's
     routers, bound to it (`RoleModel.router_replay`); a router path that would bypass it is refused first.
     Parallel state must already hold `layout` (see `megatron_ppo.parallel.init_distributed`).
     """
-    if role not in ROLES:
-        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+    if role not in (*ROLES, REWARD_MODEL):
+        raise ValueError(f"unknown role {role!r}; expected one of {(*ROLES, REWARD_MODEL)}")
     spec, uses_te = select_layer_spec(model)
     config = build_transformer_config(model, layout, with_aux_loss=role == "actor", routing_replay=routing_replay)
     bypasses = replay_bypasses(config) if routing_replay else []
@@ -146,14 +152,15 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, rout
             max_sequence_length=model.max_position_embeddings,
             pre_process=pre_process,
             post_process=post_process,
-            share_embeddings_and_output_weights=role != "critic" and not model.untie_embeddings_and_output_weights,
+            share_embeddings_and_output_weights=role not in VALUE_HEAD_ROLES
+            and not model.untie_embeddings_and_output_weights,
             position_embedding_type=model.position_embedding_type,
             rotary_base=int(model.rotary_base),
             rope_scaling=model.rope_scaling_factor is not None,
             rope_scaling_factor=model.rope_scaling_factor or 1.0,  # read only with rope_scaling
             vp_stage=stage,
         )
-        if role == "critic" and post_process:
+        if role in VALUE_HEAD_ROLES and post_process:
             gpt.output_layer = ValueHead(config)
         elif post_process:
             batch_major_logits(gpt.output_layer, sequence_parallel=config.sequence_parallel)
@@ -164,7 +171,7 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, rout
             if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
                 module.inv_freq = module.inv_freq.to(current_device())
         chunks.append(gpt)
-    if role == "ref":
+    if role in FROZEN_ROLES:
         for chunk in chunks:
             chunk.requires_grad_(False)
             chunk.eval()

@@ -156,7 +156,13 @@ def model_config_from_hf(hf_dir: str | Path) -> dict:
     the key where the checkpoint needs what the conversion cannot express. The router's aux-loss coefficient is a
     training setting, not architecture: it is left to the recipe."""
     source = str(Path(hf_dir) / "config.json")
-    config = json.loads(Path(source).read_text())
+    if not Path(source).is_file():
+        raise ConfigError([f"{hf_dir} holds no config.json: expected a Hugging Face model directory (config.json and "
+                           "*.safetensors, as `save_pretrained` writes it)"], source)  # fmt: skip
+    try:
+        config = json.loads(Path(source).read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError([f"it is not valid JSON ({error}): expected a Hugging Face config.json"], source) from None
     kind = config.get("model_type")
     if kind not in FAMILIES:
         raise ConfigError([f"model_type {kind!r} is not supported; expected one of {tuple(FAMILIES)}"], source)
@@ -235,8 +241,15 @@ class SafetensorsReader:
             self.files = {name: hf_dir / file for name, file in weight_map.items()}
         else:
             single = hf_dir / "model.safetensors"
-            with safe_open(str(single), framework="pt") as f:
-                self.files = {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+            if not single.is_file():
+                raise ConfigError([f"{hf_dir} holds neither model.safetensors nor model.safetensors.index.json: "
+                                   "expected the weights as safetensors"])  # fmt: skip
+            try:
+                with safe_open(str(single), framework="pt") as f:
+                    self.files = {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+            except Exception as error:  # safetensors' own SafetensorError, or an OSError
+                raise ConfigError([f"{single} cannot be read as safetensors ({error}): the file is damaged; "
+                                   "download it again"]) from None  # fmt: skip
 
     def __contains__(self, name: str) -> bool:
         return name in self.files

@@ -25,8 +25,16 @@ from types import TracebackType
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
+from megatron_ppo.config.errors import UserError
+
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # huggingface_hub's default ("5GB")
+
+
+class OutputExistsError(UserError, FileExistsError):
+    """A conversion's output directory holds files already: nothing is written over them."""
+
+
 # Copied from the Hugging Face directory the model's config comes from, those that exist: what `from_pretrained`
 # (model, generation and tokenizer) reads besides the weights.
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -49,8 +57,8 @@ class ShardedSafetensorsWriter:
     ) -> None:
         self.out_dir, self.copy_from = Path(out_dir), Path(copy_from)
         if self.out_dir.exists() and (not self.out_dir.is_dir() or any(self.out_dir.iterdir())):
-            raise FileExistsError(f"{self.out_dir} exists and is not an empty directory: remove it or choose another "
-                                  "output directory")  # fmt: skip
+            raise OutputExistsError(f"--out {self.out_dir} exists and is not an empty directory: remove it or choose "
+                                    "another output directory")  # fmt: skip
         if unsupported := {dtype for _, dtype in planned.values()} - set(_DTYPES):
             raise ValueError(f"cannot write {sorted(map(str, unsupported))} to safetensors; expected {list(_DTYPES)}")
         meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in planned.items()}

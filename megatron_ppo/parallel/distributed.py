@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.parallel.cpu_compat import seed_model_parallel_rng
 from megatron_ppo.parallel.device import select_device
@@ -71,6 +72,10 @@ def first_host(nodelist: str) -> str:
     return f"{prefix}{first}"
 
 
+class LaunchError(UserError):
+    """The processes cannot start as launched (a port taken, ...); the message says how to launch instead."""
+
+
 def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0, device: str | None = None) -> DistEnv:
     """Decide the device (`cluster.device`; None: CUDA when available), start torch.distributed (NCCL bound to this
     process's GPU on CUDA, gloo on CPU), then Megatron's TP/PP/VPP/CP/DP/EP groups, then seed.
@@ -85,9 +90,18 @@ def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0
     bind_missing_te_general_gemm()  # on either device: MoE routers read the name
     if not dist.is_initialized():
         address = f"tcp://{env.master_addr}:{env.master_port}"
-        store, _, _ = next(
-            dist.rendezvous(address, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
-        )
+        try:
+            store, _, _ = next(
+                dist.rendezvous(address, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+            )
+        except RuntimeError as error:  # torch's DistNetworkError
+            if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
+                raise
+            raise LaunchError(
+                f"port {env.master_port} on {env.master_addr} (MASTER_PORT) is already in use, by another run or "
+                "program, so this process cannot start its process group: set another free port "
+                "(MASTER_PORT=29501 python -m megatron_ppo ...), or launch with `torchrun --standalone` (it picks one)"
+            ) from None
         dist.init_process_group(
             backend="nccl" if chosen.type == "cuda" else "gloo",
             # torch names groups by a counter that a teardown resets, and the launcher's store outlives the groups:

@@ -31,6 +31,7 @@ from typing import Any
 
 from megatron_ppo.algo import StagedKLSchedule, build_kl_controller
 from megatron_ppo.checkpoint.run_identity import RunIdentity, unflatten_config
+from megatron_ppo.config.errors import UserError
 from megatron_ppo.runs.report import RunLog, load_run
 from megatron_ppo.train.guards import ROLE_LOSSES
 from megatron_ppo.train.kl_coefficients import COEF_METRICS, STAGE_METRIC, TARGET_METRIC, build_kl_coefficients
@@ -49,7 +50,7 @@ ABANDONED = {"linestyle": "none", "marker": "x", "markersize": 7, "markeredgewid
 OTHER_KL_STYLES = ("-.", (0, (3, 1, 1, 1, 1, 1)), (0, (1, 1)))  # per-token KL series other than kl/mean
 
 
-class PlotError(Exception):
+class PlotError(UserError):
     """A figure that cannot be drawn as asked (matplotlib missing, a file type it cannot write): the fix is named."""
 
 

@@ -21,6 +21,8 @@ from rich.table import Table
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
+from megatron_ppo.config.errors import UserError
+
 
 @dataclass(frozen=True)
 class ScalarSummary:
@@ -61,6 +63,10 @@ class RunLog:
         return [(step, value) for index, (_, step, value) in enumerate(writes) if last[step] != index]
 
 
+class RunNotFound(UserError, FileNotFoundError):
+    """No TensorBoard run where one was named, or event files with nothing readable in them."""
+
+
 def _event_files(folder: Path) -> list[Path]:
     return [path for path in folder.glob("events.out.tfevents.*") if path.is_file()]
 
@@ -70,12 +76,13 @@ def find_runs(log_dir: str | Path) -> list[Path]:
     event files (a run's own folder), else its subfolders that do."""
     log_dir = Path(log_dir)
     if not log_dir.is_dir():
-        raise FileNotFoundError(f"no TensorBoard directory at {log_dir}")
+        raise RunNotFound(f"no TensorBoard directory at {log_dir} (has the run started? see trainer.log_dir)")
     if _event_files(log_dir):
         return [log_dir]
     runs = [folder for folder in log_dir.iterdir() if folder.is_dir() and _event_files(folder)]
     if not runs:
-        raise FileNotFoundError(f"no TensorBoard run in {log_dir} (neither event files nor run folders holding them)")
+        raise RunNotFound(f"no TensorBoard run in {log_dir} (neither event files nor run folders holding them; has "
+                          "the run started? see trainer.log_dir)")  # fmt: skip
     return sorted(runs, key=lambda folder: max(path.stat().st_mtime for path in _event_files(folder)))
 
 
@@ -91,6 +98,10 @@ def load_run(log_dir: str | Path) -> RunLog:
               tensor_util.make_ndarray(event.tensor_proto).reshape(-1)[0].decode(), event.wall_time)
         for tag in tags["tensors"] for event in accumulator.Tensors(tag)
     ]  # fmt: skip
+    if not writes and not events:  # TensorBoard's reader skips what it cannot parse: say so rather than show nothing
+        names = ", ".join(path.name for path in _event_files(folder))
+        raise RunNotFound(f"{folder}'s event files ({names}) hold no TensorBoard records: they are damaged or not "
+                          "TensorBoard event files; give a run's folder as its trainer wrote it")  # fmt: skip
     return RunLog(folder, writes, sorted(events, key=lambda e: (e.step, e.wall_time)))
 
 

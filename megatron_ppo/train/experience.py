@@ -4,13 +4,14 @@ experience is the same typed object on every rank."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import NotRequired, TypedDict
 
 import torch
 
 from megatron_ppo import algo
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.data.rows import DataError, Row
 from megatron_ppo.models import RoleModel, eval_mode, run_micro_batches, vocab_parallel_log_probs
 from megatron_ppo.models.router_replay import ROUTED_EXPERTS, Action
 from megatron_ppo.parallel.collectives import (
@@ -180,6 +181,23 @@ def estimate_advantages(
         token_level_rewards=rewards, response_mask=batch["loss_mask"], index=batch["group"], gamma=settings.gamma,
         lam=settings.lam, norm_adv_by_std_in_grpo=settings.norm_adv_by_std_in_grpo, config=settings, **values,
     )  # fmt: skip
+
+
+def check_rows_for_rollout_correction(config: PPOConfig, rows: Sequence[Row]) -> None:
+    """What `rollout_correction` needs of the rows, checked when they are read (before any model is built): with
+    `rollout_is` or `rollout_rs` set, every row carries behaviour log-probs; a `DataError` naming the first that
+    does not otherwise."""
+    settings = config.algorithm.rollout_correction
+    asked = (("rollout_is", settings.rollout_is), ("rollout_rs", settings.rollout_rs))
+    which = [f"{key}={value}" for key, value in asked if value is not None]
+    lacking = [row for row in rows if row.behavior_log_probs is None]
+    if which and lacking:
+        raise DataError(
+            f"{lacking[0].source}: the row has no 'behavior_log_probs' ({len(lacking)} of {len(rows)} rows lack them), "
+            f"but algorithm.rollout_correction.{' and '.join(which)} weighs or rejects tokens by the behaviour "
+            "policy's log-probs: give every row a 'behavior_log_probs' column (one log-prob per response token), "
+            "or unset algorithm.rollout_correction.rollout_is / rollout_rs"
+        )
 
 
 def rollout_correction(

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from megatron_ppo.algo import KLController, KLStage, StagedKLSchedule, build_kl_controller
-from megatron_ppo.config import PPOConfig
+from megatron_ppo.config import ConfigError, PPOConfig
 
 KLCoefficient = KLController | StagedKLSchedule
 # What `KLCoefficients.step` logs: β of each term, the stage index and the target (the controller's, not a measured KL)
@@ -99,5 +99,17 @@ class KLCoefficients:
         return {term: c.state_dict() for term, c in self.controllers.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's controllers; one saved with other KL stages (stage ends are fractions of the run's length,
+        so a changed trainer.total_training_steps or total_epochs moves them) is a `ConfigError` naming the keys."""
         for term, controller in self.controllers.items():
-            controller.load_state_dict(state[term])
+            try:
+                controller.load_state_dict(state[term])
+            except ValueError as differs:
+                raise ConfigError(
+                    [
+                        f"{differs} (KL term {term!r}); the stages' ends are fractions of the run's length, so a "
+                        "changed trainer.total_training_steps (or trainer.total_epochs, data.train_batch_size) or "
+                        "algorithm.kl_ctrl.stages moves them: resume with the values the run started with (the "
+                        "checkpoint's run.json lists them), or start a new run (trainer.resume_mode=disable)"
+                    ]
+                ) from None

@@ -168,6 +168,8 @@ class PPOTrainer:
         path = self.run.resume_from
         if path is not None:
             self.load_trainer_state(self.keeper.resume(path, self.models, self.optimizers))
+        if self.run.name_in_latest is not None:  # only now that it has loaded
+            self.keeper.name_in_latest(self.run.name_in_latest)
         for message in self.run.messages:
             self.logger.event(self.step, "run", message)
         return path

@@ -8,27 +8,28 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from megatron_ppo.checkpoint import directory
 from megatron_ppo.checkpoint.initial_weights import InitialWeights
+from megatron_ppo.checkpoint.run_start import check_directories
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.convert.critic_init import converted_critic_checkpoint
 from megatron_ppo.convert.huggingface import converted_init_checkpoint
-from megatron_ppo.data.rows import read_rows
+from megatron_ppo.data.rows import DataReport, read_rows
 from megatron_ppo.data.scoring import build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
 from megatron_ppo.data.values import RoutingShape
-from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
+from megatron_ppo.parallel import DistEnv, destroy_distributed, dist_env_from_environment, init_distributed
 from megatron_ppo.parallel.ranks import describe_rank
 from megatron_ppo.train.evaluation import ValidationSet
+from megatron_ppo.train.experience import check_rows_for_rollout_correction
 from megatron_ppo.train.ppo import PPOTrainer
 
 
-@contextmanager
-def distributed_run(config: PPOConfig) -> Iterator[InitialWeights]:
-    """Check the launch against the config, start the process groups, convert `model.hf_checkpoint` (and the
-    critic's `critic.model.hf_checkpoint`) on first use; yields the run's initial weights (`InitialWeights`: the
-    configured checkpoints, or those conversions); tears the groups down on the way out."""
+def check_launch(config: PPOConfig) -> DistEnv:
+    """Before any process group or model: the processes started are the config's, and the run's directories are
+    writable (`check_directories`). Returns this process's place in the launch."""
     env = dist_env_from_environment()
     expected = world_size(config)
     if env.world_size != expected:
@@ -36,7 +37,16 @@ def distributed_run(config: PPOConfig) -> Iterator[InitialWeights]:
             [f"{env.world_size} process(es) started, but cluster.nodes × cluster.gpus_per_node = {expected}; launch "
              f"with `torchrun --nproc_per_node {expected} -m megatron_ppo train ...` or set cluster.gpus_per_node"]
         )  # fmt: skip
-    os.makedirs(config.trainer.default_local_dir, exist_ok=True)
+    check_directories(config)
+    return env
+
+
+@contextmanager
+def distributed_run(config: PPOConfig) -> Iterator[InitialWeights]:
+    """Check the launch against the config, start the process groups, convert `model.hf_checkpoint` (and the
+    critic's `critic.model.hf_checkpoint`) on first use; yields the run's initial weights (`InitialWeights`: the
+    configured checkpoints, or those conversions); tears the groups down on the way out."""
+    env = check_launch(config)
     init_distributed(config.actor.megatron, seed=config.trainer.seed, device=config.cluster.device)
     try:
         host = os.environ.get("SLURMD_NODENAME", socket.gethostname())
@@ -56,6 +66,26 @@ def distributed_run(config: PPOConfig) -> Iterator[InitialWeights]:
         destroy_distributed()
 
 
+def other_reward_models(config: PPOConfig, *reports: DataReport) -> list[str]:
+    """A line for each data file scored (`megatron-ppo score`) by another reward model than `reward_model.model.*`
+    names, when it names one: the run's rewards are that model's."""
+    weights = config.reward_model.model
+    named = weights.path or weights.init_checkpoint
+    if not named:
+        return []
+    if weights.init_checkpoint and os.path.isdir(named):  # scoring names the checkpoint a root resolves to
+        named = str(directory.find_resumable(named) or named)
+    lines = []
+    for report in reports:
+        for path, info in report.scored_by.items():
+            scorer = info.get("reward_model")
+            if scorer and os.path.realpath(scorer) != os.path.realpath(named):
+                lines.append(f"{path} was scored by the reward model {scorer} (checkpoint "
+                             f"{info.get('checkpoint_hash')}), not by {named}, which reward_model.model.* names: "
+                             f"its rewards are {scorer}'s")  # fmt: skip
+    return lines
+
+
 def train(config: PPOConfig) -> list[dict[str, float]]:
     """Offline PPO on `data.train_files`: the metrics of every iteration."""
     if not config.model.tokenizer or not config.data.train_files:
@@ -68,28 +98,35 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
             "(or model.allow_random_init=true for a smoke test: the reference then copies the actor)"
         ])  # fmt: skip
     scorer = build_scorer(config.reward)  # before any process group: a missing verl or custom file fails at once
-    with distributed_run(config) as weights:
-        tokenizer = load_tokenizer(config.model.tokenizer)
-        routing = None  # R3: the rows' routed experts, checked against the model
-        if config.actor.router_replay.mode == "R3":
-            routing = RoutingShape(model.num_layers, model.num_experts_per_tok, model.num_experts)
-        rows, report = read_rows(
-            config.data.train_files, tokenizer, config.data,
-            rejects_path=os.path.join(config.trainer.default_local_dir, "rejects.jsonl"), scorer=scorer,
-            routing=routing,
+    check_launch(config)
+    # the data before any process group or model (a conversion of model.hf_checkpoint builds one): a bad row, or
+    # rows lacking what the config asks of them, fail at once
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    routing = None  # R3: the rows' routed experts, checked against the model
+    if config.actor.router_replay.mode == "R3":
+        routing = RoutingShape(model.num_layers, model.num_experts_per_tok, model.num_experts)
+    rows, report = read_rows(
+        config.data.train_files, tokenizer, config.data,
+        rejects_path=os.path.join(config.trainer.default_local_dir, "rejects.jsonl"), scorer=scorer, routing=routing,
+    )  # fmt: skip
+    check_rows_for_rollout_correction(config, rows)
+    val_rows, val_report = [], None
+    if config.data.val_files:
+        val_rows, val_report = read_rows(
+            config.data.val_files, tokenizer, config.data,
+            rejects_path=os.path.join(config.trainer.default_local_dir, "val_rejects.jsonl"), scorer=scorer,
         )  # fmt: skip
+    with distributed_run(config) as weights:
         validation = None
-        if config.data.val_files:
-            val_rows, val_report = read_rows(
-                config.data.val_files, tokenizer, config.data,
-                rejects_path=os.path.join(config.trainer.default_local_dir, "val_rejects.jsonl"), scorer=scorer,
-            )  # fmt: skip
+        if val_report is not None:
             validation = ValidationSet(val_rows, tokenizer, scorer, config.data.max_response_length,
                                        config.actor.log_prob_micro_batch_size_per_gpu)  # fmt: skip
         trainer = PPOTrainer(config, rows, tokenizer.pad_id, evaluate=validation, weights=weights)
         trainer.logger.event(0, "data", report.summary())
-        if validation is not None:
+        if val_report is not None:
             trainer.logger.event(0, "data", f"validation: {val_report.summary()}")
+        for line in other_reward_models(config, report, *([val_report] if validation is not None else [])):
+            trainer.logger.event(0, "data", line)
         trainer.resume()
         try:
             return trainer.fit()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ import torch
 from megatron_ppo.checkpoint import directory, store
 from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.checkpoint.run_start import start_run
-from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.checkpoint.verify import CheckpointError
+from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import MegatronConfig, OptimConfig, PPOConfig
 from megatron_ppo.models import build_role_model
@@ -130,7 +132,7 @@ def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
     report["first"] = (first.identity.run_id, first.resume_from, str(first.log_dir), first.messages)
     try:
         start_run(_config(root, resume_mode="disable"))
-    except ConfigError as refusal:
+    except UserError as refusal:
         report["refused"] = str(refusal)
     report["after_refusal"] = _listing(root / "ckpt")
     changed = _config(root, resume_mode="auto", exit_interval=3)
@@ -138,7 +140,12 @@ def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
     resumed = start_run(changed)
     report["resumed"] = (resumed.identity.run_id, resumed.resume_from.name, str(resumed.log_dir), resumed.messages)
     older = start_run(_config(root, resume_mode="resume_path", resume_from_path=str(root / "ckpt" / "step_4")))
-    report["older"] = (older.identity.run_id, older.resume_from.name, older.messages, _listing(root / "ckpt"))
+    before_load = _listing(root / "ckpt")["latest"]
+    store.load_checkpoint(older.resume_from, {"actor": actor}, {"actor": optimizer})  # as the trainer does, then
+    if rank == 0:
+        directory.point_latest_at(older.name_in_latest)  # it names the checkpoint (`PPOTrainer.resume`)
+    report["older"] = (older.identity.run_id, older.resume_from.name, older.messages, before_load,
+                       _listing(root / "ckpt"))  # fmt: skip
     fresh = start_run(_config(root, resume_mode="disable", overwrite=True))
     moved = sorted((root / "ckpt" / "moved-aside").iterdir())
     report["fresh"] = (fresh.identity.run_id, fresh.resume_from, fresh.messages, _listing(root / "ckpt"),
@@ -154,13 +161,13 @@ def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
     store.save_checkpoint(root / "init", 1, {"actor": actor}, {}, {"step": 1})
     try:
         start_run(_config(root, resume_mode="resume_path", resume_from_path=str(root / "init")))
-    except ConfigError as refusal:
+    except UserError as refusal:
         report["no_identity"] = str(refusal)
     auto_over_init = _config(root, resume_mode="auto")
     auto_over_init.trainer.default_local_dir = str(root / "init")
     try:
         start_run(auto_over_init)
-    except ConfigError as refusal:
+    except UserError as refusal:
         report["auto_without_identity"] = str(refusal)
     return report
 
@@ -195,7 +202,7 @@ def local_checkpoint_into_extra_state_model(rank: int, world_size: int, root: st
     try:
         store.load_weights(te_like, saved, "actor")
         report["missing_weight_error"] = None
-    except RuntimeError as error:
+    except CheckpointError as error:
         report["missing_weight_error"] = str(error)
     return report
 
@@ -237,3 +244,48 @@ def resumed_optimizer_takes_the_same_step(rank: int, world_size: int, root: str,
     sync_parameters(actor)
     differences = {name: (value - expected[name]).abs().max().item() for name, value in weights(actor).items()}
     return {"uninterrupted": uninterrupted, "resumed": resumed, "largest_weight_difference": max(differences.values())}
+
+
+def damaged_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Run A saves steps 2, 4, 6 (keeping 2); then its checkpoints are damaged one way after another: a shard of the
+    one `latest` names truncated, a trainer state truncated in a checkpoint without manifest, a run id that is a
+    path."""
+    root, ckpt = Path(root), Path(root) / "ckpt"
+    init_distributed(MegatronConfig(), seed=0)
+    actor, optimizer = _actor_and_optimizer()
+    run = start_run(_config(root, resume_mode="disable")).identity
+    for step in (2, 4, 6):
+        store.save_checkpoint(ckpt, step, {"actor": actor}, {"actor": optimizer}, {"step": step}, run=run, keep=2)
+    report: dict[str, Any] = {"manifest": sorted(json.loads((ckpt / "step_6" / "manifest.json").read_text())["files"])}
+    shard = sorted((ckpt / "step_6").glob("*.distcp"))[0]
+    if rank == 0:
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    barrier()
+    report["damage"] = directory.damage(ckpt / "step_6")
+    auto = start_run(_config(root, resume_mode="auto"))
+    report["auto"] = (auto.resume_from.name, auto.messages[0], auto.name_in_latest.name, _listing(ckpt)["latest"])
+    try:
+        start_run(_config(root, resume_mode="resume_path", resume_from_path=str(ckpt / "step_6")))
+    except UserError as refusal:
+        report["resume_path"] = (str(refusal), _listing(ckpt)["latest"])
+    # step_6 is damaged, not complete: the save of step 8 keeps 2 complete ones (4 and 8), the damaged one aside
+    store.save_checkpoint(ckpt, 8, {"actor": actor}, {"actor": optimizer}, {"step": 8}, run=run, keep=2)
+    report["after_prune"] = sorted(_listing(ckpt))
+    if rank == 0:  # damage a checkpoint the manifest cannot speak for: the load itself says so
+        (ckpt / "step_4" / "manifest.json").unlink()
+        (ckpt / "step_4" / directory.TRAINER_STATE).write_bytes(b"PK\x03\x04 truncated")
+    barrier()
+    try:
+        store.load_checkpoint(ckpt / "step_4", {"actor": actor}, {"actor": optimizer})
+    except CheckpointError as unreadable:
+        report["load"] = str(unreadable)
+    if rank == 0:
+        escaped = json.loads((ckpt / "step_8" / "run.json").read_text()) | {"run_id": "../../escaped"}
+        (ckpt / "step_8" / "run.json").write_text(json.dumps(escaped))
+    barrier()
+    try:
+        start_run(_config(root, resume_mode="auto"))
+    except UserError as refusal:
+        report["escape"] = str(refusal)
+    report["outside"] = sorted(p.name for p in root.parent.iterdir() if p.name == "escaped")
+    return report

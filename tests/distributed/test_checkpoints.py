@@ -57,7 +57,8 @@ def test_a_run_starts_only_where_no_other_run_has_checkpoints(tmp_path) -> None:
     assert "in 1 key(s): actor.optim.lr: 1e-06 → 0.002" in messages[1], messages
     assert messages[2] == ("changed since the checkpoint (keys meant to change): trainer.exit_interval: None → 3; "
                            "trainer.resume_mode: 'disable' → 'auto'")  # fmt: skip
-    run_id, source, messages, listing = report["older"]
+    run_id, source, messages, before_load, listing = report["older"]
+    assert before_load == "step_6", "latest moves only once the checkpoint has loaded"
     assert (run_id, source, listing["latest"]) == (first_id, "step_4", "step_4"), "latest follows the resumed run"
     run_id, source, messages, listing, moved = report["fresh"]
     assert run_id != first_id and source is None and listing == {"latest": None}
@@ -96,3 +97,21 @@ def test_a_resumed_optimizer_takes_the_same_next_update_bit_for_bit(tmp_path, la
     for rank, report in enumerate(reports):
         assert report["resumed"] == report["uninterrupted"], (layout, rank, report)
         assert report["largest_weight_difference"] == 0.0, (layout, rank, report["largest_weight_difference"])
+
+
+def test_damaged_checkpoints_are_named_skipped_and_never_pruned_into_the_only_ones(tmp_path) -> None:
+    """A checkpoint is trusted when its files match the manifest written at save: `auto` falls back past a damaged
+    one and says why, `resume_path` to it is refused with `latest` unchanged, pruning never counts it, a load that
+    still fails names the checkpoint, and a run id that is a path is refused."""
+    ranks = run_distributed(checkpoint_workers.damaged_checkpoints, 2, str(tmp_path))
+    report, ckpt = ranks[0], tmp_path / "ckpt"
+    assert "trainer_state.pt" in report["manifest"] and "run.json" in report["manifest"]
+    assert report["damage"].startswith("1 of its ") and "bytes, " in report["damage"], report["damage"]
+    source, message, to_name, latest = report["auto"]
+    assert (source, to_name, latest) == ("step_4", "step_4", "step_6"), "latest moves only once step_4 has loaded"
+    assert f"(its newest complete checkpoint; skipped step_6, which latest named: {report['damage']})" in message
+    refusal, latest = report["resume_path"]
+    assert f"checkpoint {ckpt}/step_6 is damaged: 1 of its" in refusal and latest == "step_6", refusal
+    assert report["after_prune"] == ["latest", "step_4", "step_6", "step_8"]
+    assert f"{ckpt}/step_4 cannot be read (trainer_state.pt: " in report["load"], report["load"]
+    assert "names the run '../../escaped', which is no run id" in report["escape"] and report["outside"] == []

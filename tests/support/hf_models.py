@@ -64,15 +64,37 @@ def save_hf_scorer(kind: str, directory: Path, num_labels: int = 1) -> Path:
     return directory
 
 
+def save_word_tokenizer(root: Path, texts: list[str]) -> Path:
+    """A word-level tokenizer.json of the words in `texts` (ids 3…; 0 <unk>, 1 <pad>, 2 </s>) in `root`."""
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "</s>"]))
+    tokenizer.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
+    return root / "tokenizer.json"
+
+
+def scoring_recipe(root: Path, hf_dir: Path, world: int, reward_model: dict, data: dict) -> Path:
+    """A recipe that scores `data.train_files` with `reward_model` (the `reward_model` section) on `world` CPU
+    processes; the policy's model is the reward model's shape (only its tokenizer is read)."""
+    recipe = {
+        "defaults": ["defaults", "clusters/cpu"],
+        "model": {**model_config_from_hf(hf_dir), "params_dtype": "fp32", "make_vocab_size_divisible_by": 128,
+                  "tokenizer": str(root / "tokenizer.json")},
+        "data": data,
+        "reward_model": reward_model,
+        "trainer": {"default_local_dir": str(root / "ckpt")},
+        "cluster": {"gpus_per_node": world},
+    }  # fmt: skip
+    (root / "score.yaml").write_text(yaml.safe_dump(recipe))
+    return root / "score.yaml"
+
+
 def offline_recipe(root: Path, hf_dir: Path, tp: int) -> Path:
     """A recipe that trains the Hugging Face checkpoint at `hf_dir` (named as `model.hf_checkpoint`) for one PPO step
     on a word-level tokenizer.json and a few offline rows."""
-    tokenizer = tokenizers.Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     words = ["hello world", "hello there", "good day", "good night", "see you"]
-    tokenizer.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "</s>"]))
-    tokenizer.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
+    save_word_tokenizer(root, words)
     with (root / "rows.jsonl").open("w") as rows:
         for i in range(8):
             rows.write(json.dumps({"prompt": words[i % 5], "response": words[(i + 1) % 5], "reward": i % 2}) + "\n")

@@ -21,6 +21,7 @@ class CharTokenizer:
     """One token per non-space character (ord % 50), so whitespace-only text has no tokens."""
 
     eos_id = EOS
+    unk_id = None
     vocab_size = 100
     chat_template = None
 

@@ -79,7 +79,7 @@ def test_a_missing_directory_is_named() -> None:
 
 def test_the_cli_names_a_run_that_has_not_started(tmp_path: Path, capsys) -> None:
     recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml")
-    assert main(["report", recipe, f"trainer.log_dir={tmp_path}/never"]) == 1
+    assert main(["report", recipe, f"trainer.log_dir={tmp_path}/never"]) == 2
     assert f"no TensorBoard directory at {tmp_path}/never" in capsys.readouterr().err
 
 

@@ -43,6 +43,14 @@ def test_override_with_spaces_stays_one_argument() -> None:
     assert command[-1] == "trainer.experiment_name=a b"
 
 
+def test_the_scoring_job_runs_score_on_the_recipes_nodes(capsys) -> None:
+    assert main([str(REPO / "recipes" / "qwen2.5-32b.yaml"), "--score", "--dry-run"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert "PPO_COMMAND=score" in line and "--nodes=4" in line and "--job-name=score-" in line
+    assert "PPO_COMMAND=train" in shlex.join(sbatch_command(str(REPO / "recipes" / "qwen2.5-32b.yaml"), []))
+    assert main([str(REPO / "recipes" / "qwen2.5-32b.yaml"), "--score", "--chain", "2", "--dry-run"]) == 2
+
+
 def test_dry_run_chain_prints_dependent_jobs(capsys) -> None:
     assert main([str(REPO / "recipes" / "tiny-cpu.yaml"), "--dry-run", "--chain", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -56,7 +64,8 @@ def test_dry_run_of_the_32b_recipe_on_4_nodes_prints_the_sbatch_line(capsys) -> 
     (line,) = capsys.readouterr().out.strip().splitlines()
     assert shlex.split(line) == [
         "sbatch", "--parsable", "--nodes=4", "--ntasks-per-node=8", "--time=04:00:00", "--job-name=ppo-qwen2.5-32b",
-        "--output=logs/%x-%j.out", "--export=ALL,PPO_LOG_ROOT=logs", "--gpus-per-node=8", "--partition=gpu",
+        "--output=logs/%x-%j.out", "--export=ALL,PPO_LOG_ROOT=logs,PPO_COMMAND=train", "--gpus-per-node=8",
+        "--partition=gpu",
         str(REPO / "slurm" / "ppo.sbatch"), recipe, "cluster.partition=gpu", "cluster.nodes=4",
     ]  # fmt: skip
 

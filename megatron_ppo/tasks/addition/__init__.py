@@ -20,6 +20,14 @@ def run(config: PPOConfig) -> dict[str, float]:
         return run_addition_recipe(config, weights)
 
 
+def score(config: PPOConfig) -> None:
+    """`megatron-ppo score` on the tiny recipe: the task's reward model (trained from its labels once) scores its
+    dataset (`reward_model.py`)."""
+    from megatron_ppo.tasks.addition.reward_model import score as score_task
+
+    score_task(config)
+
+
 def compare_kl(config: PPOConfig, plot: str | None = None) -> dict[str, dict[str, float]]:
     """The PPO stage with the KL term off, fixed, adaptive and staged (same SFT start, data and seed); `plot`: their
     figure's file ("" for the default, see `compare_kl.compare_kl`)."""

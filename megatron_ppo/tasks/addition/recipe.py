@@ -29,6 +29,7 @@ from megatron_ppo.models.generation import generate, timed_generate
 from megatron_ppo.parallel.collectives import barrier
 from megatron_ppo.tasks.addition.problems import AdditionProblem, corpus, demonstrate, reward, split_problems
 from megatron_ppo.tasks.addition.sft import run_sft
+from megatron_ppo.train.experience import check_rows_for_rollout_correction
 from megatron_ppo.train.metrics import is_logging_rank
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.ppo import PPOTrainer
@@ -176,10 +177,12 @@ class AdditionTask:
     rows: list[Row]
     data_line: str
     sft_checkpoint: str
+    data_path: Path  # the sampled dataset with its rule rewards (the rows, unless data.train_files names others)
 
 
 def prepare_addition_task(config: PPOConfig) -> AdditionTask:
-    """Tokenizer, SFT policy and offline dataset (each built once and cached in data.addition.work_dir)."""
+    """Tokenizer, SFT policy and offline dataset (each built once and cached in data.addition.work_dir); the rows
+    are the dataset's, or those of `data.train_files` when set."""
     task = config.data.addition
     work = task_directory(config)
     train, heldout = split_problems(task.num_prompts, task.num_heldout, seed=config.data.seed)
@@ -190,8 +193,11 @@ def prepare_addition_task(config: PPOConfig) -> AdditionTask:
         )
     sft_path = _sft_checkpoint(config, tokenizer, train, work)
     data_path = _offline_dataset(config, tokenizer, train, sft_path, work)
-    rows, report = read_rows([data_path], tokenizer, config.data, rejects_path=work / "data" / "rejects.jsonl")
-    return AdditionTask(tokenizer, heldout, rows, report.summary(), str(sft_path))
+    # data.train_files: the task's rows scored another way (`make score`: by a reward model), trained on instead
+    paths = config.data.train_files or [data_path]
+    rows, report = read_rows(paths, tokenizer, config.data, rejects_path=work / "data" / "rejects.jsonl")
+    check_rows_for_rollout_correction(config, rows)  # before the PPO run builds its models
+    return AdditionTask(tokenizer, heldout, rows, report.summary(), str(sft_path), data_path)
 
 
 def train_on_task(

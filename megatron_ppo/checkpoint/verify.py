@@ -1,0 +1,121 @@
+"""Whether a checkpoint's files are all there: a manifest written at save, checked before a checkpoint is trusted.
+
+`save_checkpoint` writes `manifest.json` into the checkpoint last, once every rank has written its files: each file
+under the checkpoint (relative path) with its size in bytes. `damage(path)` compares the directory with it: a file
+missing or of another size (a truncated copy, a disk that filled up, a file removed by hand) makes the checkpoint
+damaged, with the first differences named. Resuming (`auto` and `resume_path`), rollbacks, pruning and export all
+go through `directory.is_complete`, which asks this; a checkpoint saved before manifests existed is judged by its
+files alone (the older rule). Reading a checkpoint's files that still fails (`reading`) ends in a `CheckpointError`
+naming it, not in the unpickler's or Megatron's internal error.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from megatron_ppo.config.errors import UserError
+
+MANIFEST = "manifest.json"
+_SHOWN = 3  # differences named in a message
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used: damaged, incomplete, another run's or another model's; the message names
+    it and what to do."""
+
+
+def write_manifest(checkpoint: Path) -> None:
+    """Record every file under `checkpoint` with its size (rank 0, after every rank has written its files)."""
+    files = {
+        str(path.relative_to(checkpoint)): path.stat().st_size
+        for path in sorted(checkpoint.rglob("*"))
+        if path.is_file() and path.name != MANIFEST
+    }
+    temporary = checkpoint / f".{MANIFEST}.tmp"
+    temporary.write_text(json.dumps({"files": files}, indent=0, sort_keys=True) + "\n")
+    temporary.replace(checkpoint / MANIFEST)
+
+
+def damage(checkpoint: Path) -> str | None:
+    """Why `checkpoint` does not match its manifest (None: it does, or it has none)."""
+    manifest = checkpoint / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+        return f"its {MANIFEST} is unreadable ({error})"
+    problems = []
+    for name, size in files.items():
+        path = checkpoint / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{name} is {path.stat().st_size} bytes, {size} when saved")
+    if not problems:
+        return None
+    more = f" and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+    return f"{len(problems)} of its {len(files)} files differ from {MANIFEST}: " + "; ".join(problems[:_SHOWN]) + more
+
+
+@contextmanager
+def reading(checkpoint: Path, what: str) -> Iterator[None]:
+    """Turn a failure to read `checkpoint`'s files (truncated pickles, a zip archive torch cannot open, Megatron's
+    metadata missing) into a `CheckpointError` naming the checkpoint and `what` was being read."""
+    try:
+        yield
+    except (EOFError, pickle.UnpicklingError, AssertionError, RuntimeError, OSError, ValueError) as error:
+        if isinstance(error, UserError):
+            raise
+        first_line = next(iter(str(error).splitlines()), "")
+        raise CheckpointError(
+            f"{checkpoint} cannot be read ({what}: {type(error).__name__}: {first_line}): "
+            "it is damaged or not a megatron-ppo checkpoint; resume from another one (trainer.resume_mode=resume_path "
+            "trainer.resume_from_path=<an older step_N>) or delete it"
+        ) from error
+
+
+@contextmanager
+def writing(temporary: Path, step: int) -> Iterator[None]:
+    """Writing a checkpoint into `temporary`. A write the filesystem refuses (a full disk above all, which torch
+    reports as `unexpected pos` or a checkpoint exception without the errno; a read-only or vanished directory)
+    removes the partial save and ends in a `CheckpointError` saying so, with the space left and the checkpoint
+    `latest` still names. Other failures are not the user's: they propagate as they are."""
+    try:
+        yield
+    except BaseException as error:  # torch's CheckpointException derives from BaseException
+        root = temporary.parent
+        free = shutil.disk_usage(root).free if root.is_dir() else 0
+        code = _errno_in(error)
+        full = code in (errno.ENOSPC, errno.EDQUOT) or free < _FULL_BELOW_BYTES
+        if isinstance(error, KeyboardInterrupt | SystemExit) or not (full or code is not None):
+            raise
+        shutil.rmtree(temporary, ignore_errors=True)
+        latest = root / "latest"
+        kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no earlier checkpoint"
+        cause = "the disk is full" if full else os.strerror(code)
+        fix = ("free space there, or point trainer.default_local_dir at a larger disk, and resume" if full
+               else "make trainer.default_local_dir writable, and resume")  # fmt: skip
+        raise CheckpointError(
+            f"the checkpoint of step {step} could not be written to {root} ({cause}; {free / 2**20:.1f} MiB free): "
+            f"the partial save was removed and {kept}; {fix}"
+        ) from error
+
+
+_FULL_BELOW_BYTES = 16 * 2**20  # a failed write with less free than this: the disk filled up
+
+
+def _errno_in(error: BaseException | None) -> int | None:
+    """The errno of `error` or of an error it was raised from."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno:
+            return error.errno
+        error = error.__cause__ or error.__context__
+    return None
