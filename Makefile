@@ -133,15 +133,17 @@ bench: setup
 # iteration (tokens/s, MFU, peak memory against the planner), GPU bf16 against CPU fp32 log-probs; one table and
 # outputs/gpu_check.json. `make gpu-check DRY_RUN=1` runs it on the CPU with a tiny model (CI does).
 # Works without `make setup` on a bare CUDA machine (Python 3.12 and PyTorch, no network): `make gpu-wheels` here
-# fetches what it lacks at the lock's versions into .whl/; there they are installed once into .whl/site and put on
-# PYTHONPATH with the source tree.
+# fetches what it lacks at the lock's versions into .whl/ (the list: python -m bench.gpu_wheels, from the code's
+# imports); there they are installed once into .whl/site and put on PYTHONPATH with the source tree, and the check
+# first names any module that still does not import.
 WHEELS ?= .whl
 gpu-wheels:
-	bash bench/gpu_wheels.sh $(WHEELS)
+	PY=$(PY) bash bench/gpu_wheels.sh $(WHEELS)
 
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then \
 		$(GPU_PY) -m pip install -q --no-index --no-deps --target .whl/site .whl/*.whl; fi
+	@PYTHONPATH=$(CURDIR):$(CURDIR)/.whl/site$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PY) -m bench.gpu_wheels --check
 	PYTHONPATH=$(CURDIR):$(CURDIR)/.whl/site$(if $(PYTHONPATH),:$(PYTHONPATH)) OMP_NUM_THREADS=$(or $(OMP_NUM_THREADS),8) \
 		$(GPU_PY) -m bench.gpu_check $(if $(DRY_RUN),--dry-run) $(ARGS)

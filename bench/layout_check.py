@@ -13,7 +13,7 @@
      |x − x₁| ≤ max(rel · |x₁|, abs);
    - weights after the step, loaded back at TP=1: ‖w − w₁‖ / ‖w₁‖ over each role's parameters.
 2. **The tiny recipe at TP=2 with sequence parallelism** through the CLI on 2 GPUs (torchrun, 2 processes; the
-   shortened recipe of (a)): exit 0 and held-out accuracy rises. The dry run validates its overrides only, as (a).
+   shortened recipe of (a)): exit 0 and held-out accuracy rises. The dry run trains it on a shrunk task, as (a).
 
 Tolerances (`TOLERANCES`, by the dtype the models run in). bf16 (a real run): TP and PP change the order of the
 row-parallel all-reduce sums and of the pipeline's gradient sums, and bf16 rounds each (2⁻⁸ relative). Megatron-LM's

@@ -1,10 +1,23 @@
 """Part (f) of the GPU check: a save and a resume change nothing. The PPO iteration of part (b) (at its first
 length) runs twice with a checkpoint between; a second trainer resumes from that checkpoint (same layout) and runs
-the second iteration again. Gate: every metric of the two second iterations bitwise equal (timings and
-throughput excepted) — weights, optimizer states, the sampler, the KL controller and the RNG states all come back."""
+the second iteration again — weights, optimizer states, the sampler, the KL controller and the RNG states all come
+back. Gate: every metric of the two second iterations bitwise equal (timings and throughput excepted), but the
+gradient norms on CUDA: within `GRAD_NORM_RTOL` of each other.
+
+Why the exception, and only it: both second iterations start from the same weights (the saved ones), so their
+forward passes — the experience and every loss of the update's one mini-batch per role, computed before its step —
+run the same kernels on the same inputs, which cuBLAS and the attention kernels do deterministically. Their
+backward passes do not: Megatron's `VocabParallelEmbedding` adds its gradient rows with `F.embedding`'s atomic
+scatter unless `deterministic_mode` is set, and the flash / memory-efficient SDPA backward accumulates dQ with atomic
+adds; the fp32 sums then differ in the order of their terms, ~1e-6 relative per sum, and the norm over them stays
+within 1e-4 (1e-3 is the bound). Making the backward bitwise instead — Megatron's `deterministic_mode`,
+`torch.use_deterministic_algorithms(True)` with `CUBLAS_WORKSPACE_CONFIG=:4096:8` set before CUDA starts, and the
+math SDPA kernel (flash has no deterministic backward) — would measure another program than the one training runs.
+On the CPU (the dry run) every kernel is deterministic and the norms are held bitwise too."""
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,6 +25,8 @@ from typing import Any
 from bench.gpu_plan import ppo_config, synthetic_rows
 
 UNTIMED = ("perf/", "timing/")  # wall-clock metrics: never equal
+BACKWARD = "/grad_norm"  # `{role}/grad_norm`, `{role}/grad_norm_max`: the one metric of the update's backward
+GRAD_NORM_RTOL = 1e-3  # on CUDA (module docstring)
 SEED = 0
 
 
@@ -39,16 +54,29 @@ def check_resume(plan, work: Path) -> dict[str, Any]:
         resumed_trainer.close()
         shutil.rmtree(work / "resume", ignore_errors=True)  # its checkpoint: ~40 GB at the 1.5B shape
     keys = sorted(key for key in straight if not key.startswith(UNTIMED))
-    differing = {key: (straight[key], resumed.get(key)) for key in keys if straight[key] != resumed.get(key)}
+    bounded = plan.device == "cuda"
+    differing = {key: (straight[key], resumed.get(key)) for key in keys
+                 if not _same(key, straight[key], resumed.get(key), bounded)}  # fmt: skip
     return {"resumed_from": str(resumed_from), "metrics_compared": len(keys), "differing": differing,
+            "grad_norm_rtol": GRAD_NORM_RTOL if bounded else 0.0,
             "ok": resumed_from is not None and not differing}  # fmt: skip
+
+
+def _same(key: str, straight: float, resumed: float | None, bounded: bool) -> bool:
+    """Bitwise, or for a gradient norm on CUDA within `GRAD_NORM_RTOL`."""
+    if straight == resumed:
+        return True
+    if not bounded or BACKWARD not in key or resumed is None:
+        return False
+    return math.isclose(straight, resumed, rel_tol=GRAD_NORM_RTOL)
 
 
 def table_lines(f: dict[str, Any]) -> list[str]:
     if "metrics_compared" not in f:
         return [f"(f) save + resume, same layout        FAILED {f.get('error', '')[:300]}"]
     if f["ok"]:
-        return [f"(f) save + resume, same layout        ok  {f['metrics_compared']} metrics bitwise equal"]
+        bound = f" (grad norms within {f['grad_norm_rtol']:g} relative)" if f.get("grad_norm_rtol") else ""
+        return [f"(f) save + resume, same layout        ok  {f['metrics_compared']} metrics bitwise equal{bound}"]
     shown = "; ".join(f"{key}: {a!r} vs {b!r}" for key, (a, b) in list(f["differing"].items())[:4])
     return [f"(f) save + resume, same layout        FAILED  resumed from {f['resumed_from']}; "
             f"{len(f['differing'])} of {f['metrics_compared']} differ: {shown}"]  # fmt: skip

@@ -73,3 +73,62 @@ def cpu_problems(config: PPOConfig) -> list[str]:
     if config.cluster.device != "cpu":
         return []
     return [entry.problem(config) for entry in GPU_ONLY if entry.present(config)]
+
+
+@dataclass(frozen=True)
+class CudaBranch:
+    """A branch of the code only CUDA takes, beside the settings above that cannot run on CPU at all: `where` it
+    is, `forced_by` the setting or test hook that makes a CPU run take it (never a mock of Megatron), and `test`
+    the CPU test that runs it (`tests/unit/test_cpu_coverage.py` checks each test exists), or why none can."""
+
+    where: str
+    forced_by: str
+    test: str
+
+
+BUCKET = "megatron.make_sequence_length_divisible_by=128 (the setting the CUDA default stands for)"
+CUDA_BRANCHES: tuple[CudaBranch, ...] = (
+    CudaBranch(
+        "models/widths.py width_bucket: every width rounded up to 128, padding at position 0 (models/moe.py)",
+        BUCKET,
+        "tests/distributed/test_update_path.py::test_sft_under_the_cuda_width_bucket_equals_sft_without_it"
+        " (learned positions and RoPE); tests/e2e/test_tiny_recipe.py::test_the_cuda_width_bucket_changes_no_step",
+    ),
+    CudaBranch(
+        "models/gpt.py logits_cut: logits of the real tokens only under the bucket (in-place gradient)",
+        BUCKET,
+        "tests/distributed/test_vocab_parallel_logprobs.py::"
+        "test_the_width_bucket_keeps_one_logits_buffer_with_its_gradient_in_place",
+    ),
+    CudaBranch(
+        "models/kernels.py sdpa_backend: the kernel named for the training rows, padded width and gradients",
+        BUCKET,
+        "tests/distributed/test_sdpa_attention.py::test_the_start_line_names_the_attention_kernel_a_training_step_runs",
+    ),
+    CudaBranch(
+        "models/kernels.py fusion_flags: fusions by what imports (apex's and TE's kernels present)",
+        "torch.cuda.is_available reported True; fusion_flags(importable=...)",
+        "tests/unit/test_device.py::test_with_every_kernel_importable_the_tiny_recipes_layer_norm_builds_on_cuda",
+    ),
+    CudaBranch(
+        "models/transformer_config.py: weights drawn on the GPU, batched pipeline messages",
+        "torch.cuda.is_available reported True",
+        "tests/unit/test_device.py::test_cuda_config_initialises_on_the_gpu_with_only_importable_fusions",
+    ),
+    CudaBranch(
+        "train/memory_backoff.py: torch.OutOfMemoryError from CUDA's allocator, on every rank or on one",
+        "the drill's injected error (tests/drill/faults.py)",
+        "tests/distributed/test_data_parallel_overlap.py::"
+        "test_out_of_memory_in_a_backward_is_retried_and_equals_a_run_without_it; tests/e2e/test_fault_drill.py",
+    ),
+    CudaBranch(
+        "bench/resume_check.py: gradient norms held within 1e-3 instead of bitwise",
+        "none (the bound only widens a comparison the CPU makes bitwise)",
+        "tests/e2e/test_gpu_check.py::test_gpu_check_dry_run_runs_every_part_and_writes_its_table (bitwise)",
+    ),
+    CudaBranch(
+        "parallel/device.py to_device, models/offload.py: pinned host memory, non_blocking copies",
+        "none: pinning needs a CUDA context; the same copies run unpinned on CPU",
+        "tests/distributed/test_host_offload.py::test_an_offloaded_run_equals_one_without_offload (unpinned)",
+    ),
+)

@@ -458,6 +458,10 @@ class GuardsConfig(Freezable):
     plateau_evaluations: int = ranged(0, NON_NEGATIVE)  # no new best reward in this many evaluations → lr back-off
     plateau_lr_factor: float = ranged(0.9, FACTOR)
     max_oom_retries: int = ranged(3, NON_NEGATIVE)  # out-of-memory retries with a smaller micro-batch, per run
+    # how long a rank that ran out of memory waits for the others to agree on a retry (train/memory_backoff.py):
+    # longer than one mini-batch's forward-backward; past it the error was one rank's alone and the run stops,
+    # leaving its checkpoint (a retry would need the others out of the collective they wait in)
+    oom_agreement_timeout_s: float = ranged(600.0, POSITIVE)
     watch: list[WatchConfig] = field(default_factory=_default_watch)
 
 

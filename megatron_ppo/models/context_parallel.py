@@ -40,7 +40,8 @@ def split_micro_batch(
 ) -> MicroBatch:
     """This CP rank's tokens of every per-token tensor (`[b, W, ...]`, W = `input_ids`' width) of `batch`, after
     right-padding W to `full_width` (the pass's width, `models.schedule.model_shapes`; by default `padded_width`),
-    zeros: padded tokens are outside every mask; positions continue counting. Per-row tensors (`[b]`, e.g.
+    zeros: padded tokens are outside every mask, and position 0 is in every learned position table (as
+    `models.moe.pad_tokens`). Per-row tensors (`[b]`, e.g.
     `lengths`, `scores`) are kept whole."""
     if batch.get("attention_mask") is not None:
         raise ValueError("context parallelism runs causal attention without an explicit attention mask")
@@ -57,11 +58,7 @@ def split_micro_batch(
         if value is None or value.dim() < 2 or value.shape[1] != width:
             out[key] = value
             continue
-        if key == "position_ids":
-            extra = torch.arange(width, full, device=value.device, dtype=value.dtype).expand(value.shape[0], -1)
-            padded = torch.cat([value, extra], dim=1)
-        else:
-            padded = torch.nn.functional.pad(value, (0, 0) * (value.dim() - 2) + (0, full - width))
+        padded = torch.nn.functional.pad(value, (0, 0) * (value.dim() - 2) + (0, full - width))
         out[key] = padded.index_select(1, index)
     return out
 

@@ -162,8 +162,8 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, rout
         )
         if role in VALUE_HEAD_ROLES and post_process:
             gpt.output_layer = ValueHead(config)
-        elif post_process and not config.sequence_parallel:
-            batch_major_logits(gpt.output_layer)
+        elif post_process:
+            batch_major_logits(gpt.output_layer, sequence_parallel=config.sequence_parallel)
         # Megatron's torch norms and our value head are made on the host in fp32: all of it to the run's device and
         # dtype (as Megatron-LM's Float16Module does), so norms run their fused bf16 kernels
         gpt.to(device=current_device(), dtype=config.params_dtype)
@@ -227,22 +227,55 @@ def zero_grad_buffers(model: RoleModel) -> None:
         chunk.zero_grad_buffer()
 
 
-def batch_major_logits(output_layer: torch.nn.Module) -> None:
-    """Make the vocabulary output layer compute its logits in `[b, s, v / TP]` order — its input transposed first,
-    `[s, b, h]` → `[b, s, h]` (a copy h / v of the logits' size) — and return them as the `[s, b, v / TP]` view, so
-    GPTModel's `logits.transpose(0, 1).contiguous()` to `[b, s, v / TP]` copies nothing, forward or backward (two
-    copies of the largest tensor of the step otherwise). Not with sequence parallelism, where the layer
-    all-gathers its input along the sequence dimension (dim 0)."""
+def batch_major_logits(output_layer: torch.nn.Module, sequence_parallel: bool) -> None:
+    """Make the vocabulary output layer return its logits `[b, s, v / TP]` as a tensor of their own, contiguous —
+    the one `[tokens, v / TP]` buffer of the step, into which `models.logprobs` writes their gradient — and only for
+    the micro-batch's real `[rows, width]` when the schedule padded it (`logits_cut`).
 
-    def transpose_input(_layer, args, kwargs):
-        return (args[0].transpose(0, 1).contiguous(), *args[1:]), kwargs
+    Without sequence parallelism the layer's input is transposed first, `[s, b, h]` → `[b, s, h]` (a copy h / v of
+    the logits' size), and cut there, so the logits are computed for the real tokens alone and returned as the
+    `[s, b, v / TP]` view that GPTModel's `logits.transpose(0, 1).contiguous()` turns back into them, copying
+    nothing, forward or backward. Cutting the logits instead (a view into the padded ones) would cost a copy in
+    each direction and a padded gradient buffer: three buffers at peak. With sequence parallelism the layer
+    all-gathers its input along the sequence dimension (dim 0), so the padded logits `[S, B, v / TP]` are cut
+    after it; GPTModel's transpose then copies the cut into a tensor of its own (the copy sequence parallelism
+    costs anyway), and only the backward of the cut allocates a padded buffer."""
 
-    def transpose_output(_layer, _args, output):
+    def transpose_input(layer, args, kwargs):
+        hidden = args[0].transpose(0, 1)
+        if layer.real_shape is not None and not sequence_parallel:
+            rows, width = layer.real_shape
+            hidden = hidden[:rows, :width]
+        return (hidden.contiguous(), *args[1:]), kwargs
+
+    def transpose_output(layer, _args, output):
         logits, bias = output
+        if sequence_parallel:
+            if layer.real_shape is not None:
+                rows, width = layer.real_shape
+                logits = logits[:width, :rows]
+            return logits, bias
         return logits.transpose(0, 1), bias
 
-    output_layer.register_forward_pre_hook(transpose_input, with_kwargs=True)
+    output_layer.real_shape = None  # (rows, width) of the micro-batch under way, set by `logits_cut`
+    if not sequence_parallel:
+        output_layer.register_forward_pre_hook(transpose_input, with_kwargs=True)
     output_layer.register_forward_hook(transpose_output)
+
+
+@contextmanager
+def logits_cut(chunk: torch.nn.Module, rows: int, width: int) -> Iterator[None]:
+    """While a forward of `chunk` runs: its vocabulary output layer (last stage, `batch_major_logits`) computes the
+    logits of the first `rows` rows and `width` tokens only (the rest is padding); other chunks are unchanged."""
+    layer = getattr(unwrap(chunk), "output_layer", None) if unwrap(chunk).post_process else None
+    if layer is None or not hasattr(layer, "real_shape"):
+        yield
+        return
+    layer.real_shape = (rows, width)
+    try:
+        yield
+    finally:
+        layer.real_shape = None
 
 
 def unwrap(chunk: torch.nn.Module) -> GPTModel:

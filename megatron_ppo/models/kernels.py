@@ -7,7 +7,10 @@ Each Megatron fusion flag is turned on only on CUDA and only where its kernel im
     masked_softmax_fusion         the `scaled_masked_softmax_cuda` extensions (apex / Megatron-LM kernels)
     apply_rope_fusion             Transformer Engine's fused RoPE (megatron.core rope_utils finds it)
     gradient_accumulation_fusion  the `fused_weight_gradient_mlp_cuda` extension (apex)
-    persist_layer_norm            apex's persistent layer norm (megatron.core.fusions.fused_layer_norm finds it)
+
+`persist_layer_norm` (apex's persistent LayerNorm kernel) stays off whatever imports: the local spec's norms are
+`models.norms.LocalNorm` (torch's, sequence-parallel capable), which has no such kernel and refuses the flag, and
+Transformer Engine's norms ignore it.
 
 The first two are not TorchScript: their functions are decorated with `megatron.core.jit.jit_fuser`, which is
 `torch.compile` on torch ≥ 2.2 (megatron-core 0.16 and 0.19 alike). Each is compiled by Inductor (Triton kernels)
@@ -39,7 +42,6 @@ FUSIONS = (
     "masked_softmax_fusion",
     "apply_rope_fusion",
     "gradient_accumulation_fusion",
-    "persist_layer_norm",
 )
 
 
@@ -53,7 +55,6 @@ def transformer_engine_usable() -> bool:
 
 def importable_fusions() -> dict[str, bool]:
     """Whether each fusion's kernel imports in this process (independent of the device)."""
-    from megatron.core.fusions import fused_layer_norm
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.tensor_parallel import layers
 
@@ -66,22 +67,19 @@ def importable_fusions() -> dict[str, bool]:
         ),
         "apply_rope_fusion": rope_utils.fused_apply_rotary_pos_emb is not None,
         "gradient_accumulation_fusion": layers._grad_accum_fusion_available,
-        "persist_layer_norm": fused_layer_norm.HAVE_PERSIST_LAYER_NORM,
     }
 
 
-def fusion_flags(model: ModelConfig) -> dict[str, bool]:
-    """The fusion flags for `TransformerConfig`: all off on CPU; on CUDA each on where its kernel imports and the
-    model can use it (Megatron fuses a bias with GeLU only when there is a bias; RoPE fusion needs RoPE; the
-    persistent layer norm needs the local spec's LayerNorm)."""
+def fusion_flags(model: ModelConfig, importable: dict[str, bool] | None = None) -> dict[str, bool]:
+    """The fusion flags for `TransformerConfig`: all off on CPU; on CUDA each on where its kernel imports
+    (`importable`, by default `importable_fusions()`: a test passes a machine's with apex and TE) and the model can
+    use it (Megatron fuses a bias with GeLU only when there is a bias; RoPE fusion needs RoPE)."""
     if not on_cuda():
         return dict.fromkeys(FUSIONS, False)
-    flags = importable_fusions()
+    flags = dict(importable if importable is not None else importable_fusions())
     swiglu = model.activation == "swiglu"
     flags["bias_activation_fusion"] &= swiglu or model.add_bias_linear
     flags["apply_rope_fusion"] &= model.position_embedding_type == "rope"
-    # only apex's LayerNorm of the local spec has a persistent kernel (torch's norms refuse the flag; TE ignores it)
-    flags["persist_layer_norm"] &= model.normalization == "LayerNorm" and not uses_transformer_engine(model)
     return flags
 
 
@@ -104,27 +102,50 @@ SDPA_BACKENDS = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "memory-effi
 
 
 def sdpa_backend(config: PPOConfig, masked: bool = False) -> str:
-    """The backend `torch.nn.functional.scaled_dot_product_attention` runs for the actor's attention on this
-    device: `SDPAttention`'s call (per tensor-parallel rank: query heads and key/value groups `[1, heads, s, hn]`,
-    s the run's longest sequence, the parameters' dtype), causal without a mask, or with a boolean mask (`[s, s]`,
-    s at most 4096 here) and keys repeated per query head when `masked`; asked of PyTorch's dispatcher itself."""
+    """The backend `torch.nn.functional.scaled_dot_product_attention` runs for the actor's training attention on
+    this device, asked of PyTorch's dispatcher itself with the tensors `SDPAttention` passes it (per
+    tensor-parallel rank): query heads and key/value groups `[b, heads, S, hn]` as permuted views of `[S, b, heads,
+    hn]`, b the actor's micro-batch rows, S the longest row padded as the schedule pads it (the width bucket and
+    the layout's multiple, `models.widths`), the parameters' dtype, requiring gradients (the dispatcher refuses
+    some kernels a backward); causal without a mask, or with a boolean mask (`[S, S]`, S at most 4096 here) and
+    keys repeated per query head when `masked`."""
     from torch.nn.attention import SDPBackend
 
     from megatron_ppo.models.dtypes import DTYPES
+    from megatron_ppo.models.widths import padded_width, width_bucket
     from megatron_ppo.parallel.device import current_device
 
-    model, tp = config.model, config.actor.megatron.tensor_model_parallel_size
+    model, layout = config.model, config.actor.megatron
+    tp = layout.tensor_model_parallel_size
     heads, groups = model.num_attention_heads // tp, (model.num_query_groups or model.num_attention_heads) // tp
     head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
-    seq = min(config.data.max_length, model.max_position_embeddings)
+    longest = min(config.data.max_length, model.max_position_embeddings)
+    bucket = width_bucket(layout.make_sequence_length_divisible_by, on_cuda())
+    seq = padded_width(longest, layout.context_parallel_size, tp if layout.sequence_parallel else 1, bucket)
+    seq = seq // layout.context_parallel_size  # this CP rank's tokens
     seq = min(seq, 4096) if masked else seq
+    rows = config.actor.ppo_micro_batch_size_per_gpu or 1
     options = {"dtype": DTYPES[model.params_dtype], "device": current_device()}
-    query = torch.zeros(1, heads, seq, head_dim, **options)
-    key = torch.zeros(1, heads if masked else groups, seq, head_dim, **options)
+
+    def projected(count: int) -> torch.Tensor:  # [S, b, heads, hn] → [b, heads, S, hn], as SDPAttention permutes
+        return torch.zeros(seq, rows, count, head_dim, **options, requires_grad=True).permute(1, 2, 0, 3)
+
+    query, key = projected(heads), projected(heads if masked else groups)
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=options["device"]).tril() if masked else None
     choice = torch._fused_sdp_choice(query, key, key, mask, 0.0, not masked, enable_gqa=groups != heads and not masked)
     name = SDPBackend(choice).name
     return SDPA_BACKENDS.get(name, name)
+
+
+def transformer_engine_attention() -> str:
+    """The attention backends Transformer Engine may pick among at its first forward, as its environment switches
+    leave them enabled (`NVTE_FLASH_ATTN`, `NVTE_FUSED_ATTN`, `NVTE_UNFUSED_ATTN`, each on unless "0"); TE logs its
+    choice with `NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1`."""
+    import os
+
+    switches = {"NVTE_FLASH_ATTN": "flash", "NVTE_FUSED_ATTN": "cuDNN fused", "NVTE_UNFUSED_ATTN": "unfused"}
+    enabled = [name for key, name in switches.items() if os.environ.get(key, "1") != "0"]
+    return f"TEDotProductAttention (TE picks among {' / '.join(enabled) or 'none enabled'})"
 
 
 def describe_kernels(config: PPOConfig) -> str:
@@ -132,7 +153,7 @@ def describe_kernels(config: PPOConfig) -> str:
     (those compiled with torch.compile marked), optimizer, dtype."""
     te = uses_transformer_engine(config.model)
     if te:
-        spec, attention = "Transformer Engine", "TEDotProductAttention (TE picks flash / cuDNN fused / unfused)"
+        spec, attention = "Transformer Engine", transformer_engine_attention()
     else:
         where = "" if on_cuda() else ", CPU kernel"
         spec = "Megatron local"

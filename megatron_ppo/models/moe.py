@@ -80,15 +80,18 @@ def pad_tokens(
     attention_mask: torch.Tensor | None,
     shape: tuple[int, int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`[b, s]` tokens and positions padded to `shape` = `[rows, width]` (token 0; positions 0..width−1 where there
-    were none), and a boolean mask `[b, 1, s, s]` (True: not allowed) extended causally to `[rows, 1, width, width]`.
-    Padding goes below and to the right: under causal attention no real position sees it."""
+    """`[b, s]` tokens and positions padded to `shape` = `[rows, width]` (token 0, position 0), and a boolean mask
+    `[b, 1, s, s]` (True: not allowed) extended causally to `[rows, 1, width, width]`.
+    Padding goes below and to the right: under causal attention no real position sees it, so any position id in
+    range serves, and 0 is in range of every learned position table (the CUDA width bucket pads a 13-token row to
+    128 columns, past the tiny recipe's 16-row table); RoPE reads no position ids (Megatron's GPTModel takes its
+    rotary angles from the width)."""
     (b, s), (rows, width) = input_ids.shape, shape
     if (b, s) == (rows, width):
         return input_ids, position_ids, attention_mask
     padded_ids = input_ids.new_zeros(rows, width)
     padded_ids[:b, :s] = input_ids
-    padded_positions = torch.arange(width, device=position_ids.device).expand(rows, width).clone()
+    padded_positions = position_ids.new_zeros(rows, width)
     padded_positions[:b, :s] = position_ids
     if attention_mask is not None:
         causal = torch.ones(width, width, dtype=torch.bool, device=attention_mask.device).triu(1)

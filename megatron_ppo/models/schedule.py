@@ -20,6 +20,7 @@ a forward-only pass) come back gathered over the CP group as full rows `[b, W, .
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -29,7 +30,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ppo.models.context_parallel import gather_per_token, split_micro_batch
-from megatron_ppo.models.gpt import RoleModel, unwrap
+from megatron_ppo.models.gpt import RoleModel, logits_cut, unwrap
 from megatron_ppo.models.moe import (
     expert_parallel_micro_batch_count,
     expert_parallel_shapes,
@@ -125,13 +126,16 @@ def run_micro_batches(
         if inference_context is not None:  # this micro-batch's rows of the cache; logits gathered over TP
             inference_context.batch_size_offset = index * rows
             extra.update(inference_context=inference_context, runtime_gather_output=True)
-        output = chunk(input_ids, position_ids, attention_mask, **extra)
+        # the vocabulary logits come for the real tokens only, as a tensor of their own (models.gpt.logits_cut);
+        # a decoding step's are one token per row, cut below
+        with logits_cut(chunk, rows, width) if inference_context is None else nullcontext():
+            output = chunk(input_ids, position_ids, attention_mask, **extra)
         if replay is not None and (replay.action == "replay" or index < real_micro_batches):
             replay.after_forward(chunk, index, input_ids.shape[0], rows, micro_batches[index]["input_ids"].shape[1],
                                  cp_size)  # fmt: skip
         if unwrap(chunk).post_process and tuple(output.shape[:2]) != (rows, width):
-            # the padding stays out of the loss, its metrics and its outputs (cut only where there is some: a
-            # slice's backward writes its gradient into a fresh full-size buffer)
+            # the critic's values `[rows, width, 1]`, a decoding step's logits: the padding stays out of every loss,
+            # metric and output
             output = output[:rows, :width]
         if index >= real_micro_batches:  # an empty micro-batch of the interleaved schedule: no loss, no result
             return output, lambda output: (output.sum() * 0.0, {})

@@ -7,6 +7,7 @@ is computed per data-parallel replica and then shared so that advantages are whi
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -98,6 +99,29 @@ def any_rank(flag: bool) -> bool:
     if dist.is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value.item() > 0
+
+
+def host_group(timeout_s: float) -> dist.ProcessGroup | None:
+    """A gloo group of the whole job whose collectives give up after `timeout_s` (None when not distributed): a
+    flag agreed there costs no device synchronisation, and a rank whose peers never arrive — they wait in a
+    collective of the device group that this rank will not issue — gets an error instead of a hang. Collective:
+    every rank creates it at the same point."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def any_and_every_rank_within(flag: bool, group: dist.ProcessGroup | None) -> tuple[bool, bool] | None:
+    """(whether `flag` is true on some rank, whether on every rank) over `group` (`host_group`), on every rank that
+    arrives; None when some rank did not arrive within the group's timeout (or has gone): the ranks cannot agree."""
+    if group is None:
+        return flag, flag
+    value = torch.tensor([1.0 if flag else 0.0, 0.0 if flag else 1.0])
+    try:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError:  # gloo: "Timed out waiting …" or "Connection closed by peer"
+        return None
+    return value[0].item() > 0, value[1].item() == 0
 
 
 def broadcast_tensor_from_last_stage(tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -261,10 +262,12 @@ class PPOTrainer:
         phase = Phase.update(role)
         with phase_timer(timings, phase.metric), profiling.phase(phase.metric):
             self.offload.enter(phase)
-            return self._retry_out_of_memory(phase, lambda: update_role(
+            # each mini-batch's forward-backward is retried on its own, before its optimizer step (memory_backoff.py)
+            return update_role(
                 role, self.models[role], self.optimizers[role], self.schedulers[role], experience,
-                config=role_config, micro=self.memory.micro_batching(phase)[role], make_loss=make_loss,
-            ))  # fmt: skip
+                config=role_config, micro=lambda: self.memory.micro_batching(phase)[role], make_loss=make_loss,
+                retry=partial(self._retry_out_of_memory, phase),
+            )  # fmt: skip
 
     def _retry_out_of_memory(self, phase: Phase, attempt):
         """`attempt()`, run again with smaller micro-batches while any rank runs out of memory (`memory_backoff.py`)."""

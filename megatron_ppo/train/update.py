@@ -216,7 +216,7 @@ def role_loss(
     )  # fmt: skip
 
 
-def update_role(
+def update_role[T](
     role: str,
     model: RoleModel,
     optimizer,
@@ -224,13 +224,19 @@ def update_role(
     experience: Experience,
     *,
     config: ActorConfig | CriticConfig,
-    micro: MicroBatching,
+    micro: MicroBatching | Callable[[], MicroBatching],
     make_loss: Callable[[dict[str, float]], LossFn],
+    retry: Callable[[Callable[[], T]], T] | None = None,
 ) -> RoleUpdate:
     """Train `model` on `experience` (identical on every replica) for `config.ppo_epochs` passes over its
     mini-batches of `config.ppo_mini_batch_size` rows, each cut into micro-batches as `micro` says (the role's
-    micro-batch size or token budget, as the out-of-memory back-off has it); one optimizer step per mini-batch, the
-    gradient clipped at `config.optim.clip_grad` (skipped, with the schedule held, when it is not finite).
+    micro-batch size or token budget; a callable is asked again for each attempt); one optimizer step per
+    mini-batch, the gradient clipped at `config.optim.clip_grad` (skipped, with the schedule held, when it is not
+    finite).
+
+    `retry` (the out-of-memory back-off, `OutOfMemoryBackoff.run`) runs each mini-batch's forward-backward — from
+    zeroed gradients, before its optimizer step — until it fits: a retry repeats only the mini-batch that failed,
+    and no optimizer step or schedule step is taken twice.
 
     Metrics: the loss-function parts averaged over mini-batches, plus `{role}/grad_norm` (mean of the finite
     norms), `{role}/grad_norm_max`, `{role}/lr` and, for a MoE role with a load-balancing loss,
@@ -245,13 +251,18 @@ def update_role(
     for _ in range(config.ppo_epochs):
         for start in range(0, rows, mini_batch_size):
             mini = select(experience, range(start, min(start + mini_batch_size, rows)))
-            _, _, micro_batches = replica_micro_batches(mini, micro.rows, micro.max_tokens)
-            zero_grads(model, optimizer)
-            clear_moe_aux_losses()
-            outputs = run_micro_batches(
-                model, micro_batches, make_loss(mini_batch_counts(mini)), forward_only=False, routing=routing
-            )
-            moe_metrics = moe_aux_loss_metrics(role, model.config, len(micro_batches))  # already in the backward
+
+            def forward_backward(mini: Experience = mini) -> tuple[int, list[dict[str, MetricPart]]]:
+                cut = micro() if callable(micro) else micro
+                _, _, micro_batches = replica_micro_batches(mini, cut.rows, cut.max_tokens)
+                zero_grads(model, optimizer)  # also what a failed attempt accumulated
+                clear_moe_aux_losses()
+                loss = make_loss(mini_batch_counts(mini))
+                outputs = run_micro_batches(model, micro_batches, loss, forward_only=False, routing=routing)
+                return len(micro_batches), outputs
+
+            count, outputs = retry(forward_backward) if retry is not None else forward_backward()
+            moe_metrics = moe_aux_loss_metrics(role, model.config, count)  # already in the backward
             if routing is not None and (mismatch := model.router_replay.take_mismatch()) is not None:
                 moe_metrics[f"{role}/router_replay_mismatch"] = mismatch
             result = optimizer_step(optimizer, config.optim.clip_grad)

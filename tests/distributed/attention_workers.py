@@ -56,3 +56,33 @@ def _compare(kind: str, groups: int) -> dict[str, float]:
         **{f"grad_{n}": float((a - b).abs().max()) for n, a, b in zip("qkv", grads_m, grads_s, strict=True)},
         "output_scale": float(out_m.abs().max()),
     }
+
+
+SDPA_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu": "flash",
+            "aten::_scaled_dot_product_attention_math": "math",
+            "aten::_scaled_dot_product_efficient_attention": "memory-efficient",
+            "aten::_scaled_dot_product_flash_attention": "flash",
+            "aten::_scaled_dot_product_cudnn_attention": "cuDNN"}  # fmt: skip
+
+
+def attention_kernel_of_a_training_step(rank: int, world_size: int, bucket: int | None) -> dict[str, object]:
+    """The SDPA kernel an actor forward-backward of the tiny recipe's shape (bf16, micro-batches of its size, rows
+    of its longest length; widths rounded up to `bucket`, the CUDA one forced by its setting) runs, read from the
+    profiler's op names, beside the one `sdpa_backend` names for the run's start line."""
+    from megatron_ppo.config import load_config
+    from megatron_ppo.models import build_role_model, run_micro_batches
+    from megatron_ppo.models.kernels import sdpa_backend
+
+    overrides = ["model.params_dtype=bf16", "actor.megatron.tensor_model_parallel_size=1", "cluster.gpus_per_node=1",
+                 *(f"{role}.megatron.tensor_model_parallel_size=1" for role in ("ref", "critic")),
+                 *([f"actor.megatron.make_sequence_length_divisible_by={bucket}"] if bucket else [])]  # fmt: skip
+    config = load_config("recipes/tiny-cpu.yaml", overrides)
+    init_distributed(config.actor.megatron, seed=0)
+    actor = build_role_model("actor", config.model, config.actor.megatron)
+    rows, width = config.actor.ppo_micro_batch_size_per_gpu, config.data.max_prompt_length + 5
+    ids = torch.randint(1, config.model.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        run_micro_batches(actor, [{"input_ids": ids}], lambda batch, logits: (logits.float().mean(), {}),
+                          forward_only=False)  # fmt: skip
+    ran = sorted({SDPA_OPS[event.name] for event in profile.events() if event.name in SDPA_OPS})
+    return {"ran": ran, "named": sdpa_backend(config), "padded": actor.padding.padded // rows}

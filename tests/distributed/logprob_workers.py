@@ -77,3 +77,55 @@ def compare_with_full_softmax(
     reports["full_vocab_tensor"] = BATCH * SEQ * PADDED_VOCAB  # type: ignore[index]
     reports["width"] = width  # type: ignore[index]
     return reports
+
+
+class LogitsSizedTensors(TorchDispatchMode):
+    """Counts the tensors of at least `numel` elements that operations create (new storage; views of an existing
+    one are not counted)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.storages = numel, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for tensor in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.numel() >= self.numel:
+                pointer = tensor.untyped_storage().data_ptr()
+                if pointer not in inputs:
+                    self.storages.add(pointer)
+        return out
+
+
+def logits_buffers_under_the_width_bucket(rank: int, world_size: int) -> dict[str, Any]:
+    """One actor forward-backward through the schedule with every width rounded up to 128 (the CUDA bucket, forced
+    by its setting): how many tensors the size of the logits of the micro-batch's real tokens `[tokens, vocab]` are
+    created, and whether the logits' gradient is written into their own storage (`models.logprobs`)."""
+    from megatron_ppo.config.schema import ModelConfig
+    from megatron_ppo.models import build_role_model, run_micro_batches
+    from megatron_ppo.models.widths import CUDA_WIDTH_BUCKET
+
+    model_config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=32,
+                               vocab_size=1024, max_position_embeddings=64, params_dtype="fp32")  # fmt: skip
+    report: dict[str, Any] = {}
+    init_distributed(MegatronConfig(), seed=0)
+    for bucket in (None, CUDA_WIDTH_BUCKET):
+        actor = build_role_model("actor", model_config, MegatronConfig(make_sequence_length_divisible_by=bucket))
+        ids = torch.randint(1, 1000, (4, 40), generator=torch.Generator().manual_seed(0))
+        pointers: dict[str, int] = {}
+
+        def loss_fn(batch, logits, pointers=pointers):
+            pointers["logits"] = logits.untyped_storage().data_ptr()
+            logits.register_hook(lambda grad: pointers.__setitem__("grad", grad.untyped_storage().data_ptr()))
+            log_probs, _ = vocab_parallel_log_probs(logits, batch["labels"], vocab_size=1000)
+            return -log_probs.mean(), {}
+
+        counter = LogitsSizedTensors(ids.numel() * actor.padded_vocab_size)
+        with counter:
+            run_micro_batches(actor, [{"input_ids": ids, "labels": torch.roll(ids, -1, 1)}], loss_fn,
+                              forward_only=False)  # fmt: skip
+        in_place = pointers["grad"] == pointers["logits"]
+        report[str(bucket)] = {"logits_sized": len(counter.storages), "in_place": in_place,
+                               "padded": actor.padding.padded}  # fmt: skip
+    return report

@@ -23,17 +23,17 @@ from tests.distributed.workers import MODEL, OPTIM, ROWS, SEED, experience, ppo_
 LAYOUT = MegatronConfig(use_distributed_optimizer=True)
 
 
-def _arm_out_of_memory(actor, micro_batches: int) -> dict[str, int]:
-    """Raise `torch.OutOfMemoryError` once, in the backward of the `micro_batches`-th micro-batch (the last one of
-    the first mini-batch), half-way down the network: the output layer's gradients are already in the buckets."""
+def _arm_out_of_memory(actor, backward: int) -> dict[str, int]:
+    """Raise `torch.OutOfMemoryError` once, in the `backward`-th micro-batch backward of the run, half-way down the
+    network: the output layer's gradients are already in the buckets."""
     calls = {"n": 0, "raised": 0}
     weight = unwrap(actor.chunks[0]).decoder.layers[1].self_attention.linear_qkv.weight
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         calls["n"] += 1
-        if calls["n"] == micro_batches and not calls["raised"]:
+        if calls["n"] == backward and not calls["raised"]:
             calls["raised"] = 1
-            raise torch.OutOfMemoryError("injected: out of memory in the last micro-batch's backward")
+            raise torch.OutOfMemoryError("injected: out of memory in a micro-batch's backward")
         return grad
 
     weight.register_hook(hook)
@@ -41,53 +41,55 @@ def _arm_out_of_memory(actor, micro_batches: int) -> dict[str, int]:
 
 
 def _update(config, actor, optimizer, backoff: OutOfMemoryBackoff):
-    scheduler = build_scheduler(optimizer, OPTIM, total_steps=1)
+    scheduler = build_scheduler(optimizer, OPTIM, total_steps=ROWS)
     batch = experience(ROWS, seed=3)
     make_loss = partial(actor_loss, config.actor, kl_loss_coef=0.1, vocab_size=MODEL.vocab_size)
-
-    def attempt():
-        micro = backoff.micro_batching(Phase.UPDATE_ACTOR)["actor"]
-        return update_role("actor", actor, optimizer, scheduler, batch, config=config.actor, micro=micro,
-                           make_loss=make_loss)  # fmt: skip
-
-    return backoff.run(Phase.UPDATE_ACTOR, attempt, lambda: None, print)
+    phase = Phase.UPDATE_ACTOR
+    update = update_role("actor", actor, optimizer, scheduler, batch, config=config.actor,
+                         micro=lambda: backoff.micro_batching(phase)["actor"], make_loss=make_loss,
+                         retry=lambda attempt: backoff.run(phase, attempt, lambda: None, print))  # fmt: skip
+    return update, scheduler.num_steps
 
 
-def overlapped_update(rank: int, world_size: int, workdir: str, inject: bool) -> dict[str, Any]:
-    """One actor update at DP 2 from the parity reference's initial weights: with an out-of-memory error injected
-    in the last micro-batch's backward (retried by the back-off with one row fewer), or without one at the
-    retry's micro-batch size. Then the checkpoint save, read back."""
+def overlapped_update(rank: int, world_size: int, workdir: str, inject: bool, mini_batches: int = 1) -> dict[str, Any]:
+    """One actor update at DP 2 from the parity reference's initial weights, over `mini_batches` mini-batches: with
+    an out-of-memory error injected in the last micro-batch's backward of the last mini-batch (after the others'
+    optimizer steps; retried by the back-off with one row fewer), or without one at the retry's micro-batch size
+    throughout. Then the checkpoint save, read back."""
     from tests.distributed.workers import load
 
     workdir = Path(workdir)
     init_distributed(LAYOUT, seed=SEED)
-    config = ppo_config(LAYOUT)
+    config = with_changes(ppo_config(LAYOUT), {"actor.ppo_mini_batch_size": ROWS // mini_batches})
     actor = build_role_model("actor", MODEL, LAYOUT)
     load(actor, workdir / "initial" / "actor")
     optimizer = build_optimizer(actor, OPTIM, LAYOUT)
     ddp = actor.chunks[0]
     report: dict[str, Any] = {"overlap": (ddp.ddp_config.overlap_grad_reduce, ddp.use_forward_hook)}
+    per_mini_batch = -(-ROWS // mini_batches // world_size // config.actor.ppo_micro_batch_size_per_gpu)
     if inject:
-        calls = _arm_out_of_memory(actor, micro_batches=ROWS // 2 // world_size)
+        calls = _arm_out_of_memory(actor, backward=mini_batches * per_mini_batch)
         backoff = OutOfMemoryBackoff(config)
-        update = _update(config, actor, optimizer, backoff)
+        update, report["schedule_steps"] = _update(config, actor, optimizer, backoff)
         report |= {"raised": calls["raised"], "retries": backoff.retries, "overrides": backoff.overrides}
     else:
         smaller = config.actor.ppo_micro_batch_size_per_gpu - 1  # the size the back-off retries with
-        update = _update(
+        update, report["schedule_steps"] = _update(
             config,
             actor,
             optimizer,
             OutOfMemoryBackoff(with_changes(config, {"actor.ppo_micro_batch_size_per_gpu": smaller})),
         )
-    report["grad_norm"] = update.steps[0].grad_norm
+    report["optimizer_steps"] = len(update.steps)
+    tag = f"{inject}-{mini_batches}"
+    report["grad_norm"] = update.steps[-1].grad_norm  # the retried mini-batch's
     before_sync = weights(actor)  # the distributed optimizer's all-gather of the new weights is still pending
-    saved = store.save_checkpoint(workdir / f"ckpt-{inject}", 1, {"actor": actor}, {}, {"step": 1})
+    saved = store.save_checkpoint(workdir / f"ckpt-{tag}", 1, {"actor": actor}, {}, {"step": 1})
     after_sync = weights(actor)
     report["stale_before_sync"] = any(not torch.equal(v, after_sync[k]) for k, v in before_sync.items())
     fresh = build_role_model("actor", MODEL, LAYOUT)
     store.load_weights(fresh, saved, "actor")
     report["saved_equals_synced"] = all(torch.equal(v, after_sync[k]) for k, v in weights(fresh).items())
-    report["weights"] = str(workdir / f"weights-{inject}-rank{rank}.pt")  # tensors do not outlive the rank's queue
+    report["weights"] = str(workdir / f"weights-{tag}-rank{rank}.pt")  # tensors do not outlive the rank's queue
     torch.save(after_sync, report["weights"])
     return report

@@ -17,7 +17,9 @@ from tests.distributed.harness import run_distributed
 def runs(tmp_path_factory) -> dict:
     workdir = str(tmp_path_factory.mktemp("overlap"))
     run_distributed(workers.reference, 1, workdir)  # the initial weights (and the TP1 reference)
-    return {inject: run_distributed(overlap_workers.overlapped_update, 2, workdir, inject) for inject in (True, False)}
+    # two mini-batches: the error comes in the second one's last backward, after the first one's optimizer step
+    return {inject: run_distributed(overlap_workers.overlapped_update, 2, workdir, inject, 2)
+            for inject in (True, False)}  # fmt: skip
 
 
 def test_overlap_is_on_over_gloo(runs) -> None:
@@ -25,10 +27,16 @@ def test_overlap_is_on_over_gloo(runs) -> None:
         assert report["overlap"] == (True, True), "grad reduce and param gather overlap must run on CPU too"
 
 
-def test_out_of_memory_in_the_last_backward_is_retried_and_equals_a_run_without_it(runs) -> None:
+def test_out_of_memory_in_a_backward_is_retried_and_equals_a_run_without_it(runs) -> None:
+    """Mid-phase, after a mini-batch has stepped: the failed mini-batch alone runs again, from zeroed gradients —
+    one optimizer and schedule step per mini-batch — and the weights equal a run that never failed, at the smaller
+    micro-batch."""
+    mini_batches = 2
     for faulty, clean in zip(runs[True], runs[False], strict=True):
         assert faulty["raised"] == 1 and faulty["retries"] == 1, faulty
         assert faulty["overrides"] == {"actor.ppo_micro_batch_size_per_gpu": 1}, faulty["overrides"]
+        steps = (faulty["optimizer_steps"], faulty["schedule_steps"])
+        assert steps == (clean["optimizer_steps"], clean["schedule_steps"]) == (mini_batches,) * 2, steps
         assert math.isclose(faulty["grad_norm"], clean["grad_norm"], rel_tol=1e-6), (faulty["grad_norm"],
                                                                                     clean["grad_norm"])  # fmt: skip
         retried, expected = torch.load(faulty["weights"]), torch.load(clean["weights"])

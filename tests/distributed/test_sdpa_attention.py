@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.distributed import attention_workers
 from tests.distributed.harness import run_distributed
 
@@ -16,3 +18,12 @@ def test_sdpa_core_attention_matches_megatron_dot_product_attention() -> None:
             assert report[key] < 1e-5, (
                 f"{kind}, {groups} query groups: {key} differs from DotProductAttention by {report[key]:.2e}"
             )
+
+
+@pytest.mark.parametrize("bucket", [None, 128], ids=["cpu widths", "cuda bucket forced"])
+def test_the_start_line_names_the_attention_kernel_a_training_step_runs(bucket: int | None) -> None:
+    """The tiny recipe's actor in bf16, a forward-backward of one micro-batch: `sdpa_backend` (the start line's
+    kernel) names the one kernel the profiler saw run, for the rows, width and gradients of training."""
+    (report,) = run_distributed(attention_workers.attention_kernel_of_a_training_step, 1, bucket)
+    assert report["padded"] == (bucket or 13), report
+    assert report["ran"] == [report["named"]], report

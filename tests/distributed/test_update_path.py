@@ -58,3 +58,14 @@ def test_metrics_reach_the_host_once_per_mini_batch_whatever_the_micro_batch_cut
                 f"{role}, {micro_batches} micro-batch(es) in one mini-batch: {total} host conversions {counts}; a "
                 "loss function must return tensors (MetricPart), reduce_parts moves them to the host in one transfer"
             )
+
+
+@pytest.mark.parametrize("position_embedding_type", ["learned_absolute", "rope"])
+def test_sft_under_the_cuda_width_bucket_equals_sft_without_it(position_embedding_type: str) -> None:
+    """The CUDA width bucket (128) forced on CPU: the tiny recipe's shape at TP 2 trains as without it — padding
+    columns get positions the 16-row learned table holds, and RoPE's angles for the real positions stay theirs."""
+    for report in run_distributed(update_workers.sft_under_the_cuda_width_bucket, 2, position_embedding_type):
+        assert report["same_start"] and report["moved"] > 1e-3, report
+        assert report["bucket_ratio"] > 8 * report["ratio"], f"the bucket was not in force: {report}"
+        assert report["diff"] < 1e-4, f"the weights moved apart by more than 1e-4 of their step: {report}"
+        assert report["bucket_nll"] == pytest.approx(report["nll"], rel=1e-5), report

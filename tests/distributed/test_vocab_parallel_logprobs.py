@@ -32,3 +32,14 @@ def test_vocab_parallel_log_probs_match_full_log_softmax_in_any_chunking(tempera
                 f"elements, more than one chunk or the per-token results ({bound})"
             )
             assert report["bf16_grad_dtype"] == "torch.bfloat16"
+
+
+def test_the_width_bucket_keeps_one_logits_buffer_with_its_gradient_in_place() -> None:
+    """40-token rows padded to 128 (the CUDA bucket, forced): the forward-backward creates one tensor the size of
+    the real tokens' logits — the logits themselves, computed for the real tokens only — and their gradient is
+    written into it, as without the bucket (a cut of padded logits would add a copy each way and a padded gradient
+    buffer)."""
+    (report,) = run_distributed(logprob_workers.logits_buffers_under_the_width_bucket, 1)
+    assert report["128"]["padded"] == 4 * 128 and report["None"]["padded"] == 4 * 40, report
+    for bucket in ("None", "128"):
+        assert report[bucket] == {**report[bucket], "logits_sized": 1, "in_place": True}, report

@@ -25,7 +25,7 @@ from megatron_ppo.train.experience import Experience
 from megatron_ppo.train.micro_batching import MicroBatching
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, zero_grads
 from megatron_ppo.train.update import actor_loss, critic_loss, mini_batch_counts
-from tests.distributed.workers import MODEL, experience, gspo_config, rows, weights, with_sequence_is
+from tests.distributed.workers import MODEL, OPTIM, experience, gspo_config, rows, weights, with_sequence_is
 
 
 def _gradient(role_model, optimizer, batch: Experience, micro_batch_size: int, make_loss) -> torch.Tensor:
@@ -224,3 +224,40 @@ def host_conversions_by_cut(rank: int, world_size: int) -> dict[str, dict[int, d
                     update.run_micro_batches, update.reduce_parts = schedule, reduce
             report[role][8 // micro_batch_size] = dict(counts)
     return report
+
+
+def sft_under_the_cuda_width_bucket(rank: int, world_size: int, position_embedding_type: str) -> dict[str, float]:
+    """The tiny recipe's model shape (2 layers, LayerNorm, GELU, biases, a 16-row position table when learned) at
+    TP 2: two SFT steps on rows of ≤ 13 tokens with every width rounded up to the CUDA bucket (128, forced through
+    its setting `megatron.make_sequence_length_divisible_by`) and without, from the same weights. Returns the
+    largest weight difference relative to the largest step (`diff`), the step relative to the largest weight
+    (`moved`), the final NLLs and the padded-over-real token ratios."""
+    from megatron_ppo.models import copy_weights
+    from megatron_ppo.models.widths import CUDA_WIDTH_BUCKET
+
+    tiny = dataclasses.replace(MODEL, num_layers=2, max_position_embeddings=16, normalization="LayerNorm",
+                               activation="gelu", add_bias_linear=True,
+                               position_embedding_type=position_embedding_type)  # fmt: skip
+    init_distributed(MegatronConfig(tensor_model_parallel_size=2), seed=0)
+    optim = dataclasses.replace(OPTIM, clip_grad=1.0)  # Adam with eps = 1: the step is smooth in the gradient
+    layouts = [MegatronConfig(tensor_model_parallel_size=2, make_sequence_length_divisible_by=bucket)
+               for bucket in (None, CUDA_WIDTH_BUCKET)]  # fmt: skip
+    actors = [build_role_model("actor", tiny, layout) for layout in layouts]
+    copy_weights(actors[0], actors[1])
+    runs = []
+    for actor, layout in zip(actors, layouts, strict=True):
+        optimizer = build_optimizer(actor, optim, layout)
+        scheduler = build_scheduler(optimizer, optim, total_steps=2)
+        before = weights(actor)
+        nll = run_sft(actor, optimizer, scheduler, rows(8, seed=1), steps=2, batch_size=8, micro_batch_size=4,
+                      clip_grad=1.0, pad_id=0, seed=0)  # fmt: skip
+        runs.append((before, weights(actor), nll, actor.padding.padded / float(actor.padding.real)))
+    (start, plain, nll, ratio), (bucket_start, bucketed, bucket_nll, bucket_ratio) = runs
+    scale = max(float(v.abs().max()) for v in plain.values())
+    return {
+        "same_start": all(torch.equal(v, bucket_start[k]) for k, v in start.items()),
+        "moved": max(float((v - start[k]).abs().max()) for k, v in plain.items()) / scale,
+        "diff": max(float((v - bucketed[k]).abs().max()) for k, v in plain.items())
+        / max(float((v - start[k]).abs().max()) for k, v in plain.items()),
+        "nll": nll, "bucket_nll": bucket_nll, "ratio": ratio, "bucket_ratio": bucket_ratio,
+    }  # fmt: skip

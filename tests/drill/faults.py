@@ -4,7 +4,11 @@ runs that step again.
 
 - `nan_gradient`: one NaN in the actor's gradient on the last rank only, before the first optimizer step of the step;
 - `loss_spike`: the actor's loss × 1000 throughout the step (its gradients and its logged loss with it);
-- `out_of_memory`: `torch.OutOfMemoryError` raised on every rank as the actor update starts;
+- `out_of_memory`: `torch.OutOfMemoryError` raised on every rank in the actor update's first mini-batch;
+- `out_of_memory_mid_phase`: the same in its second mini-batch, after the first one's optimizer step (the retry
+  repeats only the second: nothing is stepped twice);
+- `out_of_memory_one_rank` (the one-rank drill): the same on the last rank only, which the others cannot join in a
+  retry: the run stops with one message and its checkpoint left;
 - `kl_blowup`: every actor optimizer step of the iteration at 100 × the learning rate (the update's own KL sees it);
 - `kl_blowup_at_save`: only the iteration's last actor optimizer step at 100 × the learning rate, in an iteration
   that ends with a save: its update's KL cannot see it, the next iteration's guards do. "The learning rate" is the
@@ -37,19 +41,26 @@ class Fault:
 
 
 def schedule(
-    nan: int, spike: int, oom: int, blowup: tuple[int, int], drop: int, at_save: tuple[int, int]
+    nan: int, spike: int, oom: tuple[int, int], blowup: tuple[int, int], drop: int, at_save: tuple[int, int]
 ) -> list[Fault]:
-    """The drill's faults; `blowup` and `at_save` are (the step injected, the checkpoint its rollback loads)."""
+    """The drill's faults; `oom` is (the step of the error at the update's start, the step of the one mid-phase);
+    `blowup` and `at_save` are (the step injected, the checkpoint its rollback loads)."""
     kl_guards = ("kl_explosion", "kl_bump", "watch")
     return [
         Fault("nan_gradient", nan, ("nonfinite",), nan),
         Fault("loss_spike", spike, ("loss_explosion", "grad_norm"), spike, loads=0),
-        Fault("out_of_memory", oom, ("out_of_memory",), oom),
+        Fault("out_of_memory", oom[0], ("out_of_memory",), oom[0]),
+        Fault("out_of_memory_mid_phase", oom[1], ("out_of_memory",), oom[1]),
         Fault("kl_blowup", blowup[0], kl_guards, blowup[0], loads=blowup[1]),  # the update's own KL sees it
         Fault("eval_drop", drop, ("eval_drop",), drop),
         # its last step is seen in the next iteration, after the save: the rollback passes that save over
         Fault("kl_blowup_at_save", at_save[0], kl_guards, at_save[0] + 1, loads=at_save[1]),
     ]
+
+
+def one_rank_out_of_memory_schedule(step: int) -> list[Fault]:
+    """The one-rank drill: an out-of-memory error on the last rank only, in the actor's second mini-batch of `step`."""
+    return [Fault("out_of_memory_one_rank", step, ("out_of_memory",), step)]
 
 
 def stop_schedule(step: int) -> list[Fault]:
@@ -65,6 +76,7 @@ class Injector:
     model: Any = None
     scheduler: Any = None  # the role update's learning-rate schedule (its back-off)
     steps_left: int = 0  # the optimizer steps left in the role update under way
+    mini_batch: int = 0  # the mini-batch of the role update under way whose forward-backward runs (0: the first)
     done: set[str] = field(default_factory=set)
     applied: set[str] = field(default_factory=set)
 
@@ -84,13 +96,15 @@ class Injector:
 
 
 def install(injector: Injector) -> None:
-    """Patch the trainer's iteration, the role update, the optimizer step and the task's scoring."""
+    """Patch the trainer's iteration, the role update, its forward-backward, the optimizer step and the task's
+    scoring."""
     iteration, update_role, actor_loss = (
         ppo_module.PPOTrainer.iteration,
         ppo_module.update_role,
         update_module.actor_loss,
     )
     optimizer_step, score = update_module.optimizer_step, recipe_module.score
+    run_micro_batches = update_module.run_micro_batches
     last_rank = int(os.environ.get("WORLD_SIZE", "1")) - 1
 
     def drilled_iteration(trainer: ppo_module.PPOTrainer) -> dict[str, float]:
@@ -101,17 +115,26 @@ def install(injector: Injector) -> None:
             injector.done |= injector.applied
 
     def drilled_update_role(role: str, model: Any, *args: Any, **kwargs: Any) -> Any:
-        injector.role, injector.model = role, model
-        if role == "actor" and injector.due("out_of_memory"):
-            injector.mark("out_of_memory")
-            injector.done.add("out_of_memory")  # the retry must run clean
-            raise torch.OutOfMemoryError("drill: injected out-of-memory error")
+        injector.role, injector.model, injector.mini_batch = role, model, 0
         injector.scheduler = args[1]  # (optimizer, scheduler, experience, ...)
         rows = args[2]["input_ids"].shape[0]
         injector.steps_left = kwargs["config"].ppo_epochs * -(-rows // kwargs["config"].ppo_mini_batch_size)
         return update_role(role, model, *args, **kwargs)
 
+    def drilled_run_micro_batches(model: Any, *args: Any, forward_only: bool, **kwargs: Any) -> Any:
+        """The update's forward-backward: an out-of-memory error where a fault places it, before any collective."""
+        if model.role == "actor" and not forward_only:
+            placements = {"out_of_memory": 0, "out_of_memory_mid_phase": 1, "out_of_memory_one_rank": 1}
+            for name, mini_batch in placements.items():
+                on_this_rank = name != "out_of_memory_one_rank" or int(os.environ.get("RANK", "0")) == last_rank
+                if injector.due(name) and injector.mini_batch == mini_batch and on_this_rank:
+                    injector.mark(name)
+                    injector.done.add(name)  # the retry must run clean
+                    raise torch.OutOfMemoryError(f"drill: injected out-of-memory error ({name})")
+        return run_micro_batches(model, *args, forward_only=forward_only, **kwargs)
+
     def drilled_optimizer_step(optimizer: Any, clip_grad: float) -> Any:
+        injector.mini_batch += 1
         if injector.role != "actor":
             return optimizer_step(optimizer, clip_grad)
         injector.steps_left -= 1
@@ -151,4 +174,5 @@ def install(injector: Injector) -> None:
     ppo_module.update_role = drilled_update_role
     update_module.actor_loss = drilled_actor_loss  # what `update.role_loss` builds the actor's loss with
     update_module.optimizer_step = drilled_optimizer_step
+    update_module.run_micro_batches = drilled_run_micro_batches
     recipe_module.score = drilled_score

@@ -1,10 +1,12 @@
-"""The fault drill in shortened form (`make drill` runs the full one): the tiny recipe with a NaN gradient on one
-rank, a gradient spike, an out-of-memory error, a KL blow-up between saves, an evaluation drop and a KL blow-up in
-the last step of an iteration that ends with a save, injected at fixed steps. The run must finish, each guard must
-fire exactly at its step (read back from TensorBoard), each rollback must load the good checkpoint (never the save
-that holds the blow-up), the KL must be back under its threshold after it, and the policy must not end below its
-SFT start. Then the guard stop: two plain processes (as `srun` starts them) stopped by NaN gradients exit
-`GUARD_STOP_EXIT`, with one message and no traceback."""
+"""The fault drill in shortened form (`make drill` runs the full one): the tiny recipe with a NaN gradient on one rank,
+a gradient spike, an out-of-memory error at the actor update's start and one mid-update, a KL blow-up between saves,
+an evaluation drop and a KL blow-up in the last step of an iteration that ends with a save, injected at fixed steps.
+The run must finish, each guard must fire exactly at its step (read back from TensorBoard), each rollback must load
+the good checkpoint (never the save that holds the blow-up), the KL must be back under its threshold after it, and
+the policy must not end below its SFT start. Then the guard stop: two plain processes (as `srun` starts them)
+stopped by NaN gradients exit `GUARD_STOP_EXIT`, with one message and no traceback. Last, an out-of-memory error on
+one data-parallel rank only: that rank stops the run with one message and `OUT_OF_MEMORY_STOP_EXIT` instead of a
+hang, its checkpoint left."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import sys
 from pathlib import Path
 
 from megatron_ppo.train.guards import GUARD_STOP_EXIT
-from tests.drill.__main__ import SCHEDULES, STOP_AT
+from megatron_ppo.train.memory_backoff import OUT_OF_MEMORY_STOP_EXIT
+from tests.drill.__main__ import ONE_RANK_OOM_AT, SCHEDULES, STOP_AT
 from tests.drill.readback import check
 from tests.support.ports import free_port
 from tests.support.tensorboard import scalars
@@ -36,8 +39,9 @@ def test_every_guard_fires_at_its_fault_and_the_run_recovers(tiny_work: Path, tm
     kl = "kl_explosion + kl_bump + watch"
     assert {row.fault: (row.guard, row.fired_at, row.loaded) for row in rows} == {
         "nan_gradient": ("nonfinite", [2], ""), "loss_spike": ("loss_explosion + grad_norm", [3], "step_0"),
-        "out_of_memory": ("out_of_memory", [5], ""), "kl_blowup": (kl, [7, 11], "step_4"),
-        "eval_drop": ("eval_drop", [8], rows[4].loaded), "kl_blowup_at_save": (kl, [7, 11], "step_8"),
+        "out_of_memory": ("out_of_memory", [5, 6], ""), "out_of_memory_mid_phase": ("out_of_memory", [5, 6], ""),
+        "kl_blowup": (kl, [7, 11], "step_4"), "eval_drop": ("eval_drop", [8], rows[5].loaded),
+        "kl_blowup_at_save": (kl, [7, 11], "step_8"),
     }  # fmt: skip
     assert all(row.recovered_by is not None for row in rows), rows
     logged = scalars(tmp_path / "tb")
@@ -66,3 +70,30 @@ def test_a_guard_stop_exits_with_its_status_and_one_message(tiny_work: Path, tmp
     assert "guard/nonfinite stopped the run" in stops[0] and "max_consecutive_skips=0" in stops[0], stops
     assert f"step_{STOP_AT - 2}" in stops[0] and f"exiting with {GUARD_STOP_EXIT}" in stops[0], stops
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step_{STOP_AT - 2}"
+
+
+def test_out_of_memory_on_one_rank_stops_the_run_with_one_message_and_its_checkpoint(tiny_work: Path, tmp_path) -> None:
+    """DP 2: the last rank alone runs out of memory in its second actor mini-batch of a step; the other waits in
+    the gradient reduce. Within the agreement's timeout (5 s) plus the teardown, both processes end (no hang): the
+    failed rank with `OUT_OF_MEMORY_STOP_EXIT` and one `stopped:` line naming the phase, the size to lower and the
+    checkpoint `latest` names, which is complete and untouched."""
+    port = free_port()
+    command = [sys.executable, "-m", "tests.drill", str(RECIPE), "--oom-one-rank",
+               f"data.addition.work_dir={tiny_work}", f"trainer.default_local_dir={tmp_path}/ckpt",
+               f"trainer.log_dir={tmp_path}/tb"]  # fmt: skip
+    ranks = [
+        subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
+            **os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        for rank in range(2)
+    ]  # fmt: skip
+    outputs = [process.communicate(timeout=900) for process in ranks]
+    statuses = [process.returncode for process in ranks]
+    assert statuses[1] == OUT_OF_MEMORY_STOP_EXIT and statuses[0] != 0, (statuses, outputs[1][1][-3000:])
+    stops = [line for line in outputs[1][1].splitlines() if line.startswith("stopped: ")]
+    assert len(stops) == 1, outputs[1][1][-3000:]
+    latest = (tmp_path / "ckpt" / "latest").read_text().strip()
+    assert latest == f"step_{ONE_RANK_OOM_AT - 1}" and (tmp_path / "ckpt" / latest).is_dir(), latest
+    for part in ("actor update", "out of memory on some ranks only", "actor.ppo_micro_batch_size_per_gpu", latest,
+                 f"exit {OUT_OF_MEMORY_STOP_EXIT}"):  # fmt: skip
+        assert part in stops[0], (part, stops[0])

@@ -22,8 +22,13 @@ def test_gpu_check_dry_run_runs_every_part_and_writes_its_table(tmp_path: Path) 
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     report = json.loads(out.read_text())
     parts = [report["a_tiny_recipe"], *report["b_ppo_iteration"], report["c_logprobs"], report["d_offload"],
-             report["h_layouts"], report["h_tiny_recipe_tp2_sp"], report["i_decode"]]  # fmt: skip
+             report["e_grad_norm_by_cut"], report["f_resume"], report["g_first_update"], report["h_layouts"],
+             report["h_tiny_recipe_tp2_sp"], report["i_decode"]]  # fmt: skip
     assert all(part["ok"] for part in parts), parts
+    # (a) and (h)'s recipe trained through the CLI (the CUDA width bucket forced), not only validated
+    for recipe in (report["a_tiny_recipe"], report["h_tiny_recipe_tp2_sp"]):
+        assert recipe["exit_code"] == 0 and "accuracy_after" in recipe and recipe["accuracy_judged"] is False, recipe
+    assert report["f_resume"]["metrics_compared"] > 10 and report["f_resume"]["grad_norm_rtol"] == 0.0, "bitwise on CPU"
     offload = report["d_offload"]
     assert set(offload["on"]["resident_gib"]) == set(offload["off"]["resident_gib"]) == {
         "experience", "critic update", "actor update", "between iterations"}  # fmt: skip
@@ -38,5 +43,5 @@ def test_gpu_check_dry_run_runs_every_part_and_writes_its_table(tmp_path: Path) 
     layouts = report["h_layouts"]
     assert layouts["dtype"] == "fp32" and set(layouts["layouts"]) == {"tp2-sp", "pp2"}, layouts
     assert all(step > 10 * layouts["tolerance"]["weights"] for step in layouts["reference_step"].values()), layouts
-    assert report["h_tiny_recipe_tp2_sp"]["processes"] == 2, "the TP2 + SP recipe's overrides were validated"
+    assert report["h_tiny_recipe_tp2_sp"]["processes"] == 2, "the TP2 + SP recipe ran on 2 processes"
     assert "(h) TP2 + SP and PP2 against TP1 (fp32)" in result.stdout

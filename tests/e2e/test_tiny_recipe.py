@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ppo.models.widths import CUDA_WIDTH_BUCKET
 from tests.e2e.tiny_runs import run, run_and_kill_after_checkpoint, run_and_signal_after_step
 from tests.support.tensorboard import scalars
 
@@ -173,3 +174,19 @@ def test_pp2_first_steps_agree_with_the_tp2_run(tiny, uninterrupted, tmp_path: P
     run(2, [*tiny["common"], *PP2, "trainer.exit_interval=2", f"trainer.default_local_dir={tmp_path}/ckpt",
             f"trainer.log_dir={tmp_path}/tb"], tmp_path / "train.log")  # fmt: skip
     _assert_same_step_across_layouts(scalars(tmp_path / "tb"), uninterrupted, steps=[1, 2])
+
+
+# The CUDA width bucket forced on the CPU through its setting (`models.widths.width_bucket`): every micro-batch of
+# ≤ 13 tokens enters the models 128 wide, past the 16 rows of the recipe's learned position table
+CUDA_BUCKET = [f"{role}.megatron.make_sequence_length_divisible_by={CUDA_WIDTH_BUCKET}"
+               for role in ("actor", "ref", "critic")]  # fmt: skip
+
+
+def test_the_cuda_width_bucket_changes_no_step(tiny, uninterrupted, tmp_path: Path) -> None:
+    """Experience, updates and evaluation with every width rounded up to 128 (as on CUDA) give the first steps of
+    the run without the bucket: the padding enters no loss, no metric and no log-prob."""
+    run(2, [*tiny["common"], *CUDA_BUCKET, "trainer.exit_interval=2", f"trainer.default_local_dir={tmp_path}/ckpt",
+            f"trainer.log_dir={tmp_path}/tb"], tmp_path / "train.log")  # fmt: skip
+    logged = scalars(tmp_path / "tb")
+    assert logged["perf/padded_over_real_tokens"][1] > 8, "the bucket was not in force"
+    _assert_same_step_across_layouts(logged, uninterrupted, steps=[1, 2])

@@ -3,6 +3,8 @@ machine that reports CUDA, micro-batches and models on another device caught."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -31,6 +33,26 @@ def test_cuda_config_initialises_on_the_gpu_with_only_importable_fusions(reports
     # this machine has neither Transformer Engine nor apex: only Megatron's torch-scripted fusions can be on
     assert not (config.apply_rope_fusion or config.gradient_accumulation_fusion or config.persist_layer_norm)
     assert config.bias_activation_fusion and config.bias_dropout_fusion
+
+
+def test_with_every_kernel_importable_the_tiny_recipes_layer_norm_builds_on_cuda(reports_cuda: None) -> None:
+    """The CUDA branch of the fusion choice on a machine where apex's and TE's kernels import: the tiny recipe's
+    LayerNorm model on the local spec gets only flags its norms take (apex's persistent LayerNorm is not one)."""
+    from megatron_ppo.config import load_config
+    from megatron_ppo.models.kernels import fusion_flags
+    from megatron_ppo.models.norms import LocalNorm
+
+    model = load_config("recipes/tiny-cpu.yaml", ["model.params_dtype=fp32"]).model
+    assert model.normalization == "LayerNorm" and model.transformer_impl != "transformer_engine"
+    config = copy.copy(build_transformer_config(model, MegatronConfig()))
+    flags = fusion_flags(model, importable=dict.fromkeys(FUSIONS, True))
+    assert flags["gradient_accumulation_fusion"] and flags["bias_activation_fusion"]
+    for name, on in flags.items():
+        setattr(config, name, on)
+    assert LocalNorm(config, model.hidden_size).normalized_shape == (model.hidden_size,)
+    config.persist_layer_norm = True  # what the choice gave before: the local norm refuses it
+    with pytest.raises(ValueError, match="persist_layer_norm"):
+        LocalNorm(config, model.hidden_size)
 
 
 def test_cuda_config_keeps_host_init_when_layout_independent_weights_are_asked_for(reports_cuda: None) -> None:
