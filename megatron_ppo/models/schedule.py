@@ -30,6 +30,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_ppo.models.context_parallel import gather_per_token, split_micro_batch
 from megatron_ppo.models.gpt import RoleModel, unwrap
 from megatron_ppo.models.moe import expert_parallel_shapes, pad_tokens, routing_padding_mask
+from megatron_ppo.models.packing import PACK, Pack, build_pack, packed_width
 from megatron_ppo.models.widths import padded_width, pass_shape
 from megatron_ppo.parallel.device import module_device, to_device
 
@@ -56,20 +57,38 @@ def run_micro_batches(
     The model's inputs are padded below and to the right to the shapes of `model_shapes` (the layout's and the
     bucket's width, the expert-parallel group's shape, one shape per pipeline pass); the last stage's output is
     cut back to the micro-batch's own `[b, s]` (this CP rank's tokens of it) before `loss_fn`, so no padding enters
-    a loss, a metric or a log-prob. The tokens the model computed and the real ones go to `model.padding`."""
+    a loss, a metric or a log-prob. The tokens the model computed and the real ones go to `model.padding`.
+
+    Packed (`model.pack_sequences`, and micro-batches that carry their rows' `lengths`; generation's do not): each
+    micro-batch enters as one `[1, T]` pack of its whole sequences (`models.packing`), T the pack's tokens rounded
+    to the layout's multiple and the bucket; with PP every pack of the pass has the largest T, so the pass has one
+    shape and `variable_seq_lengths` stays off. `loss_fn` gets the packed output `[1, T, …]` and the micro-batch
+    with its `Pack` under `models.packing.PACK`, and turns per-token results back into rows (`per_row`)."""
     num_micro_batches = len(micro_batches)
     cp_size = parallel_state.get_context_parallel_world_size()
     sp_tp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
     device = module_device(model.chunks[0], f"the {model.role} model")
-    shapes = model_shapes(model, [tuple(batch["input_ids"].shape) for batch in micro_batches], cp_size, sp_tp)
+    multiple = model.pack_multiple if all("lengths" in batch for batch in micro_batches) else None
+    if multiple is not None:  # packed: one host read of the pass's lengths (cu_seqlens are host arithmetic)
+        lengths = _pass_lengths(micro_batches)
+        own = [(1, packed_width(rows, multiple, model.width_multiple)) for rows in lengths]
+    else:
+        own = [tuple(batch["input_ids"].shape) for batch in micro_batches]
+    shapes = model_shapes(model, own, cp_size, sp_tp)
     micro_batch_size, seq_length = (max(sizes) for sizes in zip(*shapes, strict=True))
+    packs = None
+    if multiple is not None:
+        packs = [build_pack(rows, batch["input_ids"].shape[1], multiple, width, device)
+                 for rows, batch, (_, width) in zip(lengths, micro_batches, shapes, strict=True)]  # fmt: skip
     for batch, (rows, width) in zip(micro_batches, shapes, strict=True):
-        lengths = batch.get("lengths")
-        model.padding.add(rows * width, lengths.sum() if lengths is not None else batch["input_ids"].numel())
+        lengths_of = batch.get("lengths")
+        model.padding.add(rows * width, lengths_of.sum() if lengths_of is not None else batch["input_ids"].numel())
 
     def forward_step(data_iterator, chunk):
         index, batch = next(data_iterator)
         batch = to_device(batch, device, f"the {model.role} model's forward")
+        if packs is not None:
+            return _packed_forward(model, chunk, batch, packs[index], loss_fn, num_micro_batches)
         if cp_size > 1:  # every per-token tensor padded to the pass's width, then this CP rank's chunks taken
             batch = split_micro_batch(batch, cp_size, parallel_state.get_context_parallel_rank(), sp_tp,
                                       full_width=shapes[index][1])  # fmt: skip
@@ -117,6 +136,27 @@ def run_micro_batches(
             for result, w in zip(results, widths, strict=True)
         ]  # fmt: skip
     return list(results)
+
+
+def _pass_lengths(micro_batches: Sequence[MicroBatch]) -> list[list[int]]:
+    """Each micro-batch's row lengths, read to the host at once."""
+    counts = [batch["input_ids"].shape[0] for batch in micro_batches]
+    flat = torch.cat([batch["lengths"] for batch in micro_batches]).tolist()
+    return [flat[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+
+
+def _packed_forward(model: RoleModel, chunk, batch: MicroBatch, pack: Pack, loss_fn: LossFn, num_micro_batches: int):
+    """One packed micro-batch through `chunk`: its rows as the `[1, T]` pack with THD `PackedSeqParams`, position
+    ids restarting per sequence, MoE routers told which tokens are real; `loss_fn` gets the micro-batch with its
+    `Pack` (under `models.packing.PACK`) and the packed output `[1, T, …]`, which it unpacks (`per_row`)."""
+    if batch.get("attention_mask") is not None:
+        raise ValueError("packed sequences run causal attention inside each sequence, without an attention mask")
+    input_ids = pack.pack(batch["input_ids"])
+    kwargs: dict[str, Any] = {"packed_seq_params": pack.params}
+    if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
+        kwargs["padding_mask"] = ~pack.token_is_real
+    output = chunk(input_ids, pack.position_ids, None, **kwargs)
+    return output, partial(_scaled_loss, loss_fn, {**batch, PACK: pack}, num_micro_batches)
 
 
 def model_shapes(

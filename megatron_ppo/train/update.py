@@ -24,6 +24,7 @@ from megatron_ppo import algo
 from megatron_ppo.config.schema import ActorConfig, CriticConfig
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
 from megatron_ppo.models.moe import clear_moe_aux_losses, moe_aux_loss_metrics
+from megatron_ppo.models.packing import labels_of, per_row
 from megatron_ppo.parallel.collectives import broadcast_from_last_stage, gather_data_parallel
 from megatron_ppo.parallel.ranks import data_parallel
 from megatron_ppo.train.batch import replica_micro_batches, select
@@ -95,8 +96,9 @@ def actor_loss(
     def loss_fn(batch: Experience, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetricPart]]:
         mask = batch["loss_mask"]
         log_prob, entropy = vocab_parallel_log_probs(
-            logits, batch["labels"], vocab_size=vocab_size, with_entropy=True, chunk_tokens=chunk_tokens
+            logits, labels_of(batch), vocab_size=vocab_size, with_entropy=True, chunk_tokens=chunk_tokens
         )
+        log_prob, entropy = per_row(batch, log_prob), per_row(batch, entropy)  # packed: back to the rows
         pg_loss, pg_metrics = policy_loss(
             batch["old_log_prob"], log_prob, batch["advantages"], mask, config.loss_agg_mode, pg_config,
             batch.get("rollout_is_weights"),
@@ -141,7 +143,7 @@ def critic_loss(config: CriticConfig, counts: dict[str, float]) -> LossFn:
 
     def loss_fn(batch: Experience, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetricPart]]:
         mask = batch["loss_mask"]
-        values = output.squeeze(-1).float()
+        values = per_row(batch, output.squeeze(-1).float())
         loss, clipfrac = algo.value_loss(
             values, batch["returns"], batch["values"], mask, cliprange_value=config.cliprange_value, **agg
         )
@@ -225,7 +227,7 @@ def update_role(
     for _ in range(config.ppo_epochs):
         for start in range(0, rows, mini_batch_size):
             mini = select(experience, range(start, min(start + mini_batch_size, rows)))
-            _, _, micro_batches = replica_micro_batches(mini, micro.rows, micro.max_tokens)
+            _, _, micro_batches = replica_micro_batches(mini, micro.rows, micro.max_tokens, model.pack_multiple)
             zero_grads(model, optimizer)
             clear_moe_aux_losses()
             outputs = run_micro_batches(model, micro_batches, make_loss(mini_batch_counts(mini)), forward_only=False)
