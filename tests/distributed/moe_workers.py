@@ -31,7 +31,11 @@ def load_balancing_loss_by_layout(rank: int, world_size: int, workdir: str, mode
             MegatronConfig(expert_model_parallel_size=2),
             dataclasses.replace(model, router_aux_loss_coef=0),
         ),
-        "ep2-packed": (MegatronConfig(expert_model_parallel_size=2), dataclasses.replace(model, pack_sequences=True)),
+        # packs rounded up to 16 tokens: a tail of padding the routers must leave out
+        "ep2-packed": (
+            MegatronConfig(expert_model_parallel_size=2, make_sequence_length_divisible_by=16),
+            dataclasses.replace(model, pack_sequences=True),
+        ),
     }
     out: dict[str, Any] = {}
     for index, (name, (layout, role_model)) in enumerate(runs.items()):
