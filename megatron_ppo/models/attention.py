@@ -118,7 +118,7 @@ class SDPAttention(MegatronModule):
         bounds = bounds.tolist()
         if bounds[-1] != query.shape[0]:
             raise ValueError(f"the pack's segments cover {bounds[-1]} tokens, the query holds {query.shape[0]}")
-        q, k, v = (t.permute(1, 0, 2) for t in (query, key, value))  # [heads, t, hn]
+        q, k, v = (t.permute(1, 0, 2).contiguous() for t in (query, key, value))  # [heads, t, hn]
         dropout = self.dropout if self.training else 0.0
         grouped = self.heads_per_partition != self.groups_per_partition
         out = []
