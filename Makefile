@@ -101,6 +101,7 @@ bench: setup
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_actor_step
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_ppo_step
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_pipeline_shapes
+	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_packing
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_logprob_chunks
 	$(PY) -m bench.bench_gae
 

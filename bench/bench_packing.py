@@ -14,6 +14,7 @@ Run: torchrun --nproc_per_node 2 -m bench.bench_packing   (or `make bench`); `--
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import statistics
@@ -110,7 +111,7 @@ def attention_times(smallest: bool) -> dict[str, float]:
 
     def per_sequence():
         return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
-                          for a, b in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)  # fmt: skip
+                          for a, b in itertools.pairwise(bounds)], dim=2)  # fmt: skip
 
     def block_mask():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)

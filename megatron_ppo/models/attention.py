@@ -11,6 +11,8 @@ query attention is passed as is to the (causal, unmasked) flash kernel (`enable_
 by consecutive query heads, as in Megatron's `repeat_interleave`); with an explicit mask, keys and values are
 repeated per query head for the memory-efficient kernel.
 
+Packed sequences (`packed_seq_params`, THD, `models.packing`): causal attention inside each sequence of the pack.
+
 Masks follow Megatron: a boolean `attention_mask` broadcastable to `[b, 1, sq, sk]`, True where attention is NOT
 allowed. Without a mask, `AttnMaskType.causal` means the causal mask (passed to the kernel as `is_causal`, which
 keeps the flash path). A query row with no allowed key (a padding row) gives a zero output here, where Megatron
@@ -20,6 +22,7 @@ gives the mean of all values; such rows carry no loss.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any
 
 import torch
@@ -110,8 +113,9 @@ class SDPAttention(MegatronModule):
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> torch.Tensor:
         """Packed sequences (THD, `models.packing`): `query [t, np, hn]`, `key/value [t, ng, hn]`; causal attention
         inside each segment [cu_seqlens_q_padded[i], cu_seqlens_q_padded[i + 1]) of the pack, one SDPA call per
-        segment (its flash path, `is_causal`): on CPU 1.6–4× faster than one call with a block-diagonal causal mask
-        over the whole pack (bench/bench_packing.py measures both). Returns `[t, np·hn]`."""
+        segment (its flash path, `is_causal`, on contiguous heads): on CPU 6–7× faster, forward and backward, than
+        one call with a block-diagonal causal mask over the whole pack (16 sequences of 8–512 tokens,
+        bench/bench_packing.py measures both), which computes all t² scores. Returns `[t, np·hn]`."""
         if params.qkv_format != "thd":
             raise ValueError(f"SDPA core attention takes packed sequences in the thd format, not {params.qkv_format}")
         bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
@@ -123,7 +127,7 @@ class SDPAttention(MegatronModule):
         grouped = self.heads_per_partition != self.groups_per_partition
         out = []
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext():
-            for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            for start, end in itertools.pairwise(bounds):
                 if end > start:
                     out.append(F.scaled_dot_product_attention(
                         q[None, :, start:end], k[None, :, start:end], v[None, :, start:end], dropout_p=dropout,

@@ -45,6 +45,7 @@ class RoleModel:
     width_multiple: int = 1  # micro-batch widths are multiples of this (models.widths.width_bucket)
     padding: PaddingTally = field(default_factory=PaddingTally)  # tokens computed vs real, for perf/ metrics
     pack_sequences: bool = False  # model.pack_sequences: micro-batches enter as [1, T] packs (models.packing)
+    pass_notes: set[str] = field(default_factory=set)  # the kinds of pass logged so far (models.schedule)
 
     @property
     def pack_multiple(self) -> int | None:

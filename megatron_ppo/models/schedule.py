@@ -19,6 +19,7 @@ a forward-only pass) come back gathered over the CP group as full rows `[b, W, .
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -34,6 +35,7 @@ from megatron_ppo.models.packing import PACK, Pack, build_pack, packed_width
 from megatron_ppo.models.widths import padded_width, pass_shape
 from megatron_ppo.parallel.device import module_device, to_device
 
+logger = logging.getLogger(__name__)
 MicroBatch = dict[str, torch.Tensor]
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
@@ -75,6 +77,7 @@ def run_micro_batches(
     else:
         own = [tuple(batch["input_ids"].shape) for batch in micro_batches]
     shapes = model_shapes(model, own, cp_size, sp_tp)
+    _note_pass_shapes(model, packed=multiple is not None)
     micro_batch_size, seq_length = (max(sizes) for sizes in zip(*shapes, strict=True))
     packs = None
     if multiple is not None:
@@ -136,6 +139,22 @@ def run_micro_batches(
             for result, w in zip(results, widths, strict=True)
         ]  # fmt: skip
     return list(results)
+
+
+def _note_pass_shapes(model: RoleModel, packed: bool) -> None:
+    """Log, once per kind of pass a role runs, how its micro-batches enter the model and whether its pipeline
+    messages have one shape (`variable_seq_lengths` off) or exchange shapes first."""
+    layout = "packed sequences [1, T] (THD)" if packed else "padded rows [b, s]"
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        pipeline = "no pipeline"
+    elif model.config.variable_seq_lengths:
+        pipeline = "several shapes per pipeline pass, exchanged before each message (variable_seq_lengths on)"
+    else:
+        pipeline = "one shape per pipeline pass (variable_seq_lengths off)"
+    note = f"{model.role} passes: {layout}; {pipeline}"
+    if note not in model.pass_notes:
+        model.pass_notes.add(note)
+        logger.info(note)
 
 
 def _pass_lengths(micro_batches: Sequence[MicroBatch]) -> list[list[int]]:

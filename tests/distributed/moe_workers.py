@@ -21,7 +21,8 @@ from tests.distributed import workers
 def load_balancing_loss_by_layout(rank: int, world_size: int, workdir: str, model: ModelConfig) -> dict[str, Any]:
     """One actor update from the reference's initial weights and experience, with `model`'s load-balancing loss, at
     DP 2 × EP 1 and at DP 2 × EP 2 (the same micro-batches on each replica, so the per-micro-batch routing
-    statistics agree), at EP 2 without the loss, and at EP 2 packed (`model.pack_sequences`). Returns each run's aux loss, grad norm and pg_loss."""
+    statistics agree), at EP 2 without the loss, and at EP 2 packed
+    (`model.pack_sequences`). Returns each run's aux loss, grad norm and pg_loss."""
     expected = torch.load(Path(workdir) / "reference.pt")
     exp = workers.experience(workers.ROWS, seed=3, passes=expected["passes"])
     runs = {

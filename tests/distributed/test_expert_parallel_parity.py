@@ -85,5 +85,5 @@ def test_load_balancing_loss_is_logged_and_trained_through_expert_parallelism(pa
         assert ep2["pg_loss"] == no_aux["pg_loss"], "the load-balancing loss is not part of the logged pg_loss"
         packed = runs["ep2-packed"]  # the routers' statistics see the real tokens only (Megatron-LM #6115)
         for key in ("moe_aux_loss", "grad_norm", "pg_loss"):
-            assert math.isclose(packed[key], ep2[key], rel_tol=1e-5), f"rank {rank}: {key} packed {packed[key]} vs {ep2[key]}"
+            assert math.isclose(packed[key], ep2[key], rel_tol=1e-5), f"rank {rank}: {key} {packed[key]} vs {ep2[key]}"
         assert not math.isclose(ep2["grad_norm"], no_aux["grad_norm"], rel_tol=1e-6), "the loss must reach the grads"

@@ -163,6 +163,10 @@ def test_packed_pipeline_passes_send_one_pack_shape_without_a_shape_exchange(par
             assert len(seen["shapes"]) == 1, f"{name}, rank {rank}: one pass, several shapes {seen['shapes']}"
             ((_, rows, _),) = seen["shapes"]
             assert rows == 1, f"{name}, rank {rank}: a packed pass sent {rows} rows, not one pack"
+        assert report["pass_notes"] == [  # the log line that names each role's passes
+            f"{role} passes: packed sequences [1, T] (THD); one shape per pipeline pass (variable_seq_lengths off)"
+            for role in ("actor", "critic", "ref")
+        ], report["pass_notes"]
 
 
 @pytest.mark.parametrize(("name", "padded"), [("tp2-sp-packed", "tp2-sp"), ("pp2-packed", "pp2")])

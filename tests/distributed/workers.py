@@ -252,6 +252,7 @@ def parallel_layout(
         "pipeline_passes": passes_seen,
         "actor_tokens_computed": actor.padding.padded,
         "actor_tokens": (actor.padding.padded, int(actor.padding.real)),
+        "pass_notes": sorted(note for model in (actor, ref, critic) for note in model.pass_notes),
         "metrics": {(f"gspo:{key}" if role == "gspo" else key): (value, expected[f"{role}_metrics"][key])
                     for role in roles for key, value in ours[f"{role}_metrics"].items()},
     }  # fmt: skip
