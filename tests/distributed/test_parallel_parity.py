@@ -75,7 +75,7 @@ def _selected_layouts(request: pytest.FixtureRequest) -> list[str]:
     for item in request.session.items:
         callspec = getattr(item, "callspec", None)
         if item.module is request.module and callspec is not None:
-            wanted |= {callspec.params[key] for key in ("name", "without") if key in callspec.params}
+            wanted |= {callspec.params[key] for key in ("name", "without", "padded") if key in callspec.params}
     return [name for name in LAYOUTS if name in wanted]
 
 
