@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megatron_ppo.convert import hf_model_config
+from megatron_ppo.convert.huggingface import hf_model_config
 from megatron_ppo.models.hf_conversion import (
     MAPPINGS,
     Kind,
