@@ -82,7 +82,10 @@ def ppo_iterations(smallest: bool) -> dict[str, dict[str, float]]:
     models = [model for model in (trainer.actor, trainer.ref, trainer.critic) if model is not None]
     seconds: dict[str, list[float]] = {"packed": [], "padded": []}
     ratio: dict[str, float] = {}
-    trainer.iteration()  # warm-up
+    for name in ("packed", "padded"):  # warm-up: each path's first call (kernels, allocations) outside the timing
+        for model in models:
+            model.pack_sequences = name == "packed"
+        trainer.iteration()
     for _ in range(rounds):
         state = trainer.sampler.state_dict()
         for name in ("packed", "padded"):
