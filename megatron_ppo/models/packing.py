@@ -115,9 +115,10 @@ def build_pack(lengths: Sequence[int], row_width: int, multiple: int, width: int
 
 def packed_width(lengths: Sequence[int], multiple: int, bucket: int = 1) -> int:
     """The tokens a pack of `lengths` enters the model with before the pass's shape: Σ p_i rounded up to
-    lcm(m, `bucket`) (the CUDA width bucket, `models.widths.width_bucket`)."""
+    lcm(m, `bucket`) (the CUDA width bucket, `models.widths.width_bucket`); one step at least (an empty
+    micro-batch of the interleaved schedule holds one row of no tokens)."""
     step = math.lcm(multiple, bucket)
-    return -(-sum(segment_lengths(lengths, multiple)) // step) * step
+    return max(1, -(-sum(segment_lengths(lengths, multiple)) // step)) * step
 
 
 def per_row(batch: dict, output: torch.Tensor) -> torch.Tensor:

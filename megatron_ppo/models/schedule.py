@@ -26,11 +26,17 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ppo.models.context_parallel import gather_per_token, split_micro_batch
 from megatron_ppo.models.gpt import RoleModel, unwrap
-from megatron_ppo.models.moe import expert_parallel_shapes, pad_tokens, routing_padding_mask
+from megatron_ppo.models.moe import (
+    expert_parallel_micro_batch_count,
+    expert_parallel_shapes,
+    pad_tokens,
+    routing_padding_mask,
+)
 from megatron_ppo.models.packing import PACK, Pack, build_pack, packed_width
 from megatron_ppo.models.widths import padded_width, pass_shape
 from megatron_ppo.parallel.device import module_device, to_device
@@ -51,6 +57,7 @@ def run_micro_batches(
     loss_fn: LossFn,
     *,
     forward_only: bool,
+    inference_context: StaticInferenceContext | None = None,
 ) -> list[dict[str, Any]]:
     """Run the schedule over `micro_batches` (each with `input_ids` `[b, s]`, optional `position_ids` and a boolean
     `attention_mask` `[b, 1, s, s]`, True where attention is not allowed; causal without one); `loss_fn` sees the
@@ -65,19 +72,37 @@ def run_micro_batches(
     micro-batch enters as one `[1, T]` pack of its whole sequences (`models.packing`), T the pack's tokens rounded
     to the layout's multiple and the bucket; with PP every pack of the pass has the largest T, so the pass has one
     shape and `variable_seq_lengths` stays off. `loss_fn` gets the packed output `[1, T, …]` and the micro-batch
-    with its `Pack` under `models.packing.PACK`, and turns per-token results back into rows (`per_row`)."""
+    with its `Pack` under `models.packing.PACK`, and turns per-token results back into rows (`per_row`).
+
+    A pass runs as many micro-batches as the largest count of its expert-parallel group (MoE's allgather
+    dispatcher is a collective per micro-batch) and, under the interleaved schedule (virtual stages), a multiple of
+    PP (Megatron refuses fewer and uneven remainders): a rank with fewer runs empty micro-batches (one padding
+    token, no loss, no result).
+
+    With an `inference_context` (KV-cached decoding, `models.generation`): the micro-batches, all of one shape,
+    enter unpadded (padding would enter the cache), micro-batch i writing rows `[i·b, (i+1)·b)` of the cache; the
+    last stage's output holds the TP-gathered logits of the last position only (`[b, 1, vocab]`)."""
+    real_micro_batches = len(micro_batches)
+    micro_batches = [*micro_batches, *_empty_micro_batches(model, real_micro_batches)]
     num_micro_batches = len(micro_batches)
     cp_size = parallel_state.get_context_parallel_world_size()
     sp_tp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
     device = module_device(model.chunks[0], f"the {model.role} model")
-    multiple = model.pack_multiple if all("lengths" in batch for batch in micro_batches) else None
+    packable = inference_context is None and all("lengths" in batch for batch in micro_batches)
+    multiple = model.pack_multiple if packable else None
     if multiple is not None:  # packed: one host read of the pass's lengths (cu_seqlens are host arithmetic)
         lengths = _pass_lengths(micro_batches)
-        own = [(1, packed_width(rows, multiple, model.width_multiple)) for rows in lengths]
+        own_shapes = [(1, packed_width(rows, multiple, model.width_multiple)) for rows in lengths]
     else:
-        own = [tuple(batch["input_ids"].shape) for batch in micro_batches]
-    shapes = model_shapes(model, own, cp_size, sp_tp)
-    _note_pass_shapes(model, packed=multiple is not None)
+        own_shapes = [tuple(batch["input_ids"].shape) for batch in micro_batches]
+    if inference_context is None:
+        shapes = model_shapes(model, own_shapes, cp_size, sp_tp)
+        _note_pass_shapes(model, packed=multiple is not None)
+    else:
+        if len(set(own_shapes)) != 1 or cp_size > 1 or model.config.sequence_parallel:
+            raise ValueError(f"a cached pass takes micro-batches of one shape (got {sorted(set(own_shapes))}), "
+                             "without context or sequence parallelism")  # fmt: skip
+        shapes, model.config.variable_seq_lengths = own_shapes, False
     micro_batch_size, seq_length = (max(sizes) for sizes in zip(*shapes, strict=True))
     packs = None
     if multiple is not None:
@@ -91,7 +116,10 @@ def run_micro_batches(
         index, batch = next(data_iterator)
         batch = to_device(batch, device, f"the {model.role} model's forward")
         if packs is not None:
-            return _packed_forward(model, chunk, batch, packs[index], loss_fn, num_micro_batches)
+            output, loss = _packed_forward(model, chunk, batch, packs[index], loss_fn, num_micro_batches)
+            if index >= real_micro_batches:  # an empty micro-batch of the interleaved schedule: no loss, no result
+                return output, lambda output: (output.sum() * 0.0, {})
+            return output, loss
         if cp_size > 1:  # every per-token tensor padded to the pass's width, then this CP rank's chunks taken
             batch = split_micro_batch(batch, cp_size, parallel_state.get_context_parallel_rank(), sp_tp,
                                       full_width=shapes[index][1])  # fmt: skip
@@ -105,16 +133,20 @@ def run_micro_batches(
         input_ids, position_ids, attention_mask = pad_tokens(
             input_ids, position_ids, attention_mask, (shapes[index][0], shapes[index][1] // cp_size)
         )
+        extra = {}
         if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
             lengths = batch.get("lengths", torch.full((rows,), width, device=device))
-            mask = routing_padding_mask(lengths, tuple(input_ids.shape))
-            output = chunk(input_ids, position_ids, attention_mask, padding_mask=mask)
-        else:
-            output = chunk(input_ids, position_ids, attention_mask)
+            extra["padding_mask"] = routing_padding_mask(lengths, tuple(input_ids.shape))
+        if inference_context is not None:  # this micro-batch's rows of the cache; logits gathered over TP
+            inference_context.batch_size_offset = index * rows
+            extra.update(inference_context=inference_context, runtime_gather_output=True)
+        output = chunk(input_ids, position_ids, attention_mask, **extra)
         if unwrap(chunk).post_process and tuple(output.shape[:2]) != (rows, width):
             # the padding stays out of the loss, its metrics and its outputs (cut only where there is some: a
             # slice's backward writes its gradient into a fresh full-size buffer)
             output = output[:rows, :width]
+        if index >= real_micro_batches:  # an empty micro-batch of the interleaved schedule: no loss, no result
+            return output, lambda output: (output.sum() * 0.0, {})
         return output, partial(_scaled_loss, loss_fn, batch, num_micro_batches)
 
     iterators = [iter(enumerate(micro_batches)) for _ in model.chunks]
@@ -130,6 +162,7 @@ def run_micro_batches(
     )
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return []
+    results, micro_batches = list(results)[:real_micro_batches], micro_batches[:real_micro_batches]
     if cp_size > 1:
         group = parallel_state.get_context_parallel_group()
         widths = [batch["input_ids"].shape[1] for batch in micro_batches]
@@ -176,6 +209,19 @@ def _packed_forward(model: RoleModel, chunk, batch: MicroBatch, pack: Pack, loss
         kwargs["padding_mask"] = ~pack.token_is_real
     output = chunk(input_ids, pack.position_ids, None, **kwargs)
     return output, partial(_scaled_loss, loss_fn, {**batch, PACK: pack}, num_micro_batches)
+
+
+def _empty_micro_batches(model: RoleModel, count: int) -> list[MicroBatch]:
+    """The micro-batches that bring a pass of `count` up to what every rank runs (`run_micro_batches`): the
+    expert-parallel group's largest count, then, under virtual stages, a multiple of PP
+    (`microbatch_group_size_per_vp_stage`, PP by default). Each holds one padding token (length 0: out of the
+    routers' statistics); the pass's shape rule pads it like the others."""
+    target = expert_parallel_micro_batch_count(model.config, count)
+    pipeline = parallel_state.get_pipeline_model_parallel_world_size()
+    if (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+        target = -(-target // pipeline) * pipeline
+    empty = {"input_ids": torch.zeros(1, 1, dtype=torch.long), "lengths": torch.zeros(1, dtype=torch.long)}
+    return [dict(empty) for _ in range(target - count)]
 
 
 def model_shapes(
