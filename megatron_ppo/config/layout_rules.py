@@ -168,6 +168,10 @@ def _context_parallel_problems(c: PPOConfig) -> list[str]:
                  "not installed here: install the gpu extra, or use 1")  # fmt: skip
     if c.model.transformer_impl == "local":
         p.append(f"{setting} needs model.transformer_impl='transformer_engine' or 'auto', not 'local'")
+    if c.model.pack_sequences:
+        p.append(f"model.pack_sequences=true with {setting} is not built: each packed sequence would need its own "
+                 "load-balanced split over the CP ranks (2·CP chunks per sequence); set model.pack_sequences=false "
+                 "or use CP 1")  # fmt: skip
     if c.model.num_experts:
         p.append(f"{setting} with mixture-of-experts layers is not built: the CP split of each row and the routers' "
                  "padding mask are not combined; use CP 1")  # fmt: skip

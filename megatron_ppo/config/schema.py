@@ -90,6 +90,11 @@ class ModelConfig(Freezable):
     # Log-probs and entropy over [tokens, vocab / TP] run in chunks of this many tokens, in fp32 per chunk and
     # recomputed in the backward: the memory above the logits is one chunk's fp32 (null: all tokens at once).
     logprob_chunk_tokens: int | None = ranged(2048, AT_LEAST_ONE)
+    # Packed sequences (THD; verl's use_remove_padding) in every pass of actor, reference and critic: a micro-batch
+    # enters the model as one [1, T] row of whole sequences, each padded only to the layout's multiple (TP with
+    # sequence parallelism), attention causal inside each sequence (megatron_ppo.models.packing); token budgets
+    # (use_dynamic_bsz) then count packed tokens. Not with context parallelism (yet).
+    pack_sequences: bool = False
     hf_checkpoint: str | None = None  # Hugging Face directory to convert from on first use
     init_checkpoint: str | None = None  # megatron-ppo checkpoint whose "actor" initialises actor, ref, critic trunk
     allow_random_init: bool = False  # a dataset run without initial weights (smoke tests, benchmarks only)

@@ -21,6 +21,9 @@ VERL_ALIASES = {
     "actor_rollout_ref.ref.": "ref.",
     "actor_rollout_ref.model.path": "model.hf_checkpoint",
     "critic.model.path": "critic.model.hf_checkpoint",
+    # verl's remove-padding (packed sequences); ours is one switch for actor, reference and critic
+    "actor_rollout_ref.model.use_remove_padding": "model.pack_sequences",
+    "critic.model.use_remove_padding": "model.pack_sequences",
     "trainer.nnodes": "cluster.nodes",
     "trainer.n_gpus_per_node": "cluster.gpus_per_node",
     "custom_reward_function.": "reward.custom_fn.",

@@ -72,6 +72,48 @@ def _packed(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return micro_batches
 
 
+def packed_micro_batches(lengths: Sequence[int], max_tokens: int, count: int | None = None) -> list[list[int]]:
+    """Token-budget micro-batches for packed sequences (`models.packing`): Σ lengths of every micro-batch ≤
+    `max_tokens` — a pack computes its tokens, not rows × its longest row (pass each sequence's length padded to
+    the layout's multiple). First-fit decreasing: indices sorted by length, longest first (ties by index), each into
+    the first micro-batch it fits. Deterministic; every index exactly once; a sequence is never split.
+
+    With `count` (at least the packing's own number): exactly `count` micro-batches, made by halving the one of
+    most tokens (of those with two rows or more; the first on a tie) until there are that many."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be ≥ 1, got {max_tokens}")
+    micro_batches: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[i] > max_tokens:
+            raise ValueError(
+                f"sequence {i} has {lengths[i]} tokens, more than the micro-batch budget max_tokens={max_tokens}: "
+                "raise the budget (ppo_max_token_len_per_gpu) or lower data.max_prompt_length/max_response_length"
+            )
+        fits = next((k for k, load in enumerate(loads) if load + lengths[i] <= max_tokens), None)
+        if fits is None:
+            micro_batches.append([i])
+            loads.append(lengths[i])
+        else:
+            micro_batches[fits].append(i)
+            loads[fits] += lengths[i]
+    if count is None:
+        return micro_batches
+    if not len(micro_batches) <= count <= len(lengths):
+        raise ValueError(
+            f"cannot cut {len(lengths)} rows into {count} packed micro-batches within max_tokens={max_tokens} (the "
+            f"budget packs them into {len(micro_batches)}); the count is the largest on any data-parallel rank, a "
+            "multiple of PP with virtual stages: give each rank more rows (ppo_mini_batch_size) or use fewer "
+            "pipeline stages"
+        )
+    while len(micro_batches) < count:
+        tokens = [sum(lengths[i] for i in mb) if len(mb) > 1 else -1 for mb in micro_batches]
+        widest = tokens.index(max(tokens))
+        half = len(micro_batches[widest]) // 2
+        micro_batches[widest : widest + 1] = [micro_batches[widest][:half], micro_batches[widest][half:]]
+    return micro_batches
+
+
 def padding_fraction(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]]) -> float:
     """1 − Σ lengths / Σ_mb (len(mb) × max length in mb): the share of padded positions that are padding."""
     real = sum(lengths[i] for mb in micro_batches for i in mb)

@@ -11,6 +11,8 @@ query attention is passed as is to the (causal, unmasked) flash kernel (`enable_
 by consecutive query heads, as in Megatron's `repeat_interleave`); with an explicit mask, keys and values are
 repeated per query head for the memory-efficient kernel.
 
+Packed sequences (`packed_seq_params`, THD, `models.packing`): causal attention inside each sequence of the pack.
+
 Masks follow Megatron: a boolean `attention_mask` broadcastable to `[b, 1, sq, sk]`, True where attention is NOT
 allowed. Without a mask, `AttnMaskType.causal` means the causal mask (passed to the kernel as `is_causal`, which
 keeps the flash path). A query row with no allowed key (a padding row) gives a zero output here, where Megatron
@@ -20,6 +22,7 @@ gives the mean of all values; such rows carry no loss.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any
 
 import torch
@@ -81,8 +84,10 @@ class SDPAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SDPA core attention takes neither attention_bias nor packed sequences")
+        if attention_bias is not None:
+            raise ValueError("SDPA core attention takes no attention_bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b = query.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
@@ -104,6 +109,31 @@ class SDPAttention(MegatronModule):
         if allowed is not None:  # rows with no allowed key: a zero output (the math kernel may give NaN)
             out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads_per_partition * out.shape[-1])
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> torch.Tensor:
+        """Packed sequences (THD, `models.packing`): `query [t, np, hn]`, `key/value [t, ng, hn]`; causal attention
+        inside each segment [cu_seqlens_q_padded[i], cu_seqlens_q_padded[i + 1]) of the pack, one SDPA call per
+        segment (its flash path, `is_causal`, on contiguous heads): on CPU 6–7× faster, forward and backward, than
+        one call with a block-diagonal causal mask over the whole pack (16 sequences of 8–512 tokens,
+        bench/bench_packing.py measures both), which computes all t² scores. Returns `[t, np·hn]`."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPA core attention takes packed sequences in the thd format, not {params.qkv_format}")
+        bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        bounds = bounds.tolist()
+        if bounds[-1] != query.shape[0]:
+            raise ValueError(f"the pack's segments cover {bounds[-1]} tokens, the query holds {query.shape[0]}")
+        q, k, v = (t.permute(1, 0, 2).contiguous() for t in (query, key, value))  # [heads, t, hn]
+        dropout = self.dropout if self.training else 0.0
+        grouped = self.heads_per_partition != self.groups_per_partition
+        out = []
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext():
+            for start, end in itertools.pairwise(bounds):
+                if end > start:
+                    out.append(F.scaled_dot_product_attention(
+                        q[None, :, start:end], k[None, :, start:end], v[None, :, start:end], dropout_p=dropout,
+                        is_causal=end - start > 1, scale=self.softmax_scale, enable_gqa=grouped,
+                    )[0])  # fmt: skip
+        return torch.cat(out, dim=1).permute(1, 0, 2).reshape(query.shape[0], -1)
 
 
 def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:

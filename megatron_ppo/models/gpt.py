@@ -24,6 +24,7 @@ from megatron_ppo.config.schema import ROLES, MegatronConfig, ModelConfig
 from megatron_ppo.models.attention import with_sdpa_attention
 from megatron_ppo.models.kernels import transformer_engine_importable, transformer_engine_usable
 from megatron_ppo.models.norms import LocalNorm, with_local_norms
+from megatron_ppo.models.packing import pack_multiple
 from megatron_ppo.models.router_replay import RouterReplayBinding, replay_bypasses
 from megatron_ppo.models.transformer_config import build_transformer_config, padded_vocab_size
 from megatron_ppo.models.value_head import ValueHead
@@ -51,6 +52,16 @@ class RoleModel:
     width_multiple: int = 1  # micro-batch widths are multiples of this (models.widths.width_bucket)
     padding: PaddingTally = field(default_factory=PaddingTally)  # tokens computed vs real, for perf/ metrics
     router_replay: RouterReplayBinding | None = None  # this model's routers, when routing replay is on
+    pack_sequences: bool = False  # model.pack_sequences: micro-batches enter as [1, T] packs (models.packing)
+    pass_notes: set[str] = field(default_factory=set)  # the kinds of pass logged so far (models.schedule)
+
+    @property
+    def pack_multiple(self) -> int | None:
+        """The multiple each sequence of a pack is padded to (`models.packing.pack_multiple`), None unpacked."""
+        if not self.pack_sequences:
+            return None
+        sp_tp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        return pack_multiple(self.config.context_parallel_size, sp_tp)
 
     @property
     def is_trained(self) -> bool:
@@ -183,8 +194,10 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, rout
         ]
     bucket = width_bucket(layout.make_sequence_length_divisible_by, on_cuda())
     replay = RouterReplayBinding(chunks, config) if routing_replay else None
-    return RoleModel(role, chunks, config, model.vocab_size, vocab, model.logprob_chunk_tokens, bucket,
-                     router_replay=replay)  # fmt: skip
+    return RoleModel(
+        role, chunks, config, model.vocab_size, vocab, model.logprob_chunk_tokens, bucket,
+        router_replay=replay, pack_sequences=model.pack_sequences,
+    )  # fmt: skip
 
 
 def data_parallel_config(layout: MegatronConfig) -> DistributedDataParallelConfig:

@@ -19,6 +19,7 @@ a forward-only pass) come back gathered over the CP group as full rows `[b, W, .
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from functools import partial
@@ -37,10 +38,12 @@ from megatron_ppo.models.moe import (
     pad_tokens,
     routing_padding_mask,
 )
+from megatron_ppo.models.packing import PACK, Pack, build_pack, packed_width
 from megatron_ppo.models.router_replay import Action
 from megatron_ppo.models.widths import padded_width, pass_shape
 from megatron_ppo.parallel.device import module_device, to_device
 
+logger = logging.getLogger(__name__)
 MicroBatch = dict[str, torch.Tensor]
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
@@ -68,6 +71,12 @@ def run_micro_batches(
     cut back to the micro-batch's own `[b, s]` (this CP rank's tokens of it) before `loss_fn`, so no padding enters
     a loss, a metric or a log-prob. The tokens the model computed and the real ones go to `model.padding`.
 
+    Packed (`model.pack_sequences`, and micro-batches that carry their rows' `lengths`; generation's do not): each
+    micro-batch enters as one `[1, T]` pack of its whole sequences (`models.packing`), T the pack's tokens rounded
+    to the layout's multiple and the bucket; with PP every pack of the pass has the largest T, so the pass has one
+    shape and `variable_seq_lengths` stays off. `loss_fn` gets the packed output `[1, T, …]` and the micro-batch
+    with its `Pack` under `models.packing.PACK`, and turns per-token results back into rows (`per_row`).
+
     A pass runs as many micro-batches as the largest count of its expert-parallel group (MoE's allgather
     dispatcher is a collective per micro-batch) and, under the interleaved schedule (virtual stages), a multiple of
     PP (Megatron refuses fewer and uneven remainders): a rank with fewer runs empty micro-batches (one padding
@@ -88,22 +97,38 @@ def run_micro_batches(
     cp_size = parallel_state.get_context_parallel_world_size()
     sp_tp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
     device = module_device(model.chunks[0], f"the {model.role} model")
-    own_shapes = [tuple(batch["input_ids"].shape) for batch in micro_batches]
+    packable = inference_context is None and all("lengths" in batch for batch in micro_batches)
+    multiple = model.pack_multiple if packable else None
+    if multiple is not None:  # packed: one host read of the pass's lengths (cu_seqlens are host arithmetic)
+        lengths = _pass_lengths(micro_batches)
+        own_shapes = [(1, packed_width(rows, multiple, model.width_multiple)) for rows in lengths]
+    else:
+        own_shapes = [tuple(batch["input_ids"].shape) for batch in micro_batches]
     if inference_context is None:
         shapes = model_shapes(model, own_shapes, cp_size, sp_tp)
+        _note_pass_shapes(model, packed=multiple is not None)
     else:
         if len(set(own_shapes)) != 1 or cp_size > 1 or model.config.sequence_parallel:
             raise ValueError(f"a cached pass takes micro-batches of one shape (got {sorted(set(own_shapes))}), "
                              "without context or sequence parallelism")  # fmt: skip
         shapes, model.config.variable_seq_lengths = own_shapes, False
     micro_batch_size, seq_length = (max(sizes) for sizes in zip(*shapes, strict=True))
+    packs = None
+    if multiple is not None:
+        packs = [build_pack(rows, batch["input_ids"].shape[1], multiple, width, device)
+                 for rows, batch, (_, width) in zip(lengths, micro_batches, shapes, strict=True)]  # fmt: skip
     for batch, (rows, width) in zip(micro_batches, shapes, strict=True):
-        lengths = batch.get("lengths")
-        model.padding.add(rows * width, lengths.sum() if lengths is not None else batch["input_ids"].numel())
+        lengths_of = batch.get("lengths")
+        model.padding.add(rows * width, lengths_of.sum() if lengths_of is not None else batch["input_ids"].numel())
 
     def forward_step(data_iterator, chunk):
         index, batch = next(data_iterator)
         batch = to_device(batch, device, f"the {model.role} model's forward")
+        if packs is not None:
+            output, loss = _packed_forward(model, chunk, batch, packs[index], loss_fn, num_micro_batches)
+            if index >= real_micro_batches:  # an empty micro-batch of the interleaved schedule: no loss, no result
+                return output, lambda output: (output.sum() * 0.0, {})
+            return output, loss
         if cp_size > 1:  # every per-token tensor padded to the pass's width, then this CP rank's chunks taken
             batch = split_micro_batch(batch, cp_size, parallel_state.get_context_parallel_rank(), sp_tp,
                                       full_width=shapes[index][1])  # fmt: skip
@@ -173,6 +198,43 @@ def run_micro_batches(
             for result, w in zip(results, widths, strict=True)
         ]  # fmt: skip
     return list(results)
+
+
+def _note_pass_shapes(model: RoleModel, packed: bool) -> None:
+    """Log, once per kind of pass a role runs, how its micro-batches enter the model and whether its pipeline
+    messages have one shape (`variable_seq_lengths` off) or exchange shapes first."""
+    layout = "packed sequences [1, T] (THD)" if packed else "padded rows [b, s]"
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        pipeline = "no pipeline"
+    elif model.config.variable_seq_lengths:
+        pipeline = "several shapes per pipeline pass, exchanged before each message (variable_seq_lengths on)"
+    else:
+        pipeline = "one shape per pipeline pass (variable_seq_lengths off)"
+    note = f"{model.role} passes: {layout}; {pipeline}"
+    if note not in model.pass_notes:
+        model.pass_notes.add(note)
+        logger.info(note)
+
+
+def _pass_lengths(micro_batches: Sequence[MicroBatch]) -> list[list[int]]:
+    """Each micro-batch's row lengths, read to the host at once."""
+    counts = [batch["input_ids"].shape[0] for batch in micro_batches]
+    flat = torch.cat([batch["lengths"] for batch in micro_batches]).tolist()
+    return [flat[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+
+
+def _packed_forward(model: RoleModel, chunk, batch: MicroBatch, pack: Pack, loss_fn: LossFn, num_micro_batches: int):
+    """One packed micro-batch through `chunk`: its rows as the `[1, T]` pack with THD `PackedSeqParams`, position
+    ids restarting per sequence, MoE routers told which tokens are real; `loss_fn` gets the micro-batch with its
+    `Pack` (under `models.packing.PACK`) and the packed output `[1, T, …]`, which it unpacks (`per_row`)."""
+    if batch.get("attention_mask") is not None:
+        raise ValueError("packed sequences run causal attention inside each sequence, without an attention mask")
+    input_ids = pack.pack(batch["input_ids"])
+    kwargs: dict[str, Any] = {"packed_seq_params": pack.params}
+    if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
+        kwargs["padding_mask"] = ~pack.token_is_real
+    output = chunk(input_ids, pack.position_ids, None, **kwargs)
+    return output, partial(_scaled_loss, loss_fn, {**batch, PACK: pack}, num_micro_batches)
 
 
 def _empty_micro_batches(model: RoleModel, count: int) -> list[MicroBatch]:

@@ -22,8 +22,10 @@ from megatron_ppo.data.batching import (
     dynamic_micro_batches,
     fixed_micro_batches,
     group_rows,
+    packed_micro_batches,
 )
 from megatron_ppo.data.rows import Row
+from megatron_ppo.models.packing import segment_lengths
 from megatron_ppo.models.router_replay import record_dtype
 from megatron_ppo.parallel.collectives import data_parallel_share, dynamic_micro_batch_count
 
@@ -134,14 +136,20 @@ def select[AnyBatch: dict](batch: AnyBatch, indices: Sequence[int]) -> AnyBatch:
 
 
 def replica_micro_batches[AnyBatch: dict](
-    batch: AnyBatch, micro_batch_size: int | None, max_tokens: int | None = None
+    batch: AnyBatch, micro_batch_size: int | None, max_tokens: int | None = None, pack_multiple: int | None = None
 ) -> tuple[list[int], list[list[int]], list[AnyBatch]]:
     """This data-parallel replica's rows of `batch` cut into micro-batches: fixed-size ones, or token-budget ones
-    when `max_tokens` is given, as many on every replica (`collectives.dynamic_micro_batch_count`). Returns (the
-    replica's row indices, the groups as positions in them, the micro-batches)."""
+    when `max_tokens` is given, as many on every replica (`collectives.dynamic_micro_batch_count`) — with
+    `pack_multiple` (the model packs its sequences, each padded to that multiple: `models.packing`) budgets of
+    packed tokens (`packed_micro_batches`), else of rows × the longest row. Returns (the replica's row indices, the
+    groups as positions in them, the micro-batches)."""
     share = data_parallel_share(batch["input_ids"].shape[0])
     lengths = batch["lengths"][share].tolist()
-    if max_tokens is not None:
+    if max_tokens is not None and pack_multiple is not None:
+        padded = segment_lengths(lengths, pack_multiple)
+        own = len(packed_micro_batches(padded, max_tokens))
+        groups = packed_micro_batches(padded, max_tokens, count=dynamic_micro_batch_count(own))
+    elif max_tokens is not None:
         own = len(dynamic_micro_batches(lengths, max_tokens))
         groups = dynamic_micro_batches(lengths, max_tokens, count=dynamic_micro_batch_count(own))
     else:

@@ -13,6 +13,7 @@ from megatron_ppo import algo
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.data.rows import DataError, Row
 from megatron_ppo.models import RoleModel, eval_mode, run_micro_batches, vocab_parallel_log_probs
+from megatron_ppo.models.packing import labels_of, per_row
 from megatron_ppo.models.router_replay import ROUTED_EXPERTS, Action
 from megatron_ppo.parallel.collectives import (
     broadcast_tensor_from_last_stage,
@@ -60,7 +61,7 @@ def forward_per_token(
     replica's share, gathered over data-parallel ranks and broadcast from the last pipeline stage (tensor
     collectives; the result lives on the batch's device). `routing`: the routing replay of the pass (R2 records
     into `records["routed_experts"]`, R3 replays the batch's; `models.router_replay`)."""
-    share, groups, micro_batches = replica_micro_batches(batch, micro.rows, micro.max_tokens)
+    share, groups, micro_batches = replica_micro_batches(batch, micro.rows, micro.max_tokens, model.pack_multiple)
     outputs = run_micro_batches(
         model, micro_batches, lambda b, out: (out.new_zeros(()), {"value": output_fn(b, out)}), forward_only=True,
         routing=routing,
@@ -83,15 +84,16 @@ def forward_per_token(
 
 def log_prob_fn(model: RoleModel) -> Callable[[Batch, torch.Tensor], torch.Tensor]:
     def fn(batch: Batch, logits: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_log_probs(
-            logits, batch["labels"], vocab_size=model.vocab_size, chunk_tokens=model.logprob_chunk_tokens
-        )[0].detach()
+        log_probs = vocab_parallel_log_probs(
+            logits, labels_of(batch), vocab_size=model.vocab_size, chunk_tokens=model.logprob_chunk_tokens
+        )[0]
+        return per_row(batch, log_probs.detach())
 
     return fn
 
 
 def values_fn(batch: Batch, output: torch.Tensor) -> torch.Tensor:
-    return output.squeeze(-1).float().detach()
+    return per_row(batch, output.squeeze(-1).float().detach())
 
 
 @torch.no_grad()

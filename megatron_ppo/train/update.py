@@ -24,6 +24,7 @@ from megatron_ppo import algo
 from megatron_ppo.config.schema import ActorConfig, CriticConfig, PPOConfig
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
 from megatron_ppo.models.moe import clear_moe_aux_losses, moe_aux_loss_metrics
+from megatron_ppo.models.packing import labels_of, per_row
 from megatron_ppo.models.router_replay import ROUTED_EXPERTS
 from megatron_ppo.parallel.collectives import broadcast_from_last_stage, gather_data_parallel
 from megatron_ppo.parallel.ranks import data_parallel
@@ -96,8 +97,9 @@ def actor_loss(
     def loss_fn(batch: Experience, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetricPart]]:
         mask = batch["loss_mask"]
         log_prob, entropy = vocab_parallel_log_probs(
-            logits, batch["labels"], vocab_size=vocab_size, with_entropy=True, chunk_tokens=chunk_tokens
+            logits, labels_of(batch), vocab_size=vocab_size, with_entropy=True, chunk_tokens=chunk_tokens
         )
+        log_prob, entropy = per_row(batch, log_prob), per_row(batch, entropy)  # packed: back to the rows
         pg_loss, pg_metrics = policy_loss(
             batch["old_log_prob"], log_prob, batch["advantages"], mask, config.loss_agg_mode, pg_config,
             batch.get("rollout_is_weights"),
@@ -142,7 +144,7 @@ def critic_loss(config: CriticConfig, counts: dict[str, float]) -> LossFn:
 
     def loss_fn(batch: Experience, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetricPart]]:
         mask = batch["loss_mask"]
-        values = output.squeeze(-1).float()
+        values = per_row(batch, output.squeeze(-1).float())
         loss, clipfrac = algo.value_loss(
             values, batch["returns"], batch["values"], mask, cliprange_value=config.cliprange_value, **agg
         )
@@ -254,7 +256,7 @@ def update_role[T](
 
             def forward_backward(mini: Experience = mini) -> tuple[int, list[dict[str, MetricPart]]]:
                 cut = micro() if callable(micro) else micro
-                _, _, micro_batches = replica_micro_batches(mini, cut.rows, cut.max_tokens)
+                _, _, micro_batches = replica_micro_batches(mini, cut.rows, cut.max_tokens, model.pack_multiple)
                 zero_grads(model, optimizer)  # also what a failed attempt accumulated
                 clear_moe_aux_losses()
                 loss = make_loss(mini_batch_counts(mini))

@@ -21,7 +21,8 @@ from tests.distributed import workers
 def load_balancing_loss_by_layout(rank: int, world_size: int, workdir: str, model: ModelConfig) -> dict[str, Any]:
     """One actor update from the reference's initial weights and experience, with `model`'s load-balancing loss, at
     DP 2 × EP 1 and at DP 2 × EP 2 (the same micro-batches on each replica, so the per-micro-batch routing
-    statistics agree), and at EP 2 without the loss. Returns each run's aux loss, grad norm and pg_loss."""
+    statistics agree), at EP 2 without the loss, and at EP 2 packed
+    (`model.pack_sequences`). Returns each run's aux loss, grad norm and pg_loss."""
     expected = torch.load(Path(workdir) / "reference.pt")
     exp = workers.experience(workers.ROWS, seed=3, passes=expected["passes"])
     runs = {
@@ -30,6 +31,11 @@ def load_balancing_loss_by_layout(rank: int, world_size: int, workdir: str, mode
         "ep2-no-aux": (
             MegatronConfig(expert_model_parallel_size=2),
             dataclasses.replace(model, router_aux_loss_coef=0),
+        ),
+        # packs rounded up to 16 tokens: a tail of padding the routers must leave out
+        "ep2-packed": (
+            MegatronConfig(expert_model_parallel_size=2, make_sequence_length_divisible_by=16),
+            dataclasses.replace(model, pack_sequences=True),
         ),
     }
     out: dict[str, Any] = {}

@@ -35,6 +35,9 @@ LAYOUTS = {
         4,
         MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2),
     ),
+    # packed sequences (model.pack_sequences) against the padded EP 1 reference: the allgather dispatcher's
+    # equal token counts are the group's largest pack, the routers told which tokens are real
+    "ep2-packed": (2, MegatronConfig(expert_model_parallel_size=2)),
 }
 
 
@@ -42,7 +45,7 @@ LAYOUTS = {
 def parity(tmp_path_factory) -> dict:
     workdir = str(tmp_path_factory.mktemp("ep-parity"))
     run_distributed(workers.reference, 1, workdir, MOE_MODEL)
-    reports = workers.run_layouts(run_distributed, workdir, LAYOUTS, model=MOE_MODEL)
+    reports = workers.run_layouts(run_distributed, workdir, LAYOUTS, model=MOE_MODEL, packed={"ep2-packed"})
     weights = run_distributed(workers.compare_updated_weights, 1, workdir, list(LAYOUTS), MOE_MODEL)[0]
     aux = run_distributed(moe_workers.load_balancing_loss_by_layout, 2, workdir, WITH_AUX_LOSS)
     table = ["layout   old_log_prob  ref_log_prob  values    actor grad norm  critic grad norm  weights a/c"]
@@ -82,4 +85,7 @@ def test_load_balancing_loss_is_logged_and_trained_through_expert_parallelism(pa
         for key in ("moe_aux_loss", "grad_norm", "pg_loss"):
             assert math.isclose(ep2[key], dp2[key], rel_tol=1e-5), f"rank {rank}: {key} EP 2 {ep2[key]} vs {dp2[key]}"
         assert ep2["pg_loss"] == no_aux["pg_loss"], "the load-balancing loss is not part of the logged pg_loss"
+        packed = runs["ep2-packed"]  # the routers' statistics see the real tokens only (Megatron-LM #6115)
+        for key in ("moe_aux_loss", "grad_norm", "pg_loss"):
+            assert math.isclose(packed[key], ep2[key], rel_tol=1e-5), f"rank {rank}: {key} {packed[key]} vs {ep2[key]}"
         assert not math.isclose(ep2["grad_norm"], no_aux["grad_norm"], rel_tol=1e-6), "the loss must reach the grads"

@@ -48,13 +48,22 @@ LAYOUTS = {
     "tp2-pp2": (4, MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
     "pp2-vpp2-dp2-dynamic": (4, MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
     "pp2-vpp2-dynamic": (2, MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+    # packed sequences (model.pack_sequences, THD) against the padded reference: each sequence padded to a multiple
+    # of TP under SP; the pipeline passes one [1, T] shape each, also with the token budget of pp2-vpp2-dynamic
+    "tp2-sp-packed": (2, MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "pp2-packed": (2, MegatronConfig(pipeline_model_parallel_size=2)),
+    "pp2-vpp2-dynamic-packed": (
+        2,
+        MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+    ),
 }
+PACKED = {name for name in LAYOUTS if name.endswith("-packed")}
 # Token budgets (use_dynamic_bsz) under virtual stages: with DP 2 the replicas' rows (6–12 tokens) pack into counts
 # that both replicas even out to the larger, a multiple of PP (an odd count is refused by Megatron). Without DP, the
 # 8 rows at 30 tokens pack into (2, 12), (2, 11), (3, 10), (1, 6): no one shape holds them within the budget, so the
 # interleaved schedule exchanges shapes (waited for per call, that deadlocked out-of-step stages at TP 2 on gloo,
 # see `models.transformer_config.build_transformer_config`).
-MAX_TOKENS = {"pp2-vpp2-dp2-dynamic": 18, "pp2-vpp2-dynamic": 30}
+MAX_TOKENS = {"pp2-vpp2-dp2-dynamic": 18, "pp2-vpp2-dynamic": 30, "pp2-vpp2-dynamic-packed": 30}
 
 
 # The layouts the floor leg (`make test-floor`, the oldest megatron-core admitted) also runs.
@@ -70,7 +79,7 @@ def _selected_layouts(request: pytest.FixtureRequest) -> list[str]:
     for item in request.session.items:
         callspec = getattr(item, "callspec", None)
         if item.module is request.module and callspec is not None:
-            wanted |= {callspec.params[key] for key in ("name", "without") if key in callspec.params}
+            wanted |= {callspec.params[key] for key in ("name", "without", "padded") if key in callspec.params}
     return [name for name in LAYOUTS if name in wanted]
 
 
@@ -83,7 +92,7 @@ def parity(request, tmp_path_factory) -> dict:
     # sequence_level: a second actor update with GSPO and sequence-level importance weights, one ratio per whole row
     run_distributed(workers.reference, 1, str(workdir), workers.MODEL, True)
     reports = workers.run_layouts(run_distributed, str(workdir), {name: LAYOUTS[name] for name in names}, MAX_TOKENS,
-                                  workers.MODEL, sequence_level=True)  # fmt: skip
+                                  workers.MODEL, sequence_level=True, packed=PACKED)  # fmt: skip
     weights = run_distributed(workers.compare_updated_weights, 1, str(workdir), names)[0]
     return {"reports": reports, "weights": weights, "workdir": Path(workdir)}
 
@@ -142,6 +151,38 @@ def test_pipeline_passes_send_one_shape_without_a_shape_exchange(parity, name: s
                 assert len(seen["shapes"]) == 1, f"{name}, rank {rank}: one pass, several shapes {seen['shapes']}"
         if name not in MAX_TOKENS:
             assert not any(seen["variable_seq_lengths"] for seen in passes), f"{name}, rank {rank}: {passes}"
+
+
+@pytest.mark.parametrize("name", ["pp2-packed", "pp2-vpp2-dynamic-packed"])
+def test_packed_pipeline_passes_send_one_pack_shape_without_a_shape_exchange(parity, name: str) -> None:
+    """Packed, every pass is one `[T, 1, h]` shape with `variable_seq_lengths` off — also under the token budget
+    whose padded passes keep several shapes and exchange them (pp2-vpp2-dynamic)."""
+    for rank, report in enumerate(parity["reports"][name]):
+        passes = report["pipeline_passes"]
+        assert len(passes) >= 5, f"{name}, rank {rank}: expected the experience and update passes, saw {passes}"
+        for seen in passes:
+            assert not seen["variable_seq_lengths"], f"{name}, rank {rank}: a packed pass exchanged shapes: {seen}"
+            assert len(seen["shapes"]) == 1, f"{name}, rank {rank}: one pass, several shapes {seen['shapes']}"
+            ((_, rows, _),) = seen["shapes"]
+            assert rows == 1, f"{name}, rank {rank}: a packed pass sent {rows} rows, not one pack"
+        assert report["pass_notes"] == [  # the log line that names each role's passes
+            f"{role} passes: packed sequences [1, T] (THD); one shape per pipeline pass (variable_seq_lengths off)"
+            for role in ("actor", "critic", "ref")
+        ], report["pass_notes"]
+
+
+@pytest.mark.parametrize(("name", "padded"), [("tp2-sp-packed", "tp2-sp"), ("pp2-packed", "pp2")])
+def test_packing_computes_fewer_tokens_than_padding(parity, name: str, padded: str) -> None:
+    """The same rows and micro-batches of 2 rows: packed, the model computed each sequence rounded up to an even
+    length under TP 2 with SP, nothing more; with PP every pack of a pass has the pass's largest length. Either
+    way fewer tokens than the padded rows."""
+    computed, real = parity["reports"][name][0]["actor_tokens"]
+    assert computed < parity["reports"][padded][0]["actor_tokens"][0], f"{name}: no fewer tokens than {padded}"
+    if name == "tp2-sp-packed":
+        lengths = workers.experience(workers.ROWS, seed=3)["lengths"].tolist()
+        passes = real // sum(lengths)  # the actor's passes over the 8 rows: experience, update, GSPO update
+        assert real == passes * sum(lengths), f"{name}: {real} real tokens in {passes} passes of {sum(lengths)}"
+        assert computed == passes * sum(-(-length // 2) * 2 for length in lengths), f"{name}: computed {computed}"
 
 
 @pytest.mark.parametrize(("name", "without"), [("tp2-sp-bucket16", "tp2-sp")])

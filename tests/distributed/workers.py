@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -251,6 +251,8 @@ def parallel_layout(
         "actor_first_layer_forwards": forwards,
         "pipeline_passes": passes_seen,
         "actor_tokens_computed": actor.padding.padded,
+        "actor_tokens": (actor.padding.padded, int(actor.padding.real)),
+        "pass_notes": sorted(note for model in (actor, ref, critic) for note in model.pass_notes),
         "metrics": {(f"gspo:{key}" if role == "gspo" else key): (value, expected[f"{role}_metrics"][key])
                     for role in roles for key, value in ours[f"{role}_metrics"].items()},
     }  # fmt: skip
@@ -306,10 +308,14 @@ def parallel_layouts(
     runs: list[tuple],
     model: ModelConfig = MODEL,
     sequence_level: bool = False,
+    packed: Collection[str] = (),
 ) -> dict[str, dict[str, Any]]:
     """`parallel_layout` for each (name, layout, max_tokens) of `runs` in turn, in one process group re-laid out
-    between them (one launch for every layout of a world size)."""
-    return {name: parallel_layout(rank, world_size, workdir, name, layout, model, max_tokens, sequence_level)
+    between them (one launch for every layout of a world size); the layouts named in `packed` run with
+    `model.pack_sequences` (against the padded reference)."""
+    return {name: parallel_layout(rank, world_size, workdir, name, layout,
+                                  dataclasses.replace(model, pack_sequences=True) if name in packed else model,
+                                  max_tokens, sequence_level)
             for name, layout, max_tokens in runs}  # fmt: skip
 
 
@@ -320,13 +326,14 @@ def run_layouts(
     max_tokens: dict[str, int] | None = None,
     model: ModelConfig = MODEL,
     sequence_level: bool = False,
+    packed: Collection[str] = (),
 ) -> dict[str, list[dict[str, Any]]]:
     """Every layout of {name: (world size, layout)} through `parallel_layouts`, one launch (`launch`, the harness's
-    `run_distributed`) per world size; {name: the reports of its ranks}."""
+    `run_distributed`) per world size; {name: the reports of its ranks}. `packed`: the layouts that pack."""
     reports: dict[str, list[dict[str, Any]]] = {}
     for world in sorted({world for world, _ in layouts.values()}):
         runs = [(name, layout, (max_tokens or {}).get(name)) for name, (w, layout) in layouts.items() if w == world]
-        by_rank = launch(parallel_layouts, world, workdir, runs, model, sequence_level)
+        by_rank = launch(parallel_layouts, world, workdir, runs, model, sequence_level, packed)
         reports |= {name: [ranks[name] for ranks in by_rank] for name, _, _ in runs}
     return {name: reports[name] for name in layouts}
 

@@ -110,7 +110,12 @@ def shrink(recipe: Path, config: PPOConfig) -> Shrunk:
     world = _world(config, layouts)
     overrides += ["cluster.device=cpu", "cluster.gpu_type=cpu", "cluster.nodes=1", f"cluster.gpus_per_node={world}",
                   "trainer.total_training_steps=2", "trainer.total_epochs=1"]  # fmt: skip
-    flags = (config.model.num_experts > 0, config.actor.use_dynamic_bsz, config.critic.use_dynamic_bsz)
+    flags = (
+        config.model.num_experts > 0,
+        config.actor.use_dynamic_bsz,
+        config.critic.use_dynamic_bsz,
+        config.model.pack_sequences,
+    )
     layout_key = (world, flags, *(tuple(dataclasses.asdict(layouts[role]).items()) for role in ROLES))
     return Shrunk(recipe, world, tuple(overrides), tuple(entry.setting for entry in swapped), layout_key)
 

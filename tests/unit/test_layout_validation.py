@@ -39,6 +39,14 @@ def test_context_parallel_on_cpu_and_with_per_row_means_is_refused() -> None:
     assert any("loss_mode='gspo' takes one ratio per whole row" in p for p in gspo), gspo
 
 
+def test_packing_with_context_parallelism_is_refused_naming_the_key() -> None:
+    problems = _problems(RECIPE, [*CP2, "model.pack_sequences=true"])
+    assert any(p.startswith("model.pack_sequences=true with actor.megatron.context_parallel_size=2 is not built")
+               for p in problems), problems  # fmt: skip
+    verl = _problems(RECIPE, [*CP2, "actor_rollout_ref.model.use_remove_padding=true"])
+    assert any(p.startswith("model.pack_sequences=true with") for p in verl), verl
+
+
 def test_the_reference_offloads_only_its_weights() -> None:
     problems = _problems(RECIPE, ["ref.megatron.grad_offload=true", "ref.megatron.param_offload=true"])
     assert problems == [

@@ -10,6 +10,7 @@ from megatron_ppo import algo
 from megatron_ppo.data.batching import EpochSampler
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
+from megatron_ppo.models.packing import labels_of, per_row
 from megatron_ppo.parallel.collectives import broadcast_from_last_stage
 from megatron_ppo.parallel.ranks import data_parallel
 from megatron_ppo.train.batch import collate, replica_micro_batches
@@ -20,7 +21,8 @@ def sft_loss(vocab_size: int, dp_size: int, num_tokens: float):
     """−(1/N) Σ log π(response token), N = response tokens in the whole step (all micro-batches and replicas)."""
 
     def loss_fn(batch, logits):
-        log_prob, _ = vocab_parallel_log_probs(logits, batch["labels"], vocab_size=vocab_size)
+        log_prob, _ = vocab_parallel_log_probs(logits, labels_of(batch), vocab_size=vocab_size)
+        log_prob = per_row(batch, log_prob)  # packed (model.pack_sequences): back to the rows
         loss = algo.agg_loss(-log_prob, batch["loss_mask"], "token-mean", dp_size=dp_size, batch_num_tokens=num_tokens)
         # tensors: a Python number here would synchronise the device once per micro-batch
         return loss, {"nll_sum": (-log_prob.detach() * batch["loss_mask"]).sum(), "tokens": batch["loss_mask"].sum()}

@@ -1,0 +1,162 @@
+"""Packed sequences (`model.pack_sequences`) against padded rows, side by side in one run on 2 processes (TP 2):
+
+1. computed / real tokens of token-budget micro-batches on a skewed length mix (90 % of 15–40 tokens, 10 % of
+   400–600) and a spread one (uniform 16–600), padded (rows × the longest row) and packed (Σ lengths), each on CPU
+   (no width bucket) and with CUDA's 128-token bucket (`models.widths.width_bucket`);
+2. a PPO iteration of the tiny recipe's model at those lengths, packed and padded alternately on the same batches
+   (the sampler is rewound), under the same token budget: time per real token and the trainer's own
+   `perf/padded_over_real_tokens`;
+3. our SDPA attention on a pack: one call per sequence against one call with a block-diagonal causal mask.
+
+Run: torchrun --nproc_per_node 2 -m bench.bench_packing   (or `make bench`); `--smallest` for a seconds-long smoke.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import scratch_overrides
+from megatron_ppo.config import load_config
+from megatron_ppo.data.batching import dynamic_micro_batches, packed_micro_batches
+from megatron_ppo.data.rows import Row
+from megatron_ppo.models.packing import packed_width
+from megatron_ppo.models.widths import padded_width
+from megatron_ppo.parallel import destroy_distributed, init_distributed
+from megatron_ppo.train.ppo import PPOTrainer
+
+BUDGET = 2400  # tokens per micro-batch
+
+
+def length_mix(kind: str, count: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    if kind == "skewed":
+        return [rng.randint(400, 600) if rng.random() < 0.1 else rng.randint(15, 40) for _ in range(count)]
+    return [rng.randint(16, 600) for _ in range(count)]
+
+
+def computed_over_real(lengths: list[int], packed: bool, bucket: int) -> float:
+    """Tokens the model computes over real tokens for token-budget micro-batches of `lengths`."""
+    if packed:
+        groups = packed_micro_batches(lengths, BUDGET)
+        computed = sum(packed_width([lengths[i] for i in group], 1, bucket) for group in groups)
+    else:
+        groups = dynamic_micro_batches(lengths, BUDGET)
+        computed = sum(len(group) * padded_width(max(lengths[i] for i in group), bucket=bucket) for group in groups)
+    return computed / sum(lengths)
+
+
+def rows_of(lengths: list[int], vocab: int, seed: int) -> list[Row]:
+    """Rows of these total lengths (a quarter prompt, the rest response), random tokens and rewards."""
+    rng = random.Random(seed)
+    rows = []
+    for i, length in enumerate(lengths):
+        prompt = max(1, length // 4)
+        tokens = [rng.randrange(4, vocab) for _ in range(length)]
+        rows.append(Row(tokens[:prompt], tokens[prompt:], float(rng.choice([-1, 0, 1])), None, None, f"g{i // 4}",
+                        "bench", f"row {i}"))  # fmt: skip
+    return rows
+
+
+def ppo_iterations(smallest: bool) -> dict[str, dict[str, float]]:
+    """Median seconds per iteration and computed / real tokens, packed and padded, on the same batches."""
+    count, rounds, longest = (16, 1, 64) if smallest else (128, 3, 1200)
+    config = load_config("recipes/tiny-cpu.yaml", [
+        *scratch_overrides("packing"), f"data.train_batch_size={count}", f"model.max_position_embeddings={longest}",
+        f"data.max_prompt_length={longest // 2}", f"data.max_response_length={longest // 2}",
+        *(f"{role}.{key}={value}" for role in ("actor", "critic")
+          for key, value in (("ppo_mini_batch_size", count), ("ppo_epochs", 1), ("use_dynamic_bsz", True),
+                             ("ppo_max_token_len_per_gpu", BUDGET if not smallest else 256))),
+    ])  # fmt: skip
+    init_distributed(config.actor.megatron, seed=0)
+    rng = random.Random(0)  # prompt ≤ a quarter, response the rest: within the data limits of half the table each
+    lengths = [rng.randint(16, longest // 2) if smallest else length for length in length_mix("spread", 4 * count)]
+    trainer = PPOTrainer(config, rows_of(lengths, config.model.vocab_size, seed=0), pad_id=0)
+    models = [model for model in (trainer.actor, trainer.ref, trainer.critic) if model is not None]
+    seconds: dict[str, list[float]] = {"packed": [], "padded": []}
+    ratio: dict[str, float] = {}
+    for name in ("packed", "padded"):  # warm-up: each path's first call (kernels, allocations) outside the timing
+        for model in models:
+            model.pack_sequences = name == "packed"
+        trainer.iteration()
+    for _ in range(rounds):
+        state = trainer.sampler.state_dict()
+        for name in ("packed", "padded"):
+            trainer.sampler.load_state_dict(state)  # the same batch for both
+            for model in models:
+                model.pack_sequences = name == "packed"
+            start = time.perf_counter()
+            metrics = trainer.iteration()
+            seconds[name].append(time.perf_counter() - start)
+            ratio[name] = metrics["perf/padded_over_real_tokens"]
+    trainer.close()
+    destroy_distributed()
+    return {name: {"seconds": statistics.median(seconds[name]), "ratio": ratio[name]} for name in seconds}
+
+
+def attention_times(smallest: bool) -> dict[str, float]:
+    """Forward + backward seconds of one pack's causal attention: per sequence, and with a block-diagonal mask."""
+    lengths = [64] * 4 if smallest else [512, 256, 128, 64, 32, 16, 8, 8] * 2
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    total = bounds[-1]
+    q, k, v = (torch.randn(1, 4, total, 32, requires_grad=True) for _ in range(3))
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    allowed = (segment[:, None] == segment[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+
+    def per_sequence():
+        return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+                          for a, b in itertools.pairwise(bounds)], dim=2)  # fmt: skip
+
+    def block_mask():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+    torch.testing.assert_close(per_sequence(), block_mask(), rtol=1e-5, atol=1e-5)
+    out = {}
+    for name, fn in (("per sequence", per_sequence), ("block mask", block_mask)):
+        times = []
+        for _ in range(2 if smallest else 7):
+            start = time.perf_counter()
+            fn().sum().backward()
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smallest", action="store_true", help="the smallest sizes: a smoke test in seconds")
+    smallest = parser.parse_args().smallest
+    torch.set_num_threads(1)
+    iterations = ppo_iterations(smallest)
+    if os.environ.get("RANK", "0") != "0":  # the lines below are printed once (the process group is gone)
+        return
+    count = 64 if smallest else 4096
+    print(f"computed / real tokens, {count} rows, token-budget micro-batches of {BUDGET}")
+    for kind in ("skewed", "spread"):
+        lengths = length_mix(kind, count)
+        for bucket, where in ((1, "CPU"), (128, "CUDA bucket 128")):
+            padded, packed = (computed_over_real(lengths, flag, bucket) for flag in (False, True))
+            print(f"  {kind:6s} {where:16s}: padded {padded:.3f}   packed {packed:.3f}")
+    padded, packed = iterations["padded"], iterations["packed"]
+    print("PPO iteration (tiny recipe's model, TP 2, spread lengths, the same batches and token budget)")
+    for name, result in (("padded", padded), ("packed", packed)):
+        print(f"  {name:6s}: {result['seconds'] * 1e3:8.1f} ms   computed / real tokens {result['ratio']:.3f}")
+    print(f"  time per real token, packed / padded: {packed['seconds'] / padded['seconds']:.3f}")
+    attention = attention_times(smallest)
+    print("SDPA on one pack (forward + backward), CPU")
+    for name, value in attention.items():
+        print(f"  {name:12s}: {value * 1e3:8.2f} ms")
+    print(f"  block mask / per sequence: {attention['block mask'] / attention['per sequence']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

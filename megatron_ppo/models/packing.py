@@ -1,0 +1,133 @@
+"""Packed sequences (THD): a micro-batch of rows enters the model as one `[1, T]` row of whole sequences.
+
+A micro-batch of b rows with lengths l_0 … l_{b−1} (right-padded to s tokens, `train/batch.py`) is packed as
+
+    segment i = row i's l_i tokens, then padding up to p_i = ⌈l_i / m⌉·m,        T = Σ_i p_i (+ a tail)
+
+m = the layout's multiple (`pack_multiple`: TP with sequence parallelism, whose scatter of `[T, 1, h]` over the
+TP ranks needs T % TP = 0; 1 otherwise — verl's `preprocess_packed_seqs` and NeMo-RL's
+`_pack_sequences_for_megatron` pad each sequence the same way, to 2·CP·TP with context parallelism, which packing
+does not serve yet). The tail (T rounded up to the pass's shape: the CUDA width bucket, one shape per pipeline
+pass, the expert-parallel group's largest) is absorbed into the last segment, so the segments tile `[0, T)`.
+Megatron's `PackedSeqParams(qkv_format="thd")` carries cu_seqlens_q = cu_seqlens_kv = [0, l_0, l_0 + l_1, …] (real
+tokens) and cu_seqlens_*_padded = [0, p_0, p_0 + p_1, …, T]; max_seqlen_* = max_i p_i. Attention is causal inside
+each segment (`models.attention.SDPAttention`, Transformer Engine's THD kernels on GPU), RoPE restarts at every
+segment start (Megatron's `_apply_rotary_pos_emb_thd` cuts by cu_seqlens_q_padded), and the position ids (read by
+learned absolute embeddings) restart too. A segment's padding comes after its real tokens, so under causal
+attention no real token sees it.
+
+The model's last-stage output `[1, T, …]` (logits, values) is turned into per-token results inside the packed
+layout (log-probs over the vocabulary: only real and per-sequence padding tokens), then `Pack.unpack` gathers them
+back to the rows `[b, s, …]` the trainer uses (zeros beyond a row's length), with its gradient scattered back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+PACK = "pack"  # the micro-batch key the schedule hands `loss_fn` a packed micro-batch's `Pack` under
+
+
+def pack_multiple(cp_size: int, tp_for_sequence_parallel: int) -> int:
+    """m, the multiple each sequence of a pack is padded to: TP with sequence parallelism, else 1 (context
+    parallelism would need 2·CP·TP and a per-sequence load-balanced split: refused by validation)."""
+    if cp_size > 1:
+        raise ValueError("packed sequences do not serve context parallelism yet (model.pack_sequences)")
+    return tp_for_sequence_parallel
+
+
+def segment_lengths(lengths: Sequence[int], multiple: int) -> list[int]:
+    """p_i = ⌈l_i / m⌉·m for each sequence of a pack."""
+    return [-(-length // multiple) * multiple for length in lengths]
+
+
+@dataclass
+class Pack:
+    """Where each row of a micro-batch lies in its `[1, width]` pack, and the model inputs that says.
+
+    `index` `[b, s]` long: the pack position of row r's token t (0 where t ≥ l_r, masked by `real`); `real`
+    `[b, s]` bool: t < l_r; `token_is_real` `[1, width]` bool; `position_ids` `[1, width]`: restart at each
+    segment; `params`: Megatron's THD description (tensors on the pack's device)."""
+
+    lengths: list[int]
+    segments: list[int]  # p_i, the last one with the tail: Σ = width
+    width: int
+    index: torch.Tensor
+    real: torch.Tensor
+    token_is_real: torch.Tensor
+    position_ids: torch.Tensor
+    params: PackedSeqParams
+
+    def pack(self, tensor: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
+        """Per-row `[b, s, …]` → packed `[1, width, …]` (padding positions `fill`)."""
+        out = tensor.new_full((self.width, *tensor.shape[2:]), fill)
+        out[self.index[self.real]] = tensor[self.real]
+        return out.unsqueeze(0)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed `[1, width, …]` → per-row `[b, s, …]`: zeros beyond each row's length (differentiable: the
+        gradient of each real token goes back to its pack position, padding positions get none)."""
+        rows = packed[0][self.index]
+        mask = self.real.reshape(*self.real.shape, *([1] * (rows.dim() - 2)))
+        return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+def build_pack(lengths: Sequence[int], row_width: int, multiple: int, width: int | None = None,
+               device: torch.device | str = "cpu") -> Pack:  # fmt: skip
+    """The pack of rows of `lengths` (each ≤ `row_width`, the micro-batch's width) with each sequence padded to
+    `multiple`, in `width` tokens (default: Σ p_i; a larger width, a multiple of `multiple`, extends the last
+    segment). Host arithmetic; the tensors are made on `device`."""
+    lengths = [int(length) for length in lengths]
+    segments = segment_lengths(lengths, multiple)
+    total = sum(segments)
+    width = total if width is None else width
+    if width < total or (width - total) % multiple:
+        raise ValueError(f"a pack of {total} tokens (sequences padded to {multiple}) cannot fill {width} tokens")
+    segments[-1] += width - total
+    starts = [0, *accumulate(segments)]
+    offsets = torch.tensor(starts[:-1], dtype=torch.long)
+    steps = torch.arange(row_width, dtype=torch.long)
+    real = steps[None, :] < torch.tensor(lengths)[:, None]
+    index = torch.where(real, offsets[:, None] + steps[None, :], 0)
+    token_is_real = torch.zeros(width, dtype=torch.bool)
+    token_is_real[index[real]] = True
+    segment_of = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(segments))
+    position_ids = torch.arange(width) - offsets[segment_of]
+    cu_real = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)
+    cu_padded = torch.tensor(starts, dtype=torch.int32)
+    on = dict(device=device, non_blocking=True)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_real.to(**on), cu_seqlens_kv=cu_real.to(**on),
+        cu_seqlens_q_padded=cu_padded.to(**on), cu_seqlens_kv_padded=cu_padded.to(**on),
+        max_seqlen_q=max(segments), max_seqlen_kv=max(segments),
+    )  # fmt: skip
+    return Pack(
+        lengths=lengths, segments=segments, width=width, index=index.to(**on), real=real.to(**on),
+        token_is_real=token_is_real[None].to(**on), position_ids=position_ids[None].to(**on), params=params,
+    )  # fmt: skip
+
+
+def packed_width(lengths: Sequence[int], multiple: int, bucket: int = 1) -> int:
+    """The tokens a pack of `lengths` enters the model with before the pass's shape: Σ p_i rounded up to
+    lcm(m, `bucket`) (the CUDA width bucket, `models.widths.width_bucket`); one step at least (an empty
+    micro-batch of the interleaved schedule holds one row of no tokens)."""
+    step = math.lcm(multiple, bucket)
+    return max(1, -(-sum(segment_lengths(lengths, multiple)) // step)) * step
+
+
+def per_row(batch: dict, output: torch.Tensor) -> torch.Tensor:
+    """A per-token model output as the rows of `batch`: unpacked when the micro-batch ran packed, else as it is."""
+    pack = batch.get(PACK)
+    return output if pack is None else pack.unpack(output)
+
+
+def labels_of(batch: dict) -> torch.Tensor:
+    """The micro-batch's labels in the layout the model's output has: `[1, width]` packed, else `[b, s]`."""
+    pack = batch.get(PACK)
+    return batch["labels"] if pack is None else pack.pack(batch["labels"])
