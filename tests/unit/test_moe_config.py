@@ -142,3 +142,10 @@ def test_the_moe_recipes_turn_r2_on_and_the_tiny_one_can() -> None:
         assert load_config(recipes / name).actor.router_replay.mode == "R2", name
         assert "router_replay" in (recipes / name).read_text().split("defaults:")[0], f"{name}: header says why"
     assert load_config(TINY_MOE, ["actor.router_replay.mode=R2"]).actor.router_replay.mode == "R2"
+
+
+def test_routing_replay_with_packed_sequences_is_refused() -> None:
+    """The records follow padded rows and the packed forward routes live: the combination is refused by name."""
+    message = _problems("actor.router_replay.mode=R2", "model.pack_sequences=true")
+    assert "actor.router_replay.mode=R2 with model.pack_sequences=true is not built" in message, message
+    assert load_config(TINY_MOE, ["actor.router_replay.mode=R2"]).actor.router_replay.mode == "R2"  # padded: valid
