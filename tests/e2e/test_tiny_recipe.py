@@ -45,22 +45,39 @@ def test_every_metric_is_logged_and_finite(tiny) -> None:
     assert not bad, f"non-finite values logged: {bad}"
 
 
+# Half the held-out gain the README measures for the tiny recipe (`make train`: 0.585 → 0.925, +0.34; the staged
+# run of `make compare-kl`: +0.375). This shortened run measured 0.570 → 0.810 (+0.240; 0.795 at step 4, 0.745 at 8).
+MIN_GAIN = 0.17
+# The band each KL stage's mean KL per token must lie in, as a multiple of its target, for the stages with at least
+# MIN_STAGE_STEPS steps (the controller needs a few to reach its target). Measured (kl/mean ÷ kl/target, one value
+# per step): early (1 step, KL rising from the warm-up's 0) 0.08; mid (steps 3–8) 0.23, 0.81, 1.11, 1.78, 2.51,
+# 2.80, mean 1.54; late (steps 9–12) 1.82, 1.05, 0.89, 0.69, mean 1.11. Every stage's mean stays under the upper
+# bound. The runs are deterministic on one machine (two runs gave the same values); the margins are for others.
+KL_BAND = (0.5, 2.0)
+MIN_STAGE_STEPS = 3
+
+
 def test_ppo_raises_the_held_out_reward_over_the_sft_start(tiny) -> None:
+    """By at least half the gain the README measures (MIN_GAIN)."""
     evaluations = tiny["scalars"]["eval/reward_mean"]
     start, end = evaluations[0], evaluations[max(evaluations)]
-    assert end >= start + 0.10, f"held-out reward went from {start:.3f} (SFT) to {end:.3f} after PPO"
+    assert end >= start + MIN_GAIN, f"held-out reward went from {start:.3f} (SFT) to {end:.3f} after PPO"
 
 
 def test_kl_stays_near_each_stage_target(tiny) -> None:
+    """Each stage's mean KL per token within KL_BAND × its target (the stages too short to reach it: under)."""
     logged = tiny["scalars"]
     by_stage: dict[int, list[float]] = {}
     for step, stage in logged["kl/stage"].items():
         if step in logged.get("kl/target", {}):
             by_stage.setdefault(int(stage), []).append(logged["kl/mean"][step] / logged["kl/target"][step])
-    assert by_stage, "no staged KL targets were logged"
+    assert sum(len(ratios) >= MIN_STAGE_STEPS for ratios in by_stage.values()) >= 2, f"too few staged steps {by_stage}"
+    low, high = KL_BAND
     for stage, ratios in by_stage.items():
         mean_ratio = sum(ratios) / len(ratios)
-        assert mean_ratio < 3.0, f"stage {stage}: KL averaged {mean_ratio:.2f} × its target"
+        assert mean_ratio <= high, f"stage {stage}: KL averaged {mean_ratio:.2f} × its target (ratios {ratios})"
+        if len(ratios) >= MIN_STAGE_STEPS:
+            assert mean_ratio >= low, f"stage {stage}: KL averaged only {mean_ratio:.2f} × its target ({ratios})"
 
 
 def test_the_run_ends_with_the_summary_table(tiny) -> None:
