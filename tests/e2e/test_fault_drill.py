@@ -18,7 +18,7 @@ from pathlib import Path
 from megatron_ppo.train.guards import GUARD_STOP_EXIT
 from tests.drill.__main__ import MIN_GAIN, SCHEDULES, STOP_AT
 from tests.drill.readback import check
-from tests.support.ports import free_port
+from tests.support.ports import on_a_free_port
 from tests.support.tensorboard import scalars
 from tests.support.tiny import RECIPE, REPO
 
@@ -52,17 +52,20 @@ def test_every_guard_fires_at_its_fault_and_the_run_recovers(tiny_work: Path, tm
 
 
 def test_a_guard_stop_exits_with_its_status_and_one_message(tiny_work: Path, tmp_path: Path) -> None:
-    port = free_port()
     command = [sys.executable, "-m", "tests.drill", str(RECIPE), "--stop", f"data.addition.work_dir={tiny_work}",
                f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/tb"]  # fmt: skip
-    ranks = [
-        subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
-            **os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        for rank in range(2)
-    ]  # fmt: skip
-    outputs = [process.communicate(timeout=900) for process in ranks]
-    statuses = [process.returncode for process in ranks]
+
+    def launch(port: int) -> tuple[list[int | None], list[tuple[str, str]]]:
+        ranks = [
+            subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
+                **os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            for rank in range(2)
+        ]  # fmt: skip
+        outputs = [process.communicate(timeout=900) for process in ranks]
+        return [process.returncode for process in ranks], outputs
+
+    statuses, outputs = on_a_free_port(launch, log=lambda launched: "".join(map("".join, launched[1])))
     logs = [out + err for out, err in outputs]
     assert statuses == [GUARD_STOP_EXIT] * 2, f"exit statuses {statuses}; rank 0 log tail:\n{logs[0][-4000:]}"
     assert not any("Traceback" in log for log in logs), logs[0][-4000:]
