@@ -108,8 +108,8 @@ def bare_passes(trainer, plan: Plan, seq: int) -> None:
 
 
 def check_ppo_iteration(plan: Plan, seq: int, work: Path) -> dict[str, Any]:
-    from megatron_ppo import plan as planner
     from megatron_ppo.config.gpus import gpu_spec
+    from megatron_ppo.planner import plan as planner
     from megatron_ppo.train.ppo import PPOTrainer
     from megatron_ppo.train.throughput import throughput_metrics
 
@@ -177,13 +177,13 @@ def logprobs_of(model, input_ids: torch.Tensor) -> torch.Tensor:
 def check_logprobs(plan: Plan, work: Path) -> dict[str, Any]:
     """The same weights (a dist checkpoint, so TE and local specs read it alike) in `plan.dtype` on this device
     and in fp32 on the CPU; the difference of per-token log-probs must stay within bf16 rounding."""
-    from megatron_ppo import checkpoint
+    from megatron_ppo.checkpoint import store
     from megatron_ppo.config.schema import MegatronConfig
     from megatron_ppo.models import build_role_model
 
     model = build_role_model("actor", logprob_model_config(plan, plan.dtype), MegatronConfig())
     root = work / "logprob_weights"
-    checkpoint.save_checkpoint(root, 0, {"actor": model}, {}, {"step": 0})
+    store.save_checkpoint(root, 0, {"actor": model}, {}, {"step": 0})
     input_ids = torch.randint(1, plan.shape.vocab, (2, 512), generator=torch.Generator().manual_seed(1))
     torch.save(input_ids, work / "logprob_input.pt")
     device_lp = logprobs_of(model, input_ids)
@@ -223,7 +223,7 @@ def check_logprobs(plan: Plan, work: Path) -> dict[str, Any]:
 
 def cpu_logprobs(work: Path, shape: str) -> None:
     """The CPU side of (c), in its own process: the saved weights in fp32, log-probs of the saved input."""
-    from megatron_ppo import checkpoint
+    from megatron_ppo.checkpoint import store
     from megatron_ppo.config.schema import MegatronConfig
     from megatron_ppo.models import build_role_model
     from megatron_ppo.parallel import destroy_distributed, init_distributed
@@ -231,7 +231,7 @@ def cpu_logprobs(work: Path, shape: str) -> None:
     plan = REAL if shape == "real" else DRY
     init_distributed(MegatronConfig(), seed=0, device="cpu")
     model = build_role_model("actor", logprob_model_config(plan, "fp32"), MegatronConfig())
-    checkpoint.load_weights(model, work / "logprob_weights", "actor")
+    store.load_weights(model, work / "logprob_weights", "actor")
     torch.save(logprobs_of(model, torch.load(work / "logprob_input.pt")), work / "logprob_cpu.pt")
     destroy_distributed()
 

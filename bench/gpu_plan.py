@@ -177,7 +177,7 @@ def tiny_recipe(plan: Plan, work: Path, name: str, tensor_parallel: int, sequenc
         return out
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_ppo.report import find_runs
+    from megatron_ppo.runs.report import find_runs
 
     events = EventAccumulator(str(find_runs(work / name / "tb")[-1]))  # the run's own folder
     events.Reload()

@@ -180,7 +180,7 @@ def layout_rows(plan: Plan) -> list:
 def save_initial_weights(plan: Plan, work: Path) -> None:
     """Actor and critic at TP=1, the critic's zero value head drawn at random (std 1/√hidden), saved under
     `work/initial` for every layout to start from."""
-    from megatron_ppo import checkpoint
+    from megatron_ppo.checkpoint import store
     from megatron_ppo.models import build_role_model, unwrap
     from megatron_ppo.parallel.distributed import seed_everything
 
@@ -191,14 +191,14 @@ def save_initial_weights(plan: Plan, work: Path) -> None:
     head = unwrap(critic.chunks[-1]).output_layer.weight
     with torch.no_grad():
         head.normal_(0.0, model.hidden_size**-0.5, generator=torch.Generator(head.device).manual_seed(SEED))
-    checkpoint.save_checkpoint(work / "initial", 0, {"actor": actor, "critic": critic}, {}, {"step": 0})
+    store.save_checkpoint(work / "initial", 0, {"actor": actor, "critic": critic}, {}, {"step": 0})
 
 
 def run_layout(plan: Plan, name: str, layout: MegatronConfig, work: Path) -> None:
     """The experience of the first `plan.rows` rows and one PPO iteration at `layout` (the process groups must hold
     it); rank 0 saves {"passes", "mask", "metrics"} to `work/<name>.pt`, every rank its shard of the weights after
     the step to `work/<name>/weights`."""
-    from megatron_ppo import checkpoint
+    from megatron_ppo.checkpoint import store
     from megatron_ppo.parallel.collectives import global_rank
     from megatron_ppo.parallel.device import current_device, to_device
     from megatron_ppo.train.batch import collate
@@ -213,7 +213,7 @@ def run_layout(plan: Plan, name: str, layout: MegatronConfig, work: Path) -> Non
         passes = forward_passes(config, batch, trainer.actor, trainer.ref, trainer.critic)
         metrics = trainer.iteration()
         models = {"actor": trainer.actor, "critic": trainer.critic}
-        checkpoint.save_checkpoint(work / name / "weights", 1, models, {}, {"step": 1})
+        store.save_checkpoint(work / name / "weights", 1, models, {}, {"step": 1})
     finally:
         trainer.close()
     if global_rank() == 0:
@@ -235,7 +235,7 @@ def layouts_main(work: Path, shape: str) -> None:
 def weights_reader(plan: Plan, work: Path) -> Callable[[Path], dict[str, dict[str, torch.Tensor]]]:
     """A function that loads the actor and critic weights of a checkpoint (any layout) at TP=1 in this process:
     {role: {key: tensor}} (copies; the models are built once)."""
-    from megatron_ppo import checkpoint
+    from megatron_ppo.checkpoint import store
     from megatron_ppo.models import build_role_model, unwrap
 
     models = {role: build_role_model(role, layout_model(plan, work), MegatronConfig()) for role in ROLES}
@@ -243,7 +243,7 @@ def weights_reader(plan: Plan, work: Path) -> Callable[[Path], dict[str, dict[st
     def read(path: Path) -> dict[str, dict[str, torch.Tensor]]:
         out = {}
         for role, role_model in models.items():
-            checkpoint.load_weights(role_model, path, role)
+            store.load_weights(role_model, path, role)
             out[role] = {
                 f"{index}.{key}": value.detach().clone()
                 for index, chunk in enumerate(role_model.chunks)

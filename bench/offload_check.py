@@ -4,7 +4,6 @@ beside the planner's peak for each, the bytes each phase keeps resident, and wha
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 from pathlib import Path
 from typing import Any
@@ -16,16 +15,14 @@ from bench.gpu_plan import GIB, ppo_config, synthetic_rows, timed
 
 def _offloaded(config):
     """`config` with all three switches on for actor and critic and the reference's weights offloaded."""
+    from megatron_ppo.config.frozen import with_changes
+    from megatron_ppo.config.schema import ROLES, TRAINED_ROLES
     from megatron_ppo.config.validate import validate
 
-    config = dataclasses.replace(config)
-    for role in ("actor", "critic", "ref"):
-        role_config = dataclasses.replace(getattr(config, role))
-        trained = role != "ref"
-        role_config.megatron = dataclasses.replace(
-            role_config.megatron, param_offload=True, grad_offload=trained, optimizer_offload=trained
-        )
-        setattr(config, role, role_config)
+    config = with_changes(config, {
+        f"{role}.megatron.{switch}": switch == "param_offload" or role in TRAINED_ROLES
+        for role in ROLES for switch in ("param_offload", "grad_offload", "optimizer_offload")
+    })  # fmt: skip
     problems = validate(config)
     if problems:
         raise RuntimeError(f"the offload check's config is invalid: {problems}")
@@ -34,7 +31,7 @@ def _offloaded(config):
 
 def _measure(config, rows: list, timed) -> dict[str, Any]:
     """Two iterations (the first warms kernels and creates the optimizer states); peak memory of the second."""
-    from megatron_ppo import plan as planner
+    from megatron_ppo.planner import plan as planner
     from megatron_ppo.train.ppo import PPOTrainer
 
     gc.collect()

@@ -51,7 +51,7 @@ def report_guard_stop(stop: GuardStopped) -> None:
 
 
 def _compare_kl(args: argparse.Namespace) -> int:
-    from megatron_ppo.plot import PlotError
+    from megatron_ppo.runs.figure import PlotError
     from megatron_ppo.tasks import addition
 
     try:
@@ -63,7 +63,7 @@ def _compare_kl(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from megatron_ppo.plan import format_plan, plan, suggest
+    from megatron_ppo.planner.plan import format_plan, plan, suggest
 
     overrides = [*args.overrides, *([f"cluster.nodes={args.nodes}"] if args.nodes else [])]
     config = load_config(args.recipe, overrides)
@@ -84,7 +84,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from megatron_ppo import convert
+    from megatron_ppo.convert import huggingface
     from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 
     if args.direction == "mcore-to-hf":  # one process, no process group: it reads the checkpoint's files
@@ -92,15 +92,15 @@ def _convert(args: argparse.Namespace) -> int:
             raise ConfigError(["mcore-to-hf runs in one process: python -m megatron_ppo convert mcore-to-hf ..."])
         shard = {"max_shard_bytes": int(args.max_shard_gb * 10**9)} if args.max_shard_gb else {}
         try:
-            written = convert.mcore_to_hf(args.megatron, args.hf_config, args.out, **shard)
+            written = huggingface.mcore_to_hf(args.megatron, args.hf_config, args.out, **shard)
         except FileExistsError as exists:
             print(f"error: {exists}", file=sys.stderr)
             return 2
         print(f"wrote {written.describe()}")
         return 0
-    model = convert.hf_model_config(args.hf)
-    layout = convert.conversion_layout(model, args.tp, args.pp, args.ep)
-    problems = convert.layout_problems(model, layout)
+    model = huggingface.hf_model_config(args.hf)
+    layout = huggingface.conversion_layout(model, args.tp, args.pp, args.ep)
+    problems = huggingface.layout_problems(model, layout)
     if problems:
         raise ConfigError(problems, source=str(args.hf))
     world = dist_env_from_environment().world_size
@@ -111,11 +111,11 @@ def _convert(args: argparse.Namespace) -> int:
     init_distributed(layout, seed=0)
     try:
         if args.direction == "hf-to-mcore":
-            written = convert.hf_to_mcore(args.hf, args.out, args.dtype, layout)
+            written = huggingface.hf_to_mcore(args.hf, args.out, args.dtype, layout)
             if dist_env_from_environment().rank == 0:
                 print(f"wrote {written} (converted at TP {args.tp} PP {args.pp} EP {args.ep}; loads at any TP/PP/EP)")
         else:
-            difference = convert.verify(args.hf, args.megatron, layout)
+            difference = huggingface.verify(args.hf, args.megatron, layout)
             if difference is not None:
                 print(f"largest logit difference: {difference:.3e} (tolerance {args.tolerance:g})")
                 return 0 if difference <= args.tolerance else 1
@@ -125,7 +125,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from megatron_ppo.report import print_report
+    from megatron_ppo.runs.report import print_report
 
     # further runs and key=value overrides share the positional tail: an existing path is a run (or a recipe)
     targets = [args.run_or_recipe, *(t for t in args.overrides if "=" not in t or Path(t).exists())]
@@ -136,7 +136,7 @@ def _report(args: argparse.Namespace) -> int:
             for log_dir in log_dirs:
                 print_report(log_dir)
             return 0
-        from megatron_ppo.plot import PlotError, plot_runs
+        from megatron_ppo.runs.figure import PlotError, plot_runs
 
         try:
             print(f"figure: {plot_runs(log_dirs, args.plot or None)}")

@@ -7,16 +7,16 @@ estimators, KL estimators, loss aggregations and KL controllers are registries k
 
 from megatron_ppo.algo.advantages import (
     ADV_ESTIMATORS,
+    GROUPED_ESTIMATORS,
     ROLLOUT_ONLY_ESTIMATORS,
     gae_advantages,
     get_adv_estimator_fn,
-    group_estimators,
     grpo_advantages,
 )
-from megatron_ppo.algo.aggregation import LOSS_AGG_MODES, agg_loss
-from megatron_ppo.algo.kl import KL_KINDS, kl_from_logits, kl_penalty
+from megatron_ppo.algo.aggregation import LOSS_AGGREGATIONS, agg_loss
+from megatron_ppo.algo.kl import KL_ESTIMATORS, kl_from_logits, kl_penalty
 from megatron_ppo.algo.kl_control import (
-    CONTROLLER_TYPES,
+    KL_CONTROLLERS,
     AdaptiveKLController,
     BandKLController,
     FixedKLController,
@@ -44,9 +44,10 @@ from megatron_ppo.algo.value_loss import explained_variance, value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
-    "CONTROLLER_TYPES",
-    "KL_KINDS",
-    "LOSS_AGG_MODES",
+    "GROUPED_ESTIMATORS",
+    "KL_CONTROLLERS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
     "ROLLOUT_ONLY_ESTIMATORS",
     "AdaptiveKLController",
@@ -70,7 +71,6 @@ __all__ = [
     "gae_advantages",
     "get_adv_estimator_fn",
     "get_policy_loss_fn",
-    "group_estimators",
     "grpo_advantages",
     "kl_from_logits",
     "kl_penalized_rewards",

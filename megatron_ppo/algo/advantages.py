@@ -10,7 +10,6 @@ Estimators that need what offline rows do not carry are in `ROLLOUT_ONLY_ESTIMAT
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -21,6 +20,9 @@ from megatron_ppo.algo.registry import registrar
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
+# The estimators that compare the responses of one prompt (`grouped=True` where registered: they read `index`):
+# batches hold whole groups.
+GROUPED_ESTIMATORS: set[str] = set()
 # verl's estimators that cannot run on offline rows, with what they lack.
 ROLLOUT_ONLY_ESTIMATORS = {
     "remax": "ReMax's baseline is the reward of a greedy response sampled for each prompt during rollout "
@@ -33,7 +35,7 @@ ROLLOUT_ONLY_ESTIMATORS = {
 
 
 # Decorator: the function becomes `ADV_ESTIMATORS[name]` (a new entry is one decorated function).
-register_adv_est = registrar(ADV_ESTIMATORS, "advantage estimator")
+register_adv_est = registrar(ADV_ESTIMATORS, "advantage estimator", {"grouped": GROUPED_ESTIMATORS})
 
 
 def get_adv_estimator_fn(name: str) -> AdvantageFn:
@@ -104,7 +106,7 @@ def _reverse_linear_scan(coefficient: torch.Tensor, offset: torch.Tensor) -> tor
     return b
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", grouped=True)
 @torch.no_grad()
 def grpo_advantages(
     token_level_rewards: torch.Tensor,
@@ -166,7 +168,7 @@ def _group_stats(scores: torch.Tensor, index: Sequence[Hashable] | torch.Tensor)
     return group, counts[group], mean[group]
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", grouped=True)
 @torch.no_grad()
 def rloo_advantages(
     token_level_rewards: torch.Tensor,
@@ -191,7 +193,7 @@ def rloo_advantages(
     return advantages, advantages
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline", grouped=True)
 @torch.no_grad()
 def reinforce_plus_plus_baseline_advantages(
     token_level_rewards: torch.Tensor,
@@ -233,7 +235,7 @@ def reinforce_plus_plus_advantages(
     return advantages, returns
 
 
-@register_adv_est("opo")
+@register_adv_est("opo", grouped=True)
 @torch.no_grad()
 def opo_advantages(
     token_level_rewards: torch.Tensor,
@@ -260,7 +262,7 @@ def opo_advantages(
     return advantages, advantages
 
 
-@register_adv_est("gpg")
+@register_adv_est("gpg", grouped=True)
 @torch.no_grad()
 def gpg_advantages(
     token_level_rewards: torch.Tensor,
@@ -285,7 +287,7 @@ def gpg_advantages(
     return advantages, advantages
 
 
-@register_adv_est("grpo_passk")
+@register_adv_est("grpo_passk", grouped=True)
 @torch.no_grad()
 def grpo_passk_advantages(
     token_level_rewards: torch.Tensor,
@@ -320,11 +322,6 @@ def grpo_passk_advantages(
         advantages[rows[top_index[0]]] = advantage
     advantages = advantages.unsqueeze(-1) * response_mask
     return advantages, advantages
-
-
-def group_estimators() -> tuple[str, ...]:
-    """The estimators that compare the responses of one prompt (they read `index`): batches hold whole groups."""
-    return tuple(name for name, fn in ADV_ESTIMATORS.items() if "index" in inspect.signature(fn).parameters)
 
 
 def _group_ids(index: Sequence[Hashable] | torch.Tensor, device: torch.device) -> torch.Tensor:

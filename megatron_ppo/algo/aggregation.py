@@ -49,7 +49,7 @@ def agg_loss(
     micro-batches and data-parallel ranks; when omitted the local counts are used (only allowed at dp_size 1).
     """
     if loss_agg_mode not in LOSS_AGGREGATIONS:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}")
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}")
     return LOSS_AGGREGATIONS[loss_agg_mode](
         loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor
     )
@@ -104,9 +104,6 @@ def seq_mean_token_sum_norm(
     """seq-mean-token-sum / loss_scale_factor (default: the width of `loss_mask`)."""
     loss = _seq_mean(masked_sum(loss_mat, loss_mask, dim=-1), loss_mask, dp_size, global_batch_size)
     return loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-
-
-LOSS_AGG_MODES = tuple(LOSS_AGGREGATIONS)
 
 
 def _require_local(dp_size: int, name: str) -> None:

@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from megatron_ppo.algo.registry import registrar
 
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-KL_ESTIMATES: dict[str, KLEstimator] = {}  # verl's names (and aliases) → estimator
+KL_ESTIMATORS: dict[str, KLEstimator] = {}  # verl's names (and aliases) → estimator
 _LOG_RATIO_CLAMP = 20.0  # exp(±20) keeps float32 finite
 _K3_CLAMP = 10.0
 
 
-# Decorator: the function becomes `KL_ESTIMATES[name]` (a new entry is one decorated function).
-register_kl = registrar(KL_ESTIMATES, "KL estimator")
+# Decorator: the function becomes `KL_ESTIMATORS[name]` (a new entry is one decorated function).
+register_kl = registrar(KL_ESTIMATORS, "KL estimator")
 
 
 @register_kl("k1", "kl")
@@ -56,15 +56,15 @@ def k3_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Ten
     return torch.clamp(torch.exp(log_r) - log_r - 1, min=-_K3_CLAMP, max=_K3_CLAMP)
 
 
-KL_KINDS = tuple(KL_ESTIMATES)
-KL_ESTIMATORS = (*KL_KINDS, *(kind + "+" for kind in KL_KINDS))  # a trailing "+": straight-through k2 gradient
+# What a config may name: every estimator, and each with a trailing "+" (its straight-through k2 gradient)
+KL_PENALTY_CHOICES = (*KL_ESTIMATORS, *(kind + "+" for kind in KL_ESTIMATORS))
 
 
 def _kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind not in KL_ESTIMATES:
-        valid = ", ".join(KL_KINDS) + " (each also with a trailing '+')"
+    if kind not in KL_ESTIMATORS:
+        valid = ", ".join(KL_ESTIMATORS) + " (each also with a trailing '+')"
         raise ValueError(f"unknown KL estimator {kind!r}; expected one of {valid}")
-    return KL_ESTIMATES[kind](log_prob, ref_log_prob)
+    return KL_ESTIMATORS[kind](log_prob, ref_log_prob)
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
@@ -75,7 +75,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     straight_through = kind.endswith("+")
     base_kind = kind[:-1] if straight_through else kind
     estimate = _kl_estimate(log_prob, ref_log_prob, base_kind)
-    if not straight_through or KL_ESTIMATES.get(base_kind) is k2_estimate:
+    if not straight_through or KL_ESTIMATORS.get(base_kind) is k2_estimate:
         return estimate
     k2 = 0.5 * (log_prob - ref_log_prob).square()
     return k2 - k2.detach() + estimate.detach()

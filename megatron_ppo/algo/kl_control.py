@@ -168,9 +168,6 @@ def _band(kl_coef, target_kl, horizon, alpha, band, bounds) -> KLController:
     return BandKLController(kl_coef, band, **bounds)
 
 
-CONTROLLER_TYPES = tuple(KL_CONTROLLERS)
-
-
 def build_kl_controller(
     kind: str,
     kl_coef: float,
@@ -184,6 +181,6 @@ def build_kl_controller(
 ) -> KLController:
     """A controller of the given kind; `band` defaults to [target/1.5, target·1.5] for the band rule."""
     if kind not in KL_CONTROLLERS:
-        raise ValueError(f"unknown KL controller {kind!r}; expected one of {', '.join(CONTROLLER_TYPES)}")
+        raise ValueError(f"unknown KL controller {kind!r}; expected one of {', '.join(KL_CONTROLLERS)}")
     bounds = {"min_coef": min_coef, "max_coef": max_coef}
     return KL_CONTROLLERS[kind](kl_coef, target_kl, horizon, alpha, band, bounds)

@@ -33,8 +33,9 @@ _GSPO_LOG_RATIO_MAX = 10.0
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-# Losses over whole rows: each row's tokens must sit on one rank (no context parallelism).
-SEQUENCE_LEVEL_LOSSES = ("gspo", "geo_mean")
+# Losses over whole rows (`sequence_level=True` where registered): each row's tokens must sit on one rank (no
+# context parallelism).
+SEQUENCE_LEVEL_LOSSES: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class PolicyLossConfig:
 
 
 # Decorator: the function becomes `POLICY_LOSSES[name]` (a new entry is one decorated function).
-register_policy_loss = registrar(POLICY_LOSSES, "policy loss")
+register_policy_loss = registrar(POLICY_LOSSES, "policy loss", {"sequence_level": SEQUENCE_LEVEL_LOSSES})
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
@@ -207,7 +208,7 @@ def dppo_kl_policy_loss(
                  config or PolicyLossConfig(), rollout_is_weights, "kl")  # fmt: skip
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", sequence_level=True)
 def gspo_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -376,7 +377,7 @@ def kl_cov_policy_loss(
     return loss, metrics
 
 
-@register_policy_loss("geo_mean")
+@register_policy_loss("geo_mean", sequence_level=True)
 def geo_mean_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

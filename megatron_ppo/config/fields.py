@@ -37,6 +37,22 @@ def ranged(default: Any, rule: Range) -> Any:
     return dataclasses.field(default=default, metadata={"range": rule})
 
 
+def each_of(options: Sequence[Any], **metadata: Any) -> dict[str, Any]:
+    """The metadata of a list field each of whose items must be one of `options`: `field(default_factory=…,
+    metadata=each_of(options))`."""
+    return {"item_choices": tuple(options), **metadata}
+
+
+SHARED_LAYOUT = "shared_layout"  # the metadata key of the layout fields every role must set alike
+
+
+def shared_layout(spec: Any) -> Any:
+    """A layout field (`MegatronConfig`) every role must set alike: Megatron's parallel_state holds one layout per
+    process, and roles with different layouts would need per-model process groups, which the trainer does not
+    build. `spec` is a field (`ranged`, `choice`) whose rule and default it keeps."""
+    return dataclasses.field(default=spec.default, metadata={**spec.metadata, SHARED_LAYOUT: True})
+
+
 PER_JOB = "per_job"  # the metadata key of `per_job` fields
 
 
@@ -68,12 +84,20 @@ def choices_of(schema: type, name: str) -> tuple[Any, ...]:
 
 
 def field_problems(config: Any, prefix: str = "") -> list[str]:
-    """Every value in the (nested) dataclass `config` that breaks its field's choices or range rule."""
+    """Every value in the (nested) dataclass `config` that breaks its field's choices or range rule; list items are
+    walked too (a list of sections, `guards.watch`, or of choices, `trainer.logger`)."""
     problems = []
     for field in dataclasses.fields(config):
         value, key = getattr(config, field.name), f"{prefix}{field.name}"
         if dataclasses.is_dataclass(value):
             problems += field_problems(value, f"{key}.")
+        elif isinstance(value, list) and any(dataclasses.is_dataclass(item) for item in value):
+            for index, item in enumerate(value):
+                problems += field_problems(item, f"{key}[{index}].")
+        elif "item_choices" in field.metadata:
+            allowed = field.metadata["item_choices"]
+            if unknown := [item for item in value if item not in allowed]:
+                problems.append(f"{key}={value!r}: unknown {unknown}; use any of {', '.join(map(repr, allowed))}")
         elif "choices" in field.metadata and value not in field.metadata["choices"]:
             problems.append(f"{key}={value!r} is not one of {', '.join(map(repr, field.metadata['choices']))}")
         elif "range" in field.metadata and value is not None and not field.metadata["range"].check(value):

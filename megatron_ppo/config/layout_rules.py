@@ -7,8 +7,9 @@ from __future__ import annotations
 import importlib.util
 
 from megatron_ppo.algo.policy_loss import SEQUENCE_LEVEL_LOSSES
+from megatron_ppo.config.fields import SHARED_LAYOUT, tagged_keys
 from megatron_ppo.config.layout import divisors, world_size
-from megatron_ppo.config.schema import ROLES, MegatronConfig, PPOConfig
+from megatron_ppo.config.schema import ROLES, TRAINED_ROLES, MegatronConfig, PPOConfig
 
 
 def layout_problems(c: PPOConfig) -> list[str]:
@@ -16,15 +17,8 @@ def layout_problems(c: PPOConfig) -> list[str]:
     return _layout_problems(c) + _moe_problems(c) + _offload_problems(c) + _context_parallel_problems(c)
 
 
-# Megatron's parallel_state holds one layout per process; roles with different layouts need per-model process
-# groups, which the trainer does not build yet.
-SHARED_LAYOUT_KEYS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-)
+# The layout every role must set alike (`fields.shared_layout`: one layout per process in Megatron's parallel_state)
+SHARED_LAYOUT_KEYS = tuple(tagged_keys(MegatronConfig(), SHARED_LAYOUT))
 _SHORT = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP", "context_parallel_size": "CP",
           "expert_model_parallel_size": "EP", "expert_tensor_parallel_size": "expert-TP"}  # fmt: skip
 
@@ -90,7 +84,7 @@ def _shared_layout_problems(c: PPOConfig) -> list[str]:
     )
     changes = {
         role: [(other, i) for other in ROLES for i in differing if layouts[other][i] != layouts[role][i]]
-        for role in ("actor", "critic", "ref")
+        for role in ROLES
     }
     nearest = min(changes, key=lambda role: len(changes[role]))
     shape = " ".join(
@@ -177,7 +171,7 @@ def _context_parallel_problems(c: PPOConfig) -> list[str]:
     if c.model.num_experts:
         p.append(f"{setting} with mixture-of-experts layers is not built: the CP split of each row and the routers' "
                  "padding mask are not combined; use CP 1")  # fmt: skip
-    for role in ("actor", "critic"):
+    for role in TRAINED_ROLES:
         if getattr(c, role).loss_agg_mode == "seq-mean-token-mean":
             p.append(f"{setting}: {role}.loss_agg_mode='seq-mean-token-mean' divides by each row's token count, "
                      "which no CP rank sees whole; use token-mean or seq-mean-token-sum(-norm), or CP 1")  # fmt: skip

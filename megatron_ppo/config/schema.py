@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_ppo.algo.advantages import ADV_ESTIMATORS, ROLLOUT_ONLY_ESTIMATORS
-from megatron_ppo.algo.aggregation import LOSS_AGG_MODES
-from megatron_ppo.algo.kl import KL_ESTIMATORS
-from megatron_ppo.algo.kl_control import CONTROLLER_TYPES
+from megatron_ppo.algo.aggregation import LOSS_AGGREGATIONS
+from megatron_ppo.algo.kl import KL_PENALTY_CHOICES
+from megatron_ppo.algo.kl_control import KL_CONTROLLERS
 from megatron_ppo.algo.kl_schedule import WARMUP
 from megatron_ppo.algo.policy_loss import POLICY_LOSSES
 from megatron_ppo.algo.rollout_correction import ROLLOUT_IS_LEVELS
@@ -29,8 +29,10 @@ from megatron_ppo.config.fields import (
     UNIT_INTERVAL,
     Range,
     choice,
+    each_of,
     per_job,
     ranged,
+    shared_layout,
 )
 from megatron_ppo.config.frozen import Freezable
 from megatron_ppo.config.gpus import GPU_SPECS
@@ -44,6 +46,7 @@ ROPE_FACTOR = Range(lambda v: v >= 1, "≥ 1 (Llama 3.1: 8), or null: off")
 SAVE_FREQ = Range(lambda v: v >= -1, "≥ -1 (-1: never, 0: only at the end)")
 OFF_OR_POSITIVE = Range(lambda v: v > 0, "> 0 (or null: off)")
 ROLES = ("actor", "ref", "critic")
+TRAINED_ROLES = ("actor", "critic")  # the roles with an optimizer; the reference is frozen
 # Why the jobs of one run may set a key differently (`per_job`; `run_identity.meant_to_change`): how a job runs,
 # where it writes and when it stops; the run's length (the KL and learning-rate schedules refuse, on load, a change
 # they cannot follow, with their own message); how the work is cut into micro-batches (the same training).
@@ -107,13 +110,14 @@ class ModelConfig(Freezable):
 class MegatronConfig(Freezable):
     """Parallel layout of one role (verl: `actor_rollout_ref.actor.megatron.*`)."""
 
-    tensor_model_parallel_size: int = ranged(1, AT_LEAST_ONE)
-    pipeline_model_parallel_size: int = ranged(1, AT_LEAST_ONE)
+    tensor_model_parallel_size: int = shared_layout(ranged(1, AT_LEAST_ONE))
+    pipeline_model_parallel_size: int = shared_layout(ranged(1, AT_LEAST_ONE))
     virtual_pipeline_model_parallel_size: int | None = ranged(None, AT_LEAST_ONE)
-    context_parallel_size: int = ranged(1, AT_LEAST_ONE)
+    context_parallel_size: int = shared_layout(ranged(1, AT_LEAST_ONE))
     # experts split over EP ranks (carved out of the data-parallel × context-parallel ranks)
-    expert_model_parallel_size: int = ranged(1, AT_LEAST_ONE)
-    expert_tensor_parallel_size: int | None = ranged(None, AT_LEAST_ONE)  # each expert's TP; None: the same as TP
+    expert_model_parallel_size: int = shared_layout(ranged(1, AT_LEAST_ONE))
+    # each expert's TP; None: the same as TP
+    expert_tensor_parallel_size: int | None = shared_layout(ranged(None, AT_LEAST_ONE))
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     recompute_granularity: str | None = choice(None, (None, "full", "selective"))
@@ -191,6 +195,11 @@ class DataConfig(Freezable):
     task: str | None = choice(None, (None, "addition"))
     addition: AdditionTaskConfig = field(default_factory=AdditionTaskConfig)
 
+    @property
+    def max_length(self) -> int:
+        """The longest row in tokens: max_prompt_length + max_response_length."""
+        return self.max_prompt_length + self.max_response_length
+
 
 @dataclass
 class PolicyLossSettings(Freezable):
@@ -229,9 +238,9 @@ class ActorConfig(Freezable):
     tau_neg: float = ranged(1.05, POSITIVE)  # sapo: gate temperature where A ≤ 0
     use_kl_loss: bool = True
     kl_loss_coef: float = ranged(0.001, COEFFICIENT)
-    kl_loss_type: str = choice("low_var_kl", KL_ESTIMATORS)
+    kl_loss_type: str = choice("low_var_kl", KL_PENALTY_CHOICES)
     entropy_coeff: float = ranged(0.0, COEFFICIENT)
-    loss_agg_mode: str = choice("token-mean", LOSS_AGG_MODES)
+    loss_agg_mode: str = choice("token-mean", tuple(LOSS_AGGREGATIONS))
     # seq-mean-token-sum-norm divisor; None: data.max_response_length
     loss_scale_factor: int | None = ranged(None, AT_LEAST_ONE)
 
@@ -269,7 +278,7 @@ class CriticConfig(Freezable):
     ppo_max_token_len_per_gpu: int = per_job(ranged(16384, AT_LEAST_ONE), MICRO_BATCHING)
     ppo_epochs: int = ranged(1, AT_LEAST_ONE)
     cliprange_value: float = ranged(0.5, POSITIVE)
-    loss_agg_mode: str = choice("token-mean", LOSS_AGG_MODES)
+    loss_agg_mode: str = choice("token-mean", tuple(LOSS_AGGREGATIONS))
     # seq-mean-token-sum-norm divisor; None: actor.loss_scale_factor
     loss_scale_factor: int | None = ranged(None, AT_LEAST_ONE)
 
@@ -280,7 +289,7 @@ class KLStageConfig(Freezable):
 
     name: str = "stage"
     end: float = 1.0
-    controller: str = choice("power_law", (WARMUP, *CONTROLLER_TYPES))
+    controller: str = choice("power_law", (WARMUP, *KL_CONTROLLERS))
     target_kl: float | None = None
     band: list[float] | None = None  # [low, high] for the band rule; default [target/1.5, target·1.5]
     horizon: float = 10000.0
@@ -293,7 +302,7 @@ class KLControlConfig(Freezable):
     """How β moves (verl `algorithm.kl_ctrl`). It drives the coefficients listed in `apply_to` that are enabled:
     `loss` starts from `actor.kl_loss_coef`, `reward` from `kl_coef`; a term not listed keeps its coefficient."""
 
-    type: str = choice("fixed", (*CONTROLLER_TYPES, "staged"))
+    type: str = choice("fixed", (*KL_CONTROLLERS, "staged"))
     kl_coef: float = ranged(0.001, COEFFICIENT)
     target_kl: float = ranged(0.1, POSITIVE)
     horizon: float = ranged(10000.0, POSITIVE)
@@ -335,7 +344,7 @@ class AlgorithmConfig(Freezable):
     lam: float = ranged(0.95, UNIT_INTERVAL)
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_penalty: str = choice("kl", KL_ESTIMATORS)
+    kl_penalty: str = choice("kl", KL_PENALTY_CHOICES)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
@@ -360,9 +369,6 @@ class RewardConfig(Freezable):
     normalize: bool = False  # running mean/std over all rewards seen
 
 
-WATCH_ACTIONS = ("warn", "lr_backoff", "kl_bump")
-
-
 @dataclass
 class WatchConfig(Freezable):
     """A watched metric: when `metric` first rises above `max` (and again after it has come back under), the run
@@ -370,7 +376,7 @@ class WatchConfig(Freezable):
 
     metric: str = "actor/ref_kl"  # the KL of the actor update (train/guards.py, UPDATE_KL)
     max: float = 0.05
-    action: str = "warn"  # one of WATCH_ACTIONS (checked in validate: list items are not walked by field rules)
+    action: str = choice("warn", ("warn", "lr_backoff", "kl_bump"))
 
 
 def _default_watch() -> list[WatchConfig]:
@@ -423,7 +429,10 @@ class TrainerConfig(Freezable):
     default_local_dir: str = per_job("outputs/checkpoints", RUN_CONTROL)
     log_dir: str = per_job("outputs/tensorboard", RUN_CONTROL)
     # console, tensorboard, wandb (the `wandb` extra; W&B project = project_name, run name = experiment_name)
-    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"], metadata={PER_JOB: RUN_CONTROL})
+    logger: list[str] = field(
+        default_factory=lambda: ["console", "tensorboard"],
+        metadata=each_of(("console", "tensorboard", "wandb"), **{PER_JOB: RUN_CONTROL}),
+    )
     resume_mode: str = per_job(choice("auto", ("auto", "disable", "resume_path")), RUN_CONTROL)
     resume_from_path: str | None = per_job(None, RUN_CONTROL)
     # Where default_local_dir holds another run's checkpoints, move them (and `latest`) into

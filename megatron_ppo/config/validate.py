@@ -21,9 +21,7 @@ from megatron_ppo.config.gpu_only import cpu_problems
 from megatron_ppo.config.hf_rope import hf_rope_scaling
 from megatron_ppo.config.layout import data_parallel_size, divisors, model_parallel_size, world_size
 from megatron_ppo.config.layout_rules import layout_problems
-from megatron_ppo.config.schema import WATCH_ACTIONS, GuardsConfig, KLStageConfig, PPOConfig
-
-LOGGERS = ("console", "tensorboard", "wandb")
+from megatron_ppo.config.schema import TRAINED_ROLES, GuardsConfig, KLStageConfig, PPOConfig
 
 
 def resolve(config: PPOConfig) -> None:
@@ -100,11 +98,9 @@ def _algorithm_problems(c: PPOConfig) -> list[str]:
 
 
 def _guard_problems(c: PPOConfig) -> list[str]:
-    """The watch rules (list items are not walked by the field rules) and what the evaluation guards need."""
+    """What the watch rules' actions and the evaluation guards need."""
     p = []
     for index, rule in enumerate(c.guards.watch):
-        if rule.action not in WATCH_ACTIONS:
-            p.append(f"guards.watch[{index}].action={rule.action!r} is not one of {', '.join(WATCH_ACTIONS)}")
         if rule.action == "kl_bump" and not c.needs_reference:
             p.append(f"guards.watch[{index}] ({rule.metric}): action kl_bump needs a KL term (actor.use_kl_loss or "
                      "algorithm.use_kl_in_reward); use warn or lr_backoff")  # fmt: skip
@@ -117,7 +113,7 @@ def _guard_problems(c: PPOConfig) -> list[str]:
 def _cross_key_problems(c: PPOConfig) -> list[str]:
     """Rules between keys (each key's own choices and range are on its schema field)."""
     p: list[str] = []
-    for role in ("actor", "critic"):
+    for role in TRAINED_ROLES:
         optim = f"{role}.optim"
         if get(c, f"{optim}.min_lr") > get(c, f"{optim}.lr"):
             p.append(
@@ -134,9 +130,6 @@ def _cross_key_problems(c: PPOConfig) -> list[str]:
             "trainer.overwrite=true moves other runs' checkpoints aside, but with trainer.resume_mode='auto' the run "
             "would continue the one `latest` names; set trainer.resume_mode=disable for a new run"
         )
-    unknown_loggers = sorted(set(c.trainer.logger) - set(LOGGERS))
-    if unknown_loggers:
-        p.append(f"trainer.logger={c.trainer.logger!r}: unknown {unknown_loggers}; use any of {', '.join(LOGGERS)}")
     if "wandb" in c.trainer.logger and importlib.util.find_spec("wandb") is None:
         p.append(
             f"trainer.logger={c.trainer.logger!r}: wandb is not installed; install the extra (pip install "
@@ -188,7 +181,7 @@ def _model_problems(c: PPOConfig) -> list[str]:
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups="
             f"{m.num_query_groups}; each query group must hold the same number of heads"
         )
-    longest = c.data.max_prompt_length + c.data.max_response_length
+    longest = c.data.max_length
     if m.position_embedding_type == "learned_absolute" and longest > m.max_position_embeddings:
         p.append(
             f"data.max_prompt_length + data.max_response_length = {longest} exceeds "
@@ -200,8 +193,8 @@ def _model_problems(c: PPOConfig) -> list[str]:
 def _batch_problems(c: PPOConfig) -> list[str]:
     p: list[str] = []
     train = c.data.train_batch_size
-    longest = c.data.max_prompt_length + c.data.max_response_length
-    for role in ("actor", "critic"):
+    longest = c.data.max_length
+    for role in TRAINED_ROLES:
         cfg = get(c, role)
         mini, micro = cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu
         if min(train, mini, micro or 1) < 1:

@@ -18,7 +18,7 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megatron_ppo.config.fields import choices_of
+from megatron_ppo.config.fields import field_problems
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data.chat import BUILTIN_FORMAT
 from megatron_ppo.data.parse import ParsedRow, Row, Tokenizer, parse_row
@@ -28,7 +28,6 @@ from megatron_ppo.data.values import BadRow
 __all__ = ["DataError", "DataReport", "Row", "Tokenizer", "read_rows"]
 
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
-_OPTIONS = ("format", "overlong_policy", "prompt_truncation", "on_bad_row", "tokenization_check")
 
 
 @dataclass
@@ -151,10 +150,9 @@ def _count(parsed: ParsedRow, report: DataReport) -> None:
 
 
 def _check_options(config: DataConfig) -> None:
-    for name in _OPTIONS:
-        value, allowed = getattr(config, name), choices_of(DataConfig, name)
-        if value not in allowed:
-            raise ValueError(f"data.{name}={value!r}; expected one of {', '.join(allowed)}")
+    """The schema's rules for the `data` section (a caller may pass a config it did not validate)."""
+    if problems := field_problems(config, "data."):
+        raise ValueError("; ".join(problems))
 
 
 def _format_of(path: Path, fmt: str) -> str:

@@ -110,13 +110,13 @@ def sdpa_backend(config: PPOConfig, masked: bool = False) -> str:
     s at most 4096 here) and keys repeated per query head when `masked`; asked of PyTorch's dispatcher itself."""
     from torch.nn.attention import SDPBackend
 
-    from megatron_ppo.models.transformer_config import DTYPES
+    from megatron_ppo.models.dtypes import DTYPES
     from megatron_ppo.parallel.device import current_device
 
     model, tp = config.model, config.actor.megatron.tensor_model_parallel_size
     heads, groups = model.num_attention_heads // tp, (model.num_query_groups or model.num_attention_heads) // tp
     head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
-    seq = min(config.data.max_prompt_length + config.data.max_response_length, model.max_position_embeddings)
+    seq = min(config.data.max_length, model.max_position_embeddings)
     seq = min(seq, 4096) if masked else seq
     options = {"dtype": DTYPES[model.params_dtype], "device": current_device()}
     query = torch.zeros(1, heads, seq, head_dim, **options)

@@ -31,7 +31,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.models.gpt import RoleModel, sync_parameters
 from megatron_ppo.parallel.device import current_device
-from megatron_ppo.phases import OFFLOAD_KINDS, PHASE_NEEDS, Phase, offload_switches, resident_kinds
+from megatron_ppo.planner.phases import OFFLOAD_KINDS, PHASE_NEEDS, Phase, offload_switches, resident_kinds
 
 
 @dataclass

@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig
+from megatron_ppo.models.dtypes import DTYPES
 from megatron_ppo.models.kernels import fusion_flags, uses_transformer_engine
 from megatron_ppo.parallel.device import on_cuda
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def padded_vocab_size(model: ModelConfig, tensor_parallel_size: int) -> int:

@@ -13,7 +13,7 @@ from typing import NotRequired, TypedDict
 
 import torch
 
-from megatron_ppo.algo.advantages import group_estimators
+from megatron_ppo.algo.advantages import GROUPED_ESTIMATORS
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.data.batching import (
@@ -88,7 +88,7 @@ def build_sampler(config: PPOConfig, rows: Sequence[Row]) -> tuple[EpochSampler 
     group is refused: their advantage would be the raw score or zero."""
     seed, shuffle = config.data.seed, config.data.shuffle
     estimator = config.algorithm.adv_estimator
-    if estimator not in group_estimators():
+    if estimator not in GROUPED_ESTIMATORS:
         return EpochSampler(len(rows), seed=seed, shuffle=shuffle), len(rows), None
     grouping = group_rows([row.uid for row in rows])
     line = grouping.summary([row.source for row in rows])

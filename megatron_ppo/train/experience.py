@@ -17,7 +17,7 @@ from megatron_ppo.parallel.collectives import (
     gather_rows_data_parallel,
     is_last_stage,
 )
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.batch import Batch, replica_micro_batches
 from megatron_ppo.train.micro_batching import MicroBatching, micro_batching
 
@@ -222,7 +222,7 @@ def experience_metrics(config: PPOConfig, experience: Experience) -> dict[str, f
         kl = algo.kl_penalty(experience["old_log_prob"], experience["ref_log_prob"], kind)
         per_sequence = algo.masked_mean(kl, mask, dim=-1)
         out |= {"kl/mean": float(per_sequence.mean()), "kl/std": float(per_sequence.std())}
-    if config.algorithm.adv_estimator in algo.group_estimators():
+    if config.algorithm.adv_estimator in algo.GROUPED_ESTIMATORS:
         out["grpo/singleton_groups"] = float((torch.bincount(experience["group"]) == 1).sum())
     if "values" in experience:
         out["critic/values_mean"] = float(algo.masked_mean(experience["values"], mask))

@@ -21,7 +21,7 @@ import torch
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.parallel.collectives import any_rank
 from megatron_ppo.parallel.ranks import data_parallel
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.micro_batching import TOKEN_BUDGET, MicroBatching, micro_batch_keys, micro_batching
 
 T = TypeVar("T")

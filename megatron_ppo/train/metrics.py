@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch.utils.tensorboard import SummaryWriter
 
+from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.run_identity import RunIdentity
 
 CONSOLE_KEYS = (
     "reward/mean",
@@ -33,7 +33,7 @@ class MetricsLogger:
     """Scalars to `log_dir` (TensorBoard) and W&B under the same names, and a one-line summary plus a progress bar
     with ETA on the console.
 
-    The trainer passes its run's own folder, `<trainer.log_dir>/<run id>` (`train/run_start.py`), so event files of
+    The trainer passes its run's own folder, `<trainer.log_dir>/<run id>` (`checkpoint/run_start.py`), so event files of
     two runs never mix; a resumed run appends to its folder, and a step written again wins in `report`.
     W&B (`wandb` in `loggers`): the run is `config.trainer.project_name` / `experiment_name`, its config the resolved
     config, its id the run id (a resumed run continues it), its files under `log_dir/wandb`; `WANDB_MODE=offline`

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.phases import Phase
 
 TOKEN_BUDGET = ".ppo_max_token_len_per_gpu"  # the key ending of a role's token budget (dynamic batching)
 

@@ -1,39 +1,36 @@
 """The offline PPO loop: read rows → experience → advantages → critic/actor updates → KL control, guards,
 metrics, checkpoints (`docs/design.md`, "One PPO iteration"; `PPOTrainer.iteration` numbers the steps).
 
-Good checkpoints: a save after iteration N holds the policy that iteration N+1 starts from, and only N+1 measures
-all of it — its experience KL, its losses and values, and the one optimizer step of N that N's own update KL could
-not see (its last). So a save is *unconfirmed* until the next iteration's guards ask for no rollback or stop; it is
-then the *good* checkpoint, the one a rollback loads and a guard stop leaves for a resume. A rollback fired by N+1
-therefore returns past the save at N, even when the fault came with N+1's own update: the guards cannot tell which
-update a bad iteration inherited, and one more save interval of work is the price of never reloading a blown-up
-policy (`docs/design.md`, "Good checkpoints").
+The trainer sets up the run, runs its iterations and carries out what the guards ask for (`GUARD_ACTIONS`, one
+handler per action kind); which saves are good, and so where a rollback or a stop goes, is the
+`CheckpointKeeper`'s (`train/checkpoint_keeper.py`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from functools import partial
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_ppo import algo, checkpoint
-from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.critic_init import load_critic
+from megatron_ppo import algo
+from megatron_ppo.checkpoint import store
+from megatron_ppo.checkpoint.initial_weights import InitialWeights
+from megatron_ppo.checkpoint.run_start import start_run
+from megatron_ppo.config.schema import ROLES, PPOConfig
+from megatron_ppo.convert.critic_init import load_critic
 from megatron_ppo.data.rows import Row
-from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.models import build_role_model, copy_weights
-from megatron_ppo.models.gpt import RoleModel, sync_parameters
+from megatron_ppo.models.gpt import RoleModel
 from megatron_ppo.models.kernels import describe_kernels
 from megatron_ppo.models.offload import HostOffload
 from megatron_ppo.models.widths import PaddingTally
-from megatron_ppo.parallel.collectives import barrier, global_rank
 from megatron_ppo.parallel.device import current_device, to_device
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.batch import build_sampler, collate
+from megatron_ppo.train.checkpoint_keeper import CheckpointKeeper
 from megatron_ppo.train.evaluation import Evaluator
 from megatron_ppo.train.experience import (
     Experience,
@@ -42,7 +39,7 @@ from megatron_ppo.train.experience import (
     forward_passes,
     offpolicy_report,
 )
-from megatron_ppo.train.guards import EXPERIENCE_KL, GuardAction, Guards, GuardStopped, scale_learning_rate
+from megatron_ppo.train.guards import EXPERIENCE_KL, ActionKind, GuardAction, Guards, GuardStopped, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import KLCoefficients
 from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff
 from megatron_ppo.train.metrics import MetricsLogger
@@ -55,9 +52,8 @@ from megatron_ppo.train.preemption import (
     mark_preempted,
     watching,
 )
-from megatron_ppo.train.run_start import start_run
 from megatron_ppo.train.throughput import padding_metrics, phase_timer, throughput_metrics, timing_metrics
-from megatron_ppo.train.update import RoleUpdate, actor_loss, critic_loss, update_role
+from megatron_ppo.train.update import RoleUpdate, role_loss, update_role
 
 
 class PPOTrainer:
@@ -93,7 +89,7 @@ class PPOTrainer:
         if weights.actor:
             for model in (self.actor, self.ref):
                 if model is not None:
-                    checkpoint.load_weights(model, weights.actor, "actor")
+                    store.load_weights(model, weights.actor, "actor")
         elif self.ref is not None:  # model.allow_random_init: the reference is the actor's starting point
             copy_weights(self.actor, self.ref)
         critic_source = load_critic(self.critic, weights) if self.critic is not None else None
@@ -120,11 +116,8 @@ class PPOTrainer:
         self.normalizer = algo.RunningRewardNormalizer() if config.reward.normalize else None
         self.guards = Guards(config.guards)
         self.memory = OutOfMemoryBackoff(config)
-        self.best_checkpoint: str | None = None  # the checkpoint of the best evaluation (eval-drop rollbacks)
+        self.keeper = CheckpointKeeper(trainer, self.run.identity)
         self.evaluations: dict[int, dict[str, float]] = {}
-        self.saved: tuple[int, Path] | None = None  # (step, path) of the last save
-        self.good_checkpoint: str | None = None  # the newest save whose policy passed the next iteration's guards
-        self.unconfirmed: str | None = None  # a save the next iteration's guards have not judged yet
         self.step = 0
         self.skipped_steps = 0
         self.logger.event(0, "run", f"{trainer.project_name}/{trainer.experiment_name}")
@@ -146,12 +139,12 @@ class PPOTrainer:
             "normalizer": self.normalizer.state_dict() if self.normalizer else None,
             "guards": self.guards.state_dict(),
             "memory": self.memory.state_dict(),
-            "best_checkpoint": self.best_checkpoint,
-            "good_checkpoint": self.good_checkpoint,  # as of this save, which is itself unconfirmed
+            **self.keeper.state_dict(),  # as of this save, which is itself unconfirmed
             "evaluation": self.evaluations.get(self.step),
         }
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
+        """Everything but the keeper's state, which the keeper loads itself (`resume`, `roll_back_to`)."""
         self.step, self.skipped_steps = state["step"], state["skipped_steps"]
         self.sampler.load_state_dict(state["sampler"])
         self.kl.load_state_dict(state["kl"])
@@ -161,29 +154,18 @@ class PPOTrainer:
             self.normalizer.load_state_dict(state["normalizer"])
         self.guards.load_state_dict(state["guards"])
         self.memory.load_state_dict(state["memory"])
-        self.best_checkpoint = state["best_checkpoint"]
-        self.good_checkpoint = state.get("good_checkpoint")  # (absent in checkpoints saved before it was kept)
 
     def save(self) -> Path:
-        if self.saved is not None and self.saved[0] == self.step:
-            return self.saved[1]  # already saved at this step (a new best evaluation, then save_freq)
-        for model in self.models.values():
-            sync_parameters(model)  # a distributed-optimizer step may still be gathering weights (CUDA overlap)
-        path = checkpoint.save_checkpoint(
-            self.config.trainer.default_local_dir, self.step, self.models, self.optimizers, self.trainer_state(),
-            run=self.run.identity, keep=self.config.trainer.max_ckpt_to_keep,
-            protect=[p for p in (self.best_checkpoint, self.good_checkpoint) if p],
-        )  # fmt: skip
-        self.logger.event(self.step, "checkpoint", f"saved {path} (good once the next iteration's guards pass)")
-        self.saved, self.unconfirmed = (self.step, path), str(path)
+        path, written = self.keeper.save(self.step, self.models, self.optimizers, self.trainer_state())
+        if written:
+            self.logger.event(self.step, "checkpoint", f"saved {path} (good once the next iteration's guards pass)")
         return path
 
     def resume(self) -> Path | None:
         """Load the checkpoint `start_run` chose (None: a new run), and log what the start decided."""
         path = self.run.resume_from
         if path is not None:
-            self.load_trainer_state(checkpoint.load_checkpoint(path, self.models, self.optimizers))
-            self.unconfirmed = str(path)  # the next iteration judges it, as if saved just now
+            self.load_trainer_state(self.keeper.resume(path, self.models, self.optimizers))
         for message in self.run.messages:
             self.logger.event(self.step, "run", message)
         return path
@@ -231,12 +213,12 @@ class PPOTrainer:
             skipped = any(update.skipped for update in updates)
             actions = self.guards.observe(metrics, skipped, self.kl.guard_overrides)
             self._act(actions)
-            self._judge_save(actions)
+            self.keeper.judge(actions)
         # 8. metrics: counters, timings and throughput (MFU from the planner's FLOP count)
         return metrics | self._throughput(batch["lengths"], timings)
 
     def _built_roles(self) -> dict[str, RoleModel]:
-        return {role: model for role in ("actor", "ref", "critic") if (model := getattr(self, role)) is not None}
+        return {role: model for role in ROLES if (model := getattr(self, role)) is not None}
 
     def _throughput(self, lengths: torch.Tensor, timings: dict[str, float]) -> dict[str, float]:
         tokens, seconds = float(lengths.sum()), timings["iteration"]
@@ -250,14 +232,7 @@ class PPOTrainer:
     def _update(self, role: str, experience: Experience, timings: dict[str, float]) -> RoleUpdate:
         """`ppo_epochs` passes of `role` over the mini-batches of `experience` (`Phase.update(role)`)."""
         role_config = getattr(self.config, role)
-        if role == "actor":
-            actor = self.actor
-            kind = role_config.kl_loss_type if role_config.use_kl_loss else self.config.algorithm.kl_penalty
-            make_loss = partial(actor_loss, role_config, kl_loss_coef=self.kl.coef("loss") or 0.0,
-                                vocab_size=actor.vocab_size, chunk_tokens=actor.logprob_chunk_tokens,
-                                ref_kl_type=kind if self.ref is not None else None)  # fmt: skip
-        else:
-            make_loss = partial(critic_loss, role_config)
+        make_loss = role_loss(role, self.config, self.models[role], self.kl.coef("loss") or 0.0, self.ref is not None)
         phase = Phase.update(role)
         with phase_timer(timings, phase.metric):
             self.offload.enter(phase)
@@ -287,44 +262,24 @@ class PPOTrainer:
         for action in actions:
             self.logger.event(fired_at, f"guard/{action.guard}", action.message)
             self.logger.log(fired_at, {f"guard/{action.guard}": action.value if math.isfinite(action.value) else 1.0})
-            if action.kind == "stop":
-                self._stop(action)
-            if action.kind == "lr_backoff":
-                for role in [action.role] if action.role else list(self.schedulers):
-                    self._scale_learning_rate(role, action.factor)
-            elif action.kind == "kl_bump":
-                self.kl.scale(action.factor)
-            elif action.kind == "rollback":
-                self._roll_back(action, fired_at)
+            GUARD_ACTIONS[action.kind](self, action, fired_at)
 
-    def _judge_save(self, actions: list[GuardAction]) -> None:
-        """The unconfirmed save held the policy this iteration started from: good when its guards asked for no
-        rollback or stop, else passed over for good (a rollback has already loaded the good one)."""
-        if self.unconfirmed is not None and not any(a.kind in ("rollback", "stop") for a in actions):
-            self.good_checkpoint = self.unconfirmed
-        self.unconfirmed = None
+    def _warn(self, action: GuardAction, fired_at: int) -> None:
+        """A warning is its log line alone."""
 
-    def _stop(self, action: GuardAction) -> None:
-        """End the run on a guard's `stop`: `latest` names the good checkpoint (a resume continues from it, not from
-        a save the guards did not pass), and `GuardStopped` carries the one message the command line prints."""
-        good = self._good_checkpoint()
-        if good is None:
-            left = "no good checkpoint was saved: a new launch starts over"
-        else:
-            if global_rank() == 0:
-                checkpoint.point_latest_at(good)
-            barrier()
-            left = f"the good checkpoint left is {good} (`latest` names it: a new launch resumes from it)"
-        message = f"guard/{action.guard} stopped the run: {action.message}; {left}"
+    def _back_off(self, action: GuardAction, fired_at: int) -> None:
+        for role in [action.role] if action.role else list(self.schedulers):
+            self._scale_learning_rate(role, action.factor)
+
+    def _bump_kl(self, action: GuardAction, fired_at: int) -> None:
+        self.kl.scale(action.factor)
+
+    def _stop(self, action: GuardAction, fired_at: int) -> None:
+        """End the run on a guard's `stop`, the good checkpoint named in `latest`; `GuardStopped` carries the one
+        message the command line prints."""
+        message = f"guard/{action.guard} stopped the run: {action.message}; {self.keeper.leave_for_stop()}"
         self.logger.event(self.step, "stopped", message)
         raise GuardStopped(message)
-
-    def _good_checkpoint(self) -> Path | None:
-        """The good checkpoint, while it is complete on disk and this run's (another run may reuse its step's name)."""
-        path = None if self.good_checkpoint is None else Path(self.good_checkpoint)
-        if path is None or not checkpoint.is_complete(path) or checkpoint.run_of(path) != self.run.identity.run_id:
-            return None
-        return path
 
     def _scale_learning_rate(self, role: str, factor: float) -> None:
         """`role`'s learning rate × `factor`, never below `guards.min_lr_fraction` × its configured rate."""
@@ -335,45 +290,32 @@ class PPOTrainer:
                               f"{self.config.guards.min_lr_fraction} of its configured rate")  # fmt: skip
 
     def _roll_back(self, action: GuardAction, fired_at: int) -> None:
-        """Restore a checkpoint — the good one, or the best evaluation's — with lower learning rates, and name it
-        in `latest`. The guards keep their own counters and the out-of-memory back-off its smaller micro-batches;
-        an evaluation saved in a checkpoint passed over is forgotten with it (its best is the loaded one's)."""
-        guards = self.guards
-        if action.target == "best_eval":
-            path = Path(self.best_checkpoint) if self.best_checkpoint else None
-            why = "the best evaluation's checkpoint"
-        else:
-            path = self._good_checkpoint()
-            why = "the newest good checkpoint: its policy passed the guards of the iteration after it"
-            if self.unconfirmed is not None:
-                why += f"; {self.unconfirmed}, saved before this iteration, is passed over"
-        if path is None or guards.rollbacks >= action.max_rollbacks:
+        """Restore a checkpoint — the good one, or the best evaluation's (`CheckpointKeeper.rollback_target`) — with
+        lower learning rates. The guards keep their own counters and the out-of-memory back-off its smaller
+        micro-batches; an evaluation saved in a checkpoint passed over is forgotten with it (its best is the loaded
+        one's)."""
+        guards, target = self.guards, self.keeper.rollback_target(action.target)
+        if target.path is None or guards.rollbacks >= action.max_rollbacks:
             reason = (
-                "no good checkpoint to return to yet" if path is None else f"guards.max_rollbacks="
+                "no good checkpoint to return to yet" if target.path is None else f"guards.max_rollbacks="
                 f"{action.max_rollbacks} reached"
             )  # fmt: skip
             self.logger.event(fired_at, "guard/rollback", f"rollback not possible: {reason}; continuing")
             return
         counters, memory = guards.state_dict(), self.memory.state_dict()
-        best, passed = self.best_checkpoint, self.unconfirmed
-        state = checkpoint.load_checkpoint(path, self.models, self.optimizers)
+        state, best_forgotten = self.keeper.roll_back_to(target.path, self.models, self.optimizers)
         self.load_trainer_state(state)
-        self.saved, self.good_checkpoint, self.unconfirmed = (self.step, path), str(path), None
-        if global_rank() == 0:
-            checkpoint.point_latest_at(path)  # a resume after a crash continues from here, not from a passed-over save
-        barrier()
         guards.load_state_dict(counters)
         self.memory.load_state_dict(memory)
-        if passed is None or best != passed:
-            self.best_checkpoint = best
-        else:
+        if best_forgotten:
             guards.best_eval = state["guards"]["best_eval"]
             guards.evals_since_best = state["guards"]["evals_since_best"]
         guards.rollbacks += 1
         for role in self.schedulers:
             self._scale_learning_rate(role, action.factor)
-        self.logger.event(fired_at, "guard/rollback", f"rolled back to {path}, learning rates × {action.factor}; the "
-                          f"run continues from step {self.step}. Why this checkpoint: {why}")  # fmt: skip
+        self.logger.event(fired_at, "guard/rollback", f"rolled back to {target.path}, learning rates × "
+                          f"{action.factor}; the run continues from step {self.step}. Why this checkpoint: "
+                          f"{target.why}")  # fmt: skip
         self.logger.log(fired_at, {"guard/rollback": float(guards.rollbacks)})
 
     # --- evaluation ----------------------------------------------------------------------------------------------
@@ -402,7 +344,7 @@ class PPOTrainer:
         actions = self.guards.observe_evaluation(reward)
         new_best = self.guards.evals_since_best == 0 and self.guards.best_eval == reward
         if new_best and self.config.guards.eval_drop_fraction is not None and self.config.trainer.test_freq:
-            self.best_checkpoint = str(self.save())
+            self.keeper.best = str(self.save())
         self._act(actions)
         return results
 
@@ -447,3 +389,13 @@ class PPOTrainer:
 
     def close(self) -> None:
         self.logger.close()
+
+
+# What the trainer does for each kind of guard action (`guards.ActionKind`), besides logging it.
+GUARD_ACTIONS: dict[ActionKind, Callable[[PPOTrainer, GuardAction, int], None]] = {
+    "warn": PPOTrainer._warn,
+    "lr_backoff": PPOTrainer._back_off,
+    "kl_bump": PPOTrainer._bump_kl,
+    "rollback": PPOTrainer._roll_back,
+    "stop": PPOTrainer._stop,
+}

@@ -8,15 +8,15 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.convert import converted_init_checkpoint
-from megatron_ppo.critic_init import converted_critic_checkpoint
+from megatron_ppo.convert.critic_init import converted_critic_checkpoint
+from megatron_ppo.convert.huggingface import converted_init_checkpoint
 from megatron_ppo.data.rows import read_rows
 from megatron_ppo.data.scoring import build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
-from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 from megatron_ppo.parallel.ranks import describe_rank
 from megatron_ppo.train.evaluation import ValidationSet

@@ -32,11 +32,11 @@ import torch
 
 from megatron_ppo.config.gpus import gpu_spec
 from megatron_ppo.config.layout import world_size
-from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.flops import flop_parameter_count, iteration_flops
+from megatron_ppo.config.schema import TRAINED_ROLES, PPOConfig
 from megatron_ppo.models.gpt import RoleModel
 from megatron_ppo.parallel.device import on_cuda
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.flops import flop_parameter_count, iteration_flops
+from megatron_ppo.planner.phases import Phase
 
 TIMED = (Phase.EXPERIENCE, Phase.UPDATE_ACTOR, Phase.UPDATE_CRITIC)  # the phases with a timing and a FLOP count
 
@@ -54,7 +54,7 @@ def throughput_metrics(
     ran = {phase: flops[phase] for phase in TIMED if phase in flops and phase.metric in timings}
     out = {"perf/tflops_per_gpu": sum(ran.values()) / (timings["iteration"] * gpus) / 1e12}
     peak = gpu_spec(config.cluster.gpu_type).peak_bf16_tflops
-    for role in ("actor", "critic"):
+    for role in TRAINED_ROLES:
         phase = Phase.update(role)
         if phase in ran and timings[phase.metric] > 0:
             out[f"perf/mfu/{role}"] = ran[phase] / (timings[phase.metric] * gpus * peak * 1e12)

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 
 from megatron_ppo import algo
-from megatron_ppo.config.schema import ActorConfig, CriticConfig
+from megatron_ppo.config.schema import ActorConfig, CriticConfig, PPOConfig
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
 from megatron_ppo.models.moe import clear_moe_aux_losses, moe_aux_loss_metrics
 from megatron_ppo.parallel.collectives import broadcast_from_last_stage, gather_data_parallel
@@ -197,6 +197,22 @@ class RoleUpdate:
     @property
     def skipped(self) -> int:
         return sum(step.skipped for step in self.steps)
+
+
+def role_loss(
+    role: str, config: PPOConfig, model: RoleModel, kl_loss_coef: float, with_reference: bool
+) -> Callable[[dict[str, float]], LossFn]:
+    """The loss `update_role` builds for each mini-batch of `role` from its counts: the actor's (`actor_loss`, with
+    this iteration's `kl_loss_coef` and, `with_reference`, the `actor/ref_kl` the KL guards read — by the loss's
+    estimator when the KL is in the loss, else by the reward's) or the critic's (`critic_loss`)."""
+    if role == "critic":
+        return lambda counts: critic_loss(config.critic, counts)
+    actor = config.actor
+    kl_kind = actor.kl_loss_type if actor.use_kl_loss else config.algorithm.kl_penalty
+    return lambda counts: actor_loss(
+        actor, counts, kl_loss_coef=kl_loss_coef, vocab_size=model.vocab_size,
+        chunk_tokens=model.logprob_chunk_tokens, ref_kl_type=kl_kind if with_reference else None,
+    )  # fmt: skip
 
 
 def update_role(

@@ -11,7 +11,9 @@ from typing import Any
 import psutil
 import torch
 
-from megatron_ppo import checkpoint
+from megatron_ppo.checkpoint import directory, store
+from megatron_ppo.checkpoint.run_identity import RunIdentity
+from megatron_ppo.checkpoint.run_start import start_run
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import MegatronConfig, OptimConfig, PPOConfig
@@ -19,10 +21,8 @@ from megatron_ppo.models import build_role_model
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.parallel.collectives import barrier
-from megatron_ppo.run_identity import RunIdentity
 from megatron_ppo.train.micro_batching import MicroBatching
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
-from megatron_ppo.train.run_start import start_run
 from megatron_ppo.train.update import actor_loss, update_role
 from tests.distributed.workers import MODEL, OPTIM, ROWS, SEED, experience, ppo_config, weights
 
@@ -40,21 +40,21 @@ def publish_and_recover(rank: int, world_size: int, root: str) -> dict[str, Any]
         with torch.no_grad():
             for parameter in actor.chunks[0].parameters():
                 parameter.add_(0.01 * step)
-        checkpoint.save_checkpoint(root, step, {"actor": actor}, {"actor": optimizer}, {"step": step}, run=RUN, keep=5)
+        store.save_checkpoint(root, step, {"actor": actor}, {"actor": optimizer}, {"step": step}, run=RUN, keep=5)
     saved_at_2 = weights(actor)
-    report["after_two_saves"] = checkpoint.find_resumable(root).name
+    report["after_two_saves"] = directory.find_resumable(root).name
     (root / ".tmp_step_3").mkdir()
     (root / ".tmp_step_3" / "partial.distcp").write_bytes(b"half a shard")
-    report["with_a_half_written_save"] = checkpoint.find_resumable(root).name
+    report["with_a_half_written_save"] = directory.find_resumable(root).name
     with torch.no_grad():
         for parameter in actor.chunks[0].parameters():
             parameter.zero_()
-    state = checkpoint.load_checkpoint(root / "step_2", {"actor": actor}, {"actor": optimizer})
+    state = store.load_checkpoint(root / "step_2", {"actor": actor}, {"actor": optimizer})
     report["restored_step"] = state["step"]
     report["weights_restored"] = all(torch.equal(v, saved_at_2[k]) for k, v in weights(actor).items())
     (root / "step_2" / "metadata.json").unlink()
-    report["with_step_2_broken"] = checkpoint.find_resumable(root).name
-    checkpoint.save_checkpoint(root, 4, {"actor": actor}, {"actor": optimizer}, {"step": 4}, run=RUN, keep=1)
+    report["with_step_2_broken"] = directory.find_resumable(root).name
+    store.save_checkpoint(root, 4, {"actor": actor}, {"actor": optimizer}, {"step": 4}, run=RUN, keep=1)
     report["kept_after_prune"] = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
     report["processes_started"] = [" ".join(child.cmdline()) for child in psutil.Process().children(recursive=True)]
     return report
@@ -75,7 +75,7 @@ def _config(root: Path, **trainer: Any) -> PPOConfig:
 
 def _listing(root: Path) -> dict[str, str | None]:
     """{step_N: the run that saved it} under `root`, and `latest`, as every rank sees it before rank 0 goes on."""
-    found = {path.name: checkpoint.run_of(path) for _, path in checkpoint.step_directories(root)}
+    found = {path.name: directory.run_of(path) for _, path in directory.step_directories(root)}
     found["latest"] = (root / "latest").read_text() if (root / "latest").is_file() else None
     barrier()
     return found
@@ -88,30 +88,30 @@ def two_runs_in_one_directory(rank: int, world_size: int, root: str) -> dict[str
     init_distributed(MegatronConfig(), seed=0)
     actor, optimizer = _actor_and_optimizer()
     run_a, run_b = RunIdentity.of("run-a", PPOConfig()), RunIdentity.of("run-b", PPOConfig())
-    save = functools.partial(checkpoint.save_checkpoint, models={"actor": actor}, optimizers={"actor": optimizer})
+    save = functools.partial(store.save_checkpoint, models={"actor": actor}, optimizers={"actor": optimizer})
     shared = root / "shared"
     for step in (2, 4, 6):
         save(shared, step, trainer_state={"step": step}, run=run_a, keep=2)
     for step in (2, 3):
         save(shared, step, trainer_state={"step": step}, run=run_b, keep=2)
     report: dict[str, Any] = {"shared": _listing(shared)}
-    resumable = checkpoint.find_resumable(shared)
-    report["resumable"] = (resumable.name, checkpoint.run_of(resumable))
+    resumable = directory.find_resumable(shared)
+    report["resumable"] = (resumable.name, directory.run_of(resumable))
     branch = root / "branch"  # steps 1-4 saved, the run resumes from step_2 and saves step_3 again, keeping 2
     for step in (1, 2, 3, 4):
         save(branch, step, trainer_state={"step": step}, run=run_a, keep=3)
-    checkpoint.point_latest_at(branch / "step_2")
+    directory.point_latest_at(branch / "step_2")
     save(branch, 3, trainer_state={"step": 3}, run=run_a, keep=2)
     report["branch"] = _listing(branch)
     save(branch, 3, trainer_state={"step": 3, "again": True}, run=run_a, keep=2)  # a rollback to step_3 saves it again
     report["saved_again"] = (
         _listing(branch),
         sorted(p.name for p in branch.iterdir() if p.name.startswith(".")),
-        torch.load(branch / "step_3" / checkpoint.TRAINER_STATE, weights_only=True).get("again"),
+        torch.load(branch / "step_3" / directory.TRAINER_STATE, weights_only=True).get("again"),
     )
     (branch / "step_3").rename(branch / ".replaced_step_3")  # killed between the two renames of a save
-    restored = checkpoint.restore_replaced(branch)
-    report["restored"] = (restored.name, checkpoint.is_complete(restored), checkpoint.restore_replaced(branch))
+    restored = directory.restore_replaced(branch)
+    report["restored"] = (restored.name, directory.is_complete(restored), directory.restore_replaced(branch))
     return report
 
 
@@ -125,7 +125,7 @@ def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
     report: dict[str, Any] = {}
     first = start_run(_config(root, resume_mode="disable"))
     for step in (2, 4, 6):
-        checkpoint.save_checkpoint(root / "ckpt", step, {"actor": actor}, {"actor": optimizer}, {"step": step},
+        store.save_checkpoint(root / "ckpt", step, {"actor": actor}, {"actor": optimizer}, {"step": step},
                                    run=first.identity, keep=2)  # fmt: skip
     report["first"] = (first.identity.run_id, first.resume_from, str(first.log_dir), first.messages)
     try:
@@ -145,13 +145,13 @@ def start_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
                        [(m.name, _listing(m)) for m in moved])  # fmt: skip
     # two runs' checkpoints side by side (as saved by hand); resuming one of them with overwrite moves only the other
     for step, identity in ((1, fresh.identity), (6, first.identity)):
-        checkpoint.save_checkpoint(root / "ckpt", step, {"actor": actor}, {"actor": optimizer}, {"step": step},
+        store.save_checkpoint(root / "ckpt", step, {"actor": actor}, {"actor": optimizer}, {"step": step},
                                    run=identity)  # fmt: skip
     mixed = start_run(_config(root, resume_mode="resume_path", resume_from_path=str(root / "ckpt" / "step_6"),
                               overwrite=True))  # fmt: skip
     moved_now = [_listing(m) for m in sorted((root / "ckpt" / "moved-aside").iterdir()) if m not in moved]
     report["mixed"] = (mixed.identity.run_id, mixed.resume_from.name, _listing(root / "ckpt"), moved_now)
-    checkpoint.save_checkpoint(root / "init", 1, {"actor": actor}, {}, {"step": 1})
+    store.save_checkpoint(root / "init", 1, {"actor": actor}, {}, {"step": 1})
     try:
         start_run(_config(root, resume_mode="resume_path", resume_from_path=str(root / "init")))
     except ConfigError as refusal:
@@ -178,7 +178,7 @@ def local_checkpoint_into_extra_state_model(rank: int, world_size: int, root: st
     root = Path(root)
     init_distributed(MegatronConfig(), seed=0)
     actor = build_role_model("actor", MODEL, MegatronConfig())
-    saved = checkpoint.save_checkpoint(root, 1, {"actor": actor}, {}, {"step": 1})
+    saved = store.save_checkpoint(root, 1, {"actor": actor}, {}, {"step": 1})
     te_like = build_role_model("actor", MODEL, MegatronConfig())
     gpt = te_like.chunks[0].module
     for layer in gpt.decoder.layers:
@@ -186,14 +186,14 @@ def local_checkpoint_into_extra_state_model(rank: int, world_size: int, root: st
     report: dict[str, Any] = {
         "extra_state_keys": sum(k.endswith("core_attention._extra_state") for k in gpt.state_dict())
     }
-    checkpoint.load_checkpoint(saved, {"actor": te_like}, {})
+    store.load_checkpoint(saved, {"actor": te_like}, {})
     expected = weights(actor)
     report["weights_loaded"] = all(
         torch.equal(v, expected[k]) for k, v in weights(te_like).items() if not k.endswith("_extra_state")
     )
     gpt.decoder.final_layernorm.register_parameter("extra_weight", torch.nn.Parameter(torch.ones(3)))
     try:
-        checkpoint.load_weights(te_like, saved, "actor")
+        store.load_weights(te_like, saved, "actor")
         report["missing_weight_error"] = None
     except RuntimeError as error:
         report["missing_weight_error"] = str(error)
@@ -227,12 +227,12 @@ def resumed_optimizer_takes_the_same_step(rank: int, world_size: int, root: str,
     actor, optimizer, scheduler = build()
     for seed in (1, 2):
         _one_update(actor, optimizer, scheduler, config, seed)
-    saved = checkpoint.save_checkpoint(root, 2, {"actor": actor}, {"actor": optimizer}, {"step": 2})
+    saved = store.save_checkpoint(root, 2, {"actor": actor}, {"actor": optimizer}, {"step": 2})
     uninterrupted = _one_update(actor, optimizer, scheduler, config, seed=3)
     sync_parameters(actor)
     expected = weights(actor)
     actor, optimizer, scheduler = build()
-    checkpoint.load_checkpoint(saved, {"actor": actor}, {"actor": optimizer})
+    store.load_checkpoint(saved, {"actor": actor}, {"actor": optimizer})
     resumed = _one_update(actor, optimizer, scheduler, config, seed=3)
     sync_parameters(actor)
     differences = {name: (value - expected[name]).abs().max().item() for name, value in weights(actor).items()}

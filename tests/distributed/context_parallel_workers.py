@@ -10,7 +10,7 @@ import torch
 from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ppo.algo import LOSS_AGG_MODES
+from megatron_ppo.algo import LOSS_AGGREGATIONS
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.models import vocab_parallel_log_probs
 from megatron_ppo.models.context_parallel import merge_chunks, split_micro_batch
@@ -89,7 +89,7 @@ def loss_scale_against_cp1(rank: int, world_size: int) -> dict[str, Any]:
     logits = torch.randn(*shape, MODEL.vocab_size, generator=generator).requires_grad_()
     values = torch.randn(*shape, 1, generator=generator).requires_grad_()
     report: dict[str, Any] = {}
-    for mode in LOSS_AGG_MODES:
+    for mode in LOSS_AGGREGATIONS:
         config = ppo_config(MegatronConfig())
         config.actor.loss_agg_mode = config.critic.loss_agg_mode = mode
         config.actor.entropy_coeff = 0.01

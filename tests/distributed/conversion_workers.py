@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron_ppo.config import load_config
 from megatron_ppo.config.schema import MegatronConfig
-from megatron_ppo.convert import fill_from_hf, hf_model_config, hf_to_mcore, verify
+from megatron_ppo.convert.huggingface import fill_from_hf, hf_model_config, hf_to_mcore, verify
 from megatron_ppo.models import build_role_model
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.train.run import train

@@ -9,10 +9,10 @@ import torch
 import transformers
 from megatron.core import parallel_state
 
+from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.config.schema import MegatronConfig
-from megatron_ppo.convert import hf_model_config, hf_to_mcore
-from megatron_ppo.critic_init import converted_critic_checkpoint, load_critic
-from megatron_ppo.initial_weights import InitialWeights
+from megatron_ppo.convert.critic_init import converted_critic_checkpoint, load_critic
+from megatron_ppo.convert.huggingface import hf_model_config, hf_to_mcore
 from megatron_ppo.models import build_role_model, run_micro_batches
 from megatron_ppo.parallel import init_distributed
 

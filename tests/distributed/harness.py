@@ -18,7 +18,7 @@ from typing import Any
 from tests.support.ports import on_a_free_port
 
 # What the forkserver imports before it forks anything: the heavy libraries and every worker module here.
-PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron_ppo.train.run", "megatron_ppo.convert",
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron_ppo.train.run", "megatron_ppo.convert.huggingface",
            *sorted(f"tests.distributed.{path.stem}" for path in Path(__file__).parent.glob("*workers.py"))]  # fmt: skip
 
 

@@ -13,8 +13,8 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron_ppo.config import load_config
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.parallel import init_distributed
-from megatron_ppo.phases import OFFLOAD_KINDS, PHASE_NEEDS, resident_kinds
-from megatron_ppo.plan import plan_role
+from megatron_ppo.planner.phases import OFFLOAD_KINDS, PHASE_NEEDS, resident_kinds
+from megatron_ppo.planner.plan import plan_role
 from megatron_ppo.train.preemption import JobBudgetReached
 from tests.distributed.update_workers import grpo_rows
 from tests.distributed.workers import weights

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from megatron_ppo import checkpoint
+from megatron_ppo.checkpoint import store
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.models import build_role_model, unwrap
 from megatron_ppo.parallel import init_distributed
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.update import actor_loss, update_role
@@ -82,11 +82,11 @@ def overlapped_update(rank: int, world_size: int, workdir: str, inject: bool) ->
         )
     report["grad_norm"] = update.steps[0].grad_norm
     before_sync = weights(actor)  # the distributed optimizer's all-gather of the new weights is still pending
-    saved = checkpoint.save_checkpoint(workdir / f"ckpt-{inject}", 1, {"actor": actor}, {}, {"step": 1})
+    saved = store.save_checkpoint(workdir / f"ckpt-{inject}", 1, {"actor": actor}, {}, {"step": 1})
     after_sync = weights(actor)
     report["stale_before_sync"] = any(not torch.equal(v, after_sync[k]) for k, v in before_sync.items())
     fresh = build_role_model("actor", MODEL, LAYOUT)
-    checkpoint.load_weights(fresh, saved, "actor")
+    store.load_weights(fresh, saved, "actor")
     report["saved_equals_synced"] = all(torch.equal(v, after_sync[k]) for k, v in weights(fresh).items())
     report["weights"] = str(workdir / f"weights-{inject}-rank{rank}.pt")  # tensors do not outlive the rank's queue
     torch.save(after_sync, report["weights"])

@@ -5,6 +5,13 @@ from __future__ import annotations
 import math
 
 
+def assert_experience_matches(reports: list[dict], name: str, reference: str) -> None:
+    """Every rank's experience (old and reference log-probs, values) equals the `reference` layout's within 1e-5."""
+    for report in reports:
+        for key in ("old_log_prob", "ref_log_prob", "values"):
+            assert report[key] < 1e-5, f"{name}: {key} differs from {reference} by {report[key]:.2e}"
+
+
 def assert_update_metrics_match(reports: list[dict], name: str, required: set[str]) -> None:
     """Every rank's update metrics equal the reference's (`{key: (ours, reference)}`)."""
     for report in reports:

@@ -14,7 +14,11 @@ import pytest
 from megatron_ppo.config.schema import MegatronConfig
 from tests.distributed import moe_workers, workers
 from tests.distributed.harness import run_distributed
-from tests.distributed.parity_checks import assert_grad_norms_and_weights_match, assert_update_metrics_match
+from tests.distributed.parity_checks import (
+    assert_experience_matches,
+    assert_grad_norms_and_weights_match,
+    assert_update_metrics_match,
+)
 
 # Qwen3-MoE-shaped: QK layernorm, SwiGLU experts, normalised top-2 of 4, grouped-query attention
 MOE_MODEL = dataclasses.replace(
@@ -56,9 +60,7 @@ def parity(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_experience_matches_ep1_on_every_rank(parity, name: str) -> None:
-    for report in parity["reports"][name]:
-        for key in ("old_log_prob", "ref_log_prob", "values"):
-            assert report[key] < 1e-5, f"{name}: {key} differs from EP=1 by {report[key]:.2e}"
+    assert_experience_matches(parity["reports"][name], name, "EP=1")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import MegatronConfig
-from megatron_ppo.convert import Export, hf_logits, mcore_to_hf
+from megatron_ppo.convert.huggingface import Export, hf_logits, mcore_to_hf
 from megatron_ppo.models.hf_conversion import SafetensorsReader, model_config_from_hf
 from megatron_ppo.models.hf_shards import INDEX
 from tests.distributed import conversion_workers

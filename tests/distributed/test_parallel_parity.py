@@ -17,7 +17,11 @@ import pytest
 from megatron_ppo.config.schema import MegatronConfig
 from tests.distributed import workers
 from tests.distributed.harness import run_distributed
-from tests.distributed.parity_checks import assert_grad_norms_and_weights_match, assert_update_metrics_match
+from tests.distributed.parity_checks import (
+    assert_experience_matches,
+    assert_grad_norms_and_weights_match,
+    assert_update_metrics_match,
+)
 
 LAYOUTS = {
     "tp2": (2, MegatronConfig(tensor_model_parallel_size=2)),
@@ -86,9 +90,7 @@ def parity(request, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("name", layouts(LAYOUTS))
 def test_experience_matches_single_process_on_every_rank(parity, name: str) -> None:
-    for report in parity["reports"][name]:
-        for key in ("old_log_prob", "ref_log_prob", "values"):
-            assert report[key] < 1e-5, f"{name}: {key} differs from TP=1 by {report[key]:.2e}"
+    assert_experience_matches(parity["reports"][name], name, "TP=1")
 
 
 @pytest.mark.parametrize("name", layouts(LAYOUTS))

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megatron_ppo.algo import LOSS_AGG_MODES
+from megatron_ppo.algo import LOSS_AGGREGATIONS
 from megatron_ppo.config.schema import ActorConfig, CriticConfig, MegatronConfig, OptimConfig
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, run_micro_batches
@@ -46,7 +46,7 @@ def gradients_by_cut(rank: int, world_size: int) -> dict[str, dict[int, float]]:
     optimizers = {role: build_optimizer(m, OptimConfig(), MegatronConfig()) for role, m in
                   (("actor", actor), ("critic", critic))}  # fmt: skip
     report: dict[str, dict[int, float]] = {}
-    for mode in LOSS_AGG_MODES:
+    for mode in LOSS_AGGREGATIONS:
         # the resolved config gives seq-mean-token-sum-norm a constant divisor (data.max_response_length)
         actor_config = ActorConfig(loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28, entropy_coeff=0.01,
                                    loss_scale_factor=16)  # fmt: skip

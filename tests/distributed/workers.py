@@ -38,7 +38,7 @@ from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, run_micro_batches, schedule, unwrap
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel import init_distributed
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.batch import collate, replica_micro_batches
 from megatron_ppo.train.experience import Experience, forward_passes, rollout_correction
 from megatron_ppo.train.micro_batching import micro_batching

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from megatron_ppo.cli import report_guard_stop
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.plot import matplotlib_figure, plot_runs
+from megatron_ppo.runs.figure import matplotlib_figure, plot_runs
 from megatron_ppo.tasks.addition.recipe import prepare_addition_task, run_addition_recipe, train_on_task
 from megatron_ppo.train.guards import GuardStopped
 from megatron_ppo.train.run import distributed_run

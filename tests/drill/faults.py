@@ -89,7 +89,11 @@ class Injector:
 
 def install(injector: Injector) -> None:
     """Patch the trainer's iteration, the role update, the optimizer step and the task's scoring."""
-    iteration, update_role, actor_loss = ppo_module.PPOTrainer.iteration, ppo_module.update_role, ppo_module.actor_loss
+    iteration, update_role, actor_loss = (
+        ppo_module.PPOTrainer.iteration,
+        ppo_module.update_role,
+        update_module.actor_loss,
+    )
     optimizer_step, score = update_module.optimizer_step, recipe_module.score
     last_rank = int(os.environ.get("WORLD_SIZE", "1")) - 1
 
@@ -149,6 +153,6 @@ def install(injector: Injector) -> None:
 
     ppo_module.PPOTrainer.iteration = drilled_iteration
     ppo_module.update_role = drilled_update_role
-    ppo_module.actor_loss = drilled_actor_loss
+    update_module.actor_loss = drilled_actor_loss  # what `update.role_loss` builds the actor's loss with
     update_module.optimizer_step = drilled_optimizer_step
     recipe_module.score = drilled_score

@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util import tensor_util
 
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.report import find_runs
+from megatron_ppo.runs.report import find_runs
 from megatron_ppo.train.guards import GUARD_STOP_EXIT, UPDATE_KL, GuardStopped
 from tests.drill.faults import BEST_EVAL, Fault
 

@@ -20,7 +20,7 @@ import yaml
 
 from megatron_ppo.data.tokenizer import load_tokenizer
 from megatron_ppo.models.hf_conversion import model_config_from_hf
-from megatron_ppo.report import read_run
+from megatron_ppo.runs.report import read_run
 from tests.support.data_fixtures import GSM8K, INSTRUCTION, tokenizer_dir, verl_row
 from tests.support.tensorboard import scalars
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ppo.checkpoint import is_complete
+from megatron_ppo.checkpoint.directory import is_complete
 from megatron_ppo.config.compose import load_config
 from megatron_ppo.data.tokenizer import load_tokenizer
 from tests.support.data_fixtures import tokenizer_dir

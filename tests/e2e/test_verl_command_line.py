@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from megatron_ppo.config import load_config
-from megatron_ppo.report import read_run
+from megatron_ppo.runs.report import read_run
 from tests.e2e.wandb_files import read_wandb_run
 from tests.support.hf_models import offline_recipe, save_hf_model, save_hf_scorer
 from tests.support.tensorboard import scalars

@@ -16,7 +16,7 @@ from megatron_ppo import algo
 from megatron_ppo.algo.rollout_correction import ROLLOUT_RS_OPTIONS
 from tests.parity.helpers import SHAPES, assert_matches_verl, make_batch
 
-AGG_MODES = list(algo.LOSS_AGG_MODES)
+AGG_MODES = list(algo.LOSS_AGGREGATIONS)
 # the settings of the losses that have their own, set so that each loss's special branch is taken
 LOSS_SETTINGS = {"clip_cov_ratio": 0.05, "clip_cov_lb": 0.05, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.05,
                  "ppo_kl_coef": 0.3, "dro_beta": 0.1}  # fmt: skip

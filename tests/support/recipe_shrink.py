@@ -138,7 +138,7 @@ def _model_overrides(config: PPOConfig, num_layers: int) -> list[str]:
 
 
 def _batch_overrides(config: PPOConfig) -> list[str]:
-    longest = config.data.max_prompt_length + config.data.max_response_length
+    longest = config.data.max_length
     out = [f"data.max_prompt_length={PROMPT}", f"data.max_response_length={RESPONSE}",
            f"data.train_batch_size={BATCH}"]  # fmt: skip
     for role, keys in MICRO_BATCH_KEYS.items():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron_ppo.report import find_runs
+from megatron_ppo.runs.report import find_runs
 
 
 def scalars(log_dir: Path) -> dict[str, dict[int, float]]:

@@ -111,7 +111,7 @@ def test_gae_discounts_by_gamma_lambda() -> None:
 @settings(max_examples=25, deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 12), min_size=4, max_size=12).filter(any),
-    mode=st.sampled_from(algo.LOSS_AGG_MODES),
+    mode=st.sampled_from(tuple(algo.LOSS_AGGREGATIONS)),
     splits=st.integers(2, 4),
 )
 def test_micro_batch_losses_with_global_counts_sum_to_the_mini_batch_loss(lengths, mode, splits) -> None:
@@ -203,3 +203,21 @@ def test_truncated_is_weights_cap_and_zero_padding() -> None:
         log_prob - behavior, torch.tensor([[1.0, 1.0, 0.0]]), "token", 2.0
     )
     torch.testing.assert_close(weights, torch.tensor([[2.0, math.exp(-0.5), 0.0]]))
+
+
+def test_grouped_estimators_are_registered_as_those_reading_the_group_index() -> None:
+    """`grouped=True` at registration (batches hold whole groups for these) says what each function's signature
+    says: it reads `index`, the prompt each response answers."""
+    import inspect
+
+    reads_index = {name for name, fn in algo.ADV_ESTIMATORS.items() if "index" in inspect.signature(fn).parameters}
+    assert reads_index == algo.GROUPED_ESTIMATORS
+    assert {"grpo", "rloo"} <= algo.GROUPED_ESTIMATORS and "gae" not in algo.GROUPED_ESTIMATORS
+
+
+def test_a_registration_refuses_a_fact_its_registry_does_not_keep() -> None:
+    from megatron_ppo.algo.registry import registrar
+
+    register = registrar({}, "probe", {"grouped": set()})
+    with pytest.raises(TypeError, match="no fact"):
+        register("x", sequence_level=True)

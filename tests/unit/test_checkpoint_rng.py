@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from megatron.core import tensor_parallel
 
-from megatron_ppo.checkpoint import rng_states, set_rng_states
+from megatron_ppo.checkpoint.store import rng_states, set_rng_states
 from megatron_ppo.parallel.cpu_compat import seed_model_parallel_rng
 
 

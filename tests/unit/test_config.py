@@ -267,7 +267,7 @@ def test_a_dataset_run_without_initial_weights_is_refused_before_any_model_is_bu
 def test_keys_that_do_not_apply_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"data.val_files is for dataset runs; data.task='addition'"):
         load_config(TINY, ["data.val_files=[a.jsonl]"])
-    with pytest.raises(ConfigError, match=r"guards.watch\[0\].action='shout' is not one of warn, lr_backoff"):
+    with pytest.raises(ConfigError, match=r"guards.watch\[0\].action='shout' is not one of 'warn', 'lr_backoff'"):
         load_config(TINY, ["guards.watch=[{metric: kl/mean, max: 0.1, action: shout}]"])
     with pytest.raises(ConfigError, match=r"stages\[1\] \(early\).guards.watch: unknown guard"):
         load_config(TINY, ["algorithm.kl_ctrl.stages[1].guards={watch: 1.0}"])

@@ -12,7 +12,7 @@ import torch
 from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
 from safetensors import safe_open
 
-from megatron_ppo.convert import hf_model_config
+from megatron_ppo.convert.huggingface import hf_model_config
 from megatron_ppo.models.hf_conversion import (
     MAPPINGS,
     Kind,

@@ -11,9 +11,9 @@ import torch
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.models import build_transformer_config
+from megatron_ppo.models.dtypes import DTYPES
 from megatron_ppo.models.gpt import data_parallel_config
 from megatron_ppo.models.kernels import FUSIONS, describe_kernels, importable_fusions
-from megatron_ppo.models.transformer_config import DTYPES
 from megatron_ppo.parallel.device import module_device, select_device, set_cuda_max_connections, to_device
 
 

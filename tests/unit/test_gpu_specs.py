@@ -9,7 +9,7 @@ import pytest
 
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.gpus import GPU_SPECS, gpu_type_named
-from megatron_ppo.plan import MARGIN, plan
+from megatron_ppo.planner.plan import MARGIN, plan
 from megatron_ppo.train.throughput import throughput_metrics
 
 REPO = Path(__file__).resolve().parents[2]

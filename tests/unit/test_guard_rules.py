@@ -10,7 +10,7 @@ import torch
 from megatron_ppo.config.compose import load_config
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import GuardsConfig, WatchConfig
-from megatron_ppo.phases import Phase
+from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.guards import Guards, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import KLCoefficients
 from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ppo.config.errors import ConfigError
-from megatron_ppo.convert import conversion_layout, hf_model_config, layout_problems
+from megatron_ppo.convert.huggingface import conversion_layout, hf_model_config, layout_problems
 from megatron_ppo.models.hf_conversion import model_config_from_hf
 from tests.support.hf_models import QWEN3_MOE, save_hf_model
 

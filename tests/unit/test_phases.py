@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from megatron_ppo.config import load_config
-from megatron_ppo.flops import flop_parameter_count, iteration_flops
 from megatron_ppo.models import RoleModel, eval_mode
-from megatron_ppo.phases import PHASE_NEEDS, Phase
-from megatron_ppo.plan import plan
+from megatron_ppo.planner.flops import flop_parameter_count, iteration_flops
+from megatron_ppo.planner.phases import PHASE_NEEDS, Phase
+from megatron_ppo.planner.plan import plan
 from megatron_ppo.train.micro_batching import micro_batch_keys
 from megatron_ppo.train.throughput import timing_metrics
 

@@ -13,8 +13,8 @@ import pytest
 
 from megatron_ppo.config import load_config
 from megatron_ppo.config.gpus import GPU_SPECS
-from megatron_ppo.flops import active_parameter_count, expert_parameter_count, parameter_count
-from megatron_ppo.plan import plan, suggest
+from megatron_ppo.planner.flops import active_parameter_count, expert_parameter_count, parameter_count
+from megatron_ppo.planner.plan import plan, suggest
 from tests.support.hf_models import tiny_hf_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,7 +129,7 @@ def test_parameter_counts_equal_transformers_own_on_tiny_configs(tmp_path: Path,
     """Every architecture variant the planner counts (tied or untied embeddings, Qwen2's QKV bias, Qwen3's QK norm
     and head_dim ≠ hidden/heads, Qwen3-MoE's router and experts), read from a config.json as `convert` reads it,
     against `transformers`' own `num_parameters()` of the same config."""
-    from megatron_ppo.convert import hf_model_config
+    from megatron_ppo.convert.huggingface import hf_model_config
 
     total, experts = transformers_counts(tiny_hf_config(kind, tied).to_dict(), tmp_path)
     model = hf_model_config(tmp_path)
@@ -228,7 +228,7 @@ def test_the_all_to_all_is_in_the_step_time_and_crosses_nodes_slower() -> None:
     nodes of 4 GPUs runs at the InfiniBand bandwidth."""
     config = load_config(MOE_RECIPE, ONE_NODE)
     m, d = config.model, config.data
-    tokens = d.train_batch_size * (d.max_prompt_length + d.max_response_length)
+    tokens = d.train_batch_size * d.max_length
     expected_gb = 27 * tokens * m.num_layers / 8 * m.num_experts_per_tok * 2 * m.hidden_size * 2 * 7 / 8 / 1e9
     within, across = GPU_SPECS["h100-80gb"].all_to_all_gb_s
     ep8 = plan(config)
@@ -252,7 +252,7 @@ def test_moe_without_offload_on_one_node_is_flagged_with_a_fitting_expert_parall
 def test_each_phase_counts_what_the_offload_switches_leave_on_the_gpu() -> None:
     """With everything offloaded a role's update holds only that role's state and activations; a switch turned
     off adds that kind of the idle role to every phase that does not need it, and nothing to the others."""
-    from megatron_ppo.plan import RESERVED_GIB
+    from megatron_ppo.planner.plan import RESERVED_GIB
 
     recipe = REPO / "recipes" / "qwen2.5-32b-1node.yaml"
     offloaded = plan(load_config(recipe))

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_ppo.cli import main
 from megatron_ppo.config import load_config
-from megatron_ppo.plot import PlotError, figure, plot_runs, read_runs
+from megatron_ppo.runs.figure import PlotError, figure, plot_runs, read_runs
 from megatron_ppo.train.guards import Guards
 from megatron_ppo.train.kl_coefficients import KLCoefficients
 from megatron_ppo.train.metrics import MetricsLogger

@@ -10,7 +10,7 @@ from rich.console import Console
 from torch.utils.tensorboard import SummaryWriter
 
 from megatron_ppo.cli import main
-from megatron_ppo.report import print_report, read_run
+from megatron_ppo.runs.report import print_report, read_run
 
 
 @pytest.fixture

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ppo.config import ConfigError, load_config
-from megatron_ppo.config.schema import MICRO_BATCHING, RUN_CONTROL, RUN_LENGTH, PPOConfig
-from megatron_ppo.run_identity import (
+from megatron_ppo.checkpoint.run_identity import (
     PER_JOB_KEYS,
     RunIdentity,
     config_differences,
@@ -19,6 +17,8 @@ from megatron_ppo.run_identity import (
     new_run_id,
     unflatten_config,
 )
+from megatron_ppo.config import ConfigError, load_config
+from megatron_ppo.config.schema import MICRO_BATCHING, RUN_CONTROL, RUN_LENGTH, PPOConfig
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
 

@@ -13,11 +13,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from megatron_ppo.checkpoint.initial_weights import InitialWeights
+from megatron_ppo.checkpoint.run_identity import new_run_id
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import PPOConfig
-from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.parallel.collectives import broadcast_from_rank0
-from megatron_ppo.run_identity import new_run_id
 from megatron_ppo.tasks.addition.recipe import prepare_addition_task, train_on_task
 from megatron_ppo.train.metrics import is_logging_rank
 
@@ -55,7 +55,7 @@ def compare_kl(
     file, or "" for `<comparison directory>/compare-kl.png`. `weights`: the run's initial weights
     (`distributed_run`'s; the actor's is the task's SFT policy)."""
     if plot is not None:
-        from megatron_ppo.plot import matplotlib_figure
+        from megatron_ppo.runs.figure import matplotlib_figure
 
         matplotlib_figure()  # a missing extra is named before any training
     task = prepare_addition_task(config)
@@ -81,7 +81,7 @@ def compare_kl(
                           f"{r['kl_final']:.3g}", f"{r['coef_final']:.3g}", log_dirs[name])  # fmt: skip
         Console().print(table)
         if plot is not None:
-            from megatron_ppo.plot import plot_runs
+            from megatron_ppo.runs.figure import plot_runs
 
             path = plot or comparison_directory(config, invocation) / "compare-kl.png"
             title = f"compare-kl {invocation}: the KL term off, fixed, adaptive and staged (same SFT start and data)"

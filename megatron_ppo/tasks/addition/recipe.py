@@ -4,7 +4,7 @@ Every stage caches its product under `data.addition.work_dir` (tokenizer, SFT ch
 run with the same task goes straight to PPO. The cache lives in a folder per task fingerprint (`task_directory`): a run
 with other task settings, seeds or model shape builds its own and never trains on another task's data. The PPO run
 itself writes checkpoints and TensorBoard logs where `trainer.*` says (under
-the rules of `train/run_start.py`).
+the rules of `checkpoint/run_start.py`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from megatron_ppo import checkpoint
+from megatron_ppo.checkpoint import directory, store
+from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.config.schema import ModelConfig, PPOConfig
 from megatron_ppo.data.rows import Row, read_rows
 from megatron_ppo.data.tokenizer import SentencePieceTokenizer, train_char_tokenizer
-from megatron_ppo.initial_weights import InitialWeights
 from megatron_ppo.models import RoleModel, build_role_model
 from megatron_ppo.models.generation import generate
 from megatron_ppo.parallel.collectives import barrier
@@ -107,7 +107,7 @@ class HeldOutProblems:
 
 def _sft_checkpoint(config: PPOConfig, tokenizer, train: list[AdditionProblem], work: Path) -> Path:
     root = work / "sft"
-    found = checkpoint.find_resumable(root)
+    found = directory.find_resumable(root)
     if found is not None:
         return found
     task = config.data.addition
@@ -132,7 +132,7 @@ def _sft_checkpoint(config: PPOConfig, tokenizer, train: list[AdditionProblem], 
     run_sft(actor, optimizer, scheduler, rows, steps=task.sft_steps, batch_size=task.sft_batch_size,
             micro_batch_size=config.actor.ppo_micro_batch_size_per_gpu or task.sft_batch_size,
             clip_grad=optim.clip_grad, pad_id=tokenizer.pad_id, seed=config.trainer.seed, on_step=report)  # fmt: skip
-    return checkpoint.save_checkpoint(root, task.sft_steps, {"actor": actor}, {}, {"step": task.sft_steps})
+    return store.save_checkpoint(root, task.sft_steps, {"actor": actor}, {}, {"step": task.sft_steps})
 
 
 def _offline_dataset(config, tokenizer, train, sft_path: Path, work: Path) -> Path:
@@ -141,7 +141,7 @@ def _offline_dataset(config, tokenizer, train, sft_path: Path, work: Path) -> Pa
         return path
     task = config.data.addition
     actor = build_role_model("ref", config.model, config.actor.megatron)
-    checkpoint.load_weights(actor, sft_path, "actor")
+    store.load_weights(actor, sft_path, "actor")
     prompts = [p for p in train for _ in range(task.samples_per_prompt)]
     responses = generate(
         actor, [tokenizer.encode(p.prompt) for p in prompts], max_new_tokens=MAX_NEW_TOKENS, eos_id=tokenizer.eos_id,

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from megatron.core import dist_checkpointing
 
-from megatron_ppo import checkpoint
+from megatron_ppo.checkpoint import directory, store
+from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig
-from megatron_ppo.convert import architecture_mismatches, fill_from_hf
-from megatron_ppo.initial_weights import InitialWeights
+from megatron_ppo.convert.huggingface import architecture_mismatches, fill_from_hf
 from megatron_ppo.models import RoleModel, ValueHead, build_role_model, unwrap
 from megatron_ppo.models.hf_conversion import SafetensorsReader
 
@@ -38,7 +38,7 @@ def converted_critic_checkpoint(
     """The cached conversion of `hf_dir` for the critic under `cache_dir`, converting on first use under `layout`
     (which the process groups must hold; each rank reads only its shard). `model` is the recipe's: the checkpoint
     must be the same network (tied or untied embeddings aside: the critic has no vocabulary output)."""
-    found = checkpoint.find_resumable(cache_dir)
+    found = directory.find_resumable(cache_dir)
     if found is not None:
         return found
     mismatches = [p for p in architecture_mismatches(model, hf_dir) if "untie_embeddings" not in p]
@@ -54,7 +54,7 @@ def converted_critic_checkpoint(
                 value_head.weight.copy_(head)
     meta = {"step": 0, "hf_model": json.dumps(dataclasses.asdict(model)), "value_head": HF_SCORE if head is not None
             else "zero"}  # fmt: skip
-    return checkpoint.save_checkpoint(cache_dir, 0, {"critic": critic}, {}, meta)
+    return store.save_checkpoint(cache_dir, 0, {"critic": critic}, {}, meta)
 
 
 def hf_value_head(hf_dir: str | Path, hidden_size: int) -> torch.Tensor | None:
@@ -71,18 +71,18 @@ def load_critic(critic: RoleModel, weights: InitialWeights) -> str:
     came from, for the log."""
     own, actor = weights.critic, weights.actor
     if own and holds_role(own, "critic"):
-        checkpoint.load_weights(critic, own, "critic")
+        store.load_weights(critic, own, "critic")
         return f"critic from the critic of {own}"
     source = own or actor
     if not source:
         return "critic: the randomly initialised trunk (model.allow_random_init) and a zero value head"
-    checkpoint.load_weights(critic, source, "actor", drop=(VALUE_HEAD,))
+    store.load_weights(critic, source, "actor", drop=(VALUE_HEAD,))
     return f"critic from the actor trunk of {source} and a zero value head"
 
 
 def holds_role(path: str | Path, role: str) -> bool:
     """Whether the megatron-ppo checkpoint at `path` (or the newest under it) saved `role`'s weights."""
-    keys = dist_checkpointing.load_tensors_metadata(str(checkpoint.resolve(path)))
+    keys = dist_checkpointing.load_tensors_metadata(str(directory.resolve(path)))
     return any(key.startswith(f"{role}.") for key in keys)
 
 

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_ppo import checkpoint
+from megatron_ppo.checkpoint import directory
+from megatron_ppo.checkpoint.run_identity import RunIdentity, config_differences, new_run_id
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig, TrainerConfig
 from megatron_ppo.parallel.collectives import broadcast_from_rank0, global_rank
-from megatron_ppo.run_identity import RunIdentity, config_differences, new_run_id
 
 MOVED_ASIDE = "moved-aside"
 
@@ -67,7 +67,7 @@ def _start(config: PPOConfig) -> RunStart:
     trainer = config.trainer
     root = Path(trainer.default_local_dir)
     messages = []
-    if (restored := checkpoint.restore_replaced(root)) is not None:
+    if (restored := directory.restore_replaced(root)) is not None:
         messages.append(f"restored {restored}, which a killed save was replacing")
     source, how = _resume_source(trainer, root)
     if source is None:
@@ -93,11 +93,11 @@ def _start(config: PPOConfig) -> RunStart:
         raise ConfigError([_refusal(root, foreign, trainer.resume_mode)])
     if foreign:
         messages.append(_move_aside(root, foreign))
-    named = checkpoint.named_by_latest(root)
+    named = directory.named_by_latest(root)
     in_root = source is not None and source.parent.resolve() == root.resolve()
     if in_root and (named is None or named.resolve() != source.resolve()):
-        checkpoint.point_latest_at(source)  # the run goes on from here: a restart before its next save does too
-        messages.append(f"{root / checkpoint.LATEST} now names {source.name}, the checkpoint this run continues")
+        directory.point_latest_at(source)  # the run goes on from here: a restart before its next save does too
+        messages.append(f"{root / directory.LATEST} now names {source.name}, the checkpoint this run continues")
     return RunStart(identity, source, Path(trainer.log_dir) / identity.run_id, tuple(messages))
 
 
@@ -107,13 +107,13 @@ def _resume_source(trainer: TrainerConfig, root: Path) -> tuple[Path | None, str
     if trainer.resume_mode == "disable":
         return None, ""
     if trainer.resume_mode == "auto":
-        source = checkpoint.find_resumable(root)
+        source = directory.find_resumable(root)
         if source is None or RunIdentity.read(source) is None:
             return None, ""
-        named = checkpoint.named_by_latest(root)
-        return source, f"named by {root / checkpoint.LATEST}" if named == source else "its newest complete checkpoint"
+        named = directory.named_by_latest(root)
+        return source, f"named by {root / directory.LATEST}" if named == source else "its newest complete checkpoint"
     try:
-        source = checkpoint.resolve(trainer.resume_from_path)
+        source = directory.resolve(trainer.resume_from_path)
     except FileNotFoundError as missing:
         raise ConfigError([f"trainer.resume_from_path={trainer.resume_from_path!r}: {missing}"]) from None
     if RunIdentity.read(source) is None:
@@ -130,15 +130,15 @@ def _other_runs_checkpoints(root: Path, run_id: str) -> list[Path]:
     damaged save) is not counted: it is left for a person to inspect."""
     return [
         path
-        for _, path in checkpoint.step_directories(root)
-        if checkpoint.run_of(path) != run_id and (checkpoint.run_of(path) is not None or checkpoint.is_complete(path))
+        for _, path in directory.step_directories(root)
+        if directory.run_of(path) != run_id and (directory.run_of(path) is not None or directory.is_complete(path))
     ]
 
 
 def _refusal(root: Path, foreign: list[Path], resume_mode: str) -> str:
     by_run: dict[str, list[str]] = {}
     for path in foreign:
-        owner = checkpoint.run_of(path)
+        owner = directory.run_of(path)
         by_run.setdefault(f"run {owner}" if owner else "saved without a run id", []).append(path.name)
     held = "; ".join(f"{run}: {', '.join(names)}" for run, names in by_run.items())
     choices = []
@@ -160,11 +160,11 @@ def _move_aside(root: Path, foreign: list[Path]) -> str:
     dated folder."""
     destination = root / MOVED_ASIDE / new_run_id()
     destination.mkdir(parents=True)
-    named = checkpoint.named_by_latest(root)
+    named = directory.named_by_latest(root)
     # `latest` first, so that it never names a checkpoint already moved
-    entries = [root / checkpoint.LATEST] if named is not None and (named in foreign or not named.exists()) else []
+    entries = [root / directory.LATEST] if named is not None and (named in foreign or not named.exists()) else []
     entries += foreign
-    entries += sorted([*root.glob(".tmp_step_*"), *root.glob(f"{checkpoint.REPLACED_PREFIX}step_*")])
+    entries += sorted([*root.glob(".tmp_step_*"), *root.glob(f"{directory.REPLACED_PREFIX}step_*")])
     for entry in entries:
         entry.rename(destination / entry.name)
     return f"trainer.overwrite=true: moved {', '.join(e.name for e in entries)} aside into {destination}"

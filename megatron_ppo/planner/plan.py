@@ -34,18 +34,19 @@ import json
 import math
 from dataclasses import dataclass
 
+from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.gpus import gpu_spec
 from megatron_ppo.config.layout import data_parallel_size, expert_layout, world_size
-from megatron_ppo.config.schema import ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
+from megatron_ppo.config.schema import ROLES, ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate
-from megatron_ppo.flops import (
+from megatron_ppo.planner.flops import (
     active_parameter_count,
     expert_parameter_count,
     flop_parameter_count,
     iteration_flops,
     parameter_count,
 )
-from megatron_ppo.phases import PHASE_NEEDS, Phase, offload_switches, resident_kinds
+from megatron_ppo.planner.phases import PHASE_NEEDS, Phase, offload_switches, resident_kinds
 
 GIB = 1024**3
 RESERVED_GIB = 3.0
@@ -100,9 +101,7 @@ def micro_batch_rows(config: PPOConfig, role: str, train: bool) -> int:
     setting, as the experience does)."""
     owner = config.critic if role == "critic" else config.actor
     if owner.use_dynamic_bsz:
-        return max(
-            1, owner.ppo_max_token_len_per_gpu // (config.data.max_prompt_length + config.data.max_response_length)
-        )
+        return max(1, owner.ppo_max_token_len_per_gpu // config.data.max_length)
     if train:
         size = getattr(config, role).ppo_micro_batch_size_per_gpu
     else:
@@ -114,7 +113,7 @@ def micro_batch_rows(config: PPOConfig, role: str, train: bool) -> int:
 
 def _activations_gib(config: PPOConfig, layout: MegatronConfig, micro_batch: int, train: bool) -> float:
     m = config.model
-    s, h, tp, pp = config.data.max_prompt_length + config.data.max_response_length, m.hidden_size, \
+    s, h, tp, pp = config.data.max_length, m.hidden_size, \
         layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size  # fmt: skip
     s_local = s / layout.context_parallel_size
     layers = m.num_layers / pp
@@ -207,7 +206,7 @@ def phase_gib(config: PPOConfig, roles: dict[str, RolePlan]) -> dict[str, float]
 
 
 def plan(config: PPOConfig, recipe: str = "") -> Plan:
-    roles = {role: plan_role(config, role) for role in ("actor", "critic", "ref")}
+    roles = {role: plan_role(config, role) for role in ROLES}
     phases = phase_gib(config, roles)
     peak = max(phases.values())
     budget = gpu_memory_gib(config.cluster) * (1 - MARGIN)
@@ -259,10 +258,10 @@ def all_to_all_estimate(config: PPOConfig) -> tuple[float, float]:
     m = config.model
     if not m.num_experts:
         return 0.0, 0.0
-    tokens = config.data.train_batch_size * (config.data.max_prompt_length + config.data.max_response_length)
+    tokens = config.data.train_batch_size * config.data.max_length
     within, across = gpu_spec(config.cluster.gpu_type).all_to_all_gb_s
     gb = seconds = 0.0
-    for role in ("actor", "critic", "ref"):
+    for role in ROLES:
         role_config = getattr(config, role)
         ep, etp, _ = expert_layout(config, role_config.megatron)
         passes = 1.0
@@ -280,7 +279,7 @@ def step_time_estimate(
 ) -> tuple[float, float]:
     """Seconds and tokens/s per GPU of one iteration of full-length rows (`iteration_flops`) at the assumed MFU,
     plus `communication_s` not overlapped with it (the MoE all-to-all)."""
-    seq = config.data.max_prompt_length + config.data.max_response_length
+    seq = config.data.max_length
     tokens = config.data.train_batch_size * seq
     params = {role: flop_parameter_count(config.model, role) for role in roles}
     flops = sum(iteration_flops(config, params, tokens, tokens * seq).values())
@@ -328,13 +327,8 @@ def _expert_parallel_sizes(model: ModelConfig, world: int) -> tuple[int, ...]:
 
 def copy_with_layout(config: PPOConfig, layout: MegatronConfig) -> PPOConfig:
     """`config` with `layout` for every role (the frozen reference offloads only its weights)."""
-    out = dataclasses.replace(config)
-    for role in ("actor", "critic", "ref"):
-        role_layout = dataclasses.replace(layout)
-        if role == "ref":
-            role_layout = dataclasses.replace(layout, grad_offload=False, optimizer_offload=False)
-        setattr(out, role, dataclasses.replace(getattr(config, role), megatron=role_layout))
-    return out
+    frozen_reference = dataclasses.replace(layout, grad_offload=False, optimizer_offload=False)
+    return with_changes(config, {f"{role}.megatron": frozen_reference if role == "ref" else layout for role in ROLES})
 
 
 def _offload_text(role: RolePlan) -> str:

@@ -3,8 +3,8 @@ planner's step-time estimate and the trainer's measured MFU (`train/throughput.p
 
 from __future__ import annotations
 
-from megatron_ppo.config.schema import ModelConfig, PPOConfig
-from megatron_ppo.phases import Phase
+from megatron_ppo.config.schema import TRAINED_ROLES, ModelConfig, PPOConfig
+from megatron_ppo.planner.phases import Phase
 
 
 def parameter_count(model: ModelConfig) -> int:
@@ -71,7 +71,7 @@ def iteration_flops(
     training passes of the actor / critic. The planner and the measured MFU (`train/throughput.py`) both use it."""
     m = config.model
     flops = {Phase.EXPERIENCE: sum(pass_flops(m, n, tokens, tokens_times_seq, train=False) for n in params.values())}
-    for role in ("actor", "critic"):
+    for role in TRAINED_ROLES:
         if role in params:
             role_config = getattr(config, role)
             full = role_config.megatron.recompute_granularity == "full"

@@ -1,21 +1,11 @@
-"""Checkpoints: Megatron `dist_checkpointing` for models and optimizers, plus the trainer's own state.
+"""Checkpoints' contents: Megatron `dist_checkpointing` for models and optimizers, this rank's RNG states, and the
+trainer's own state — written as `directory.py` lays a run's checkpoints out (`.tmp_step_N` → `step_N` → `latest`).
 
-A checkpoint is written to `<root>/.tmp_step_N`, published by renaming it to `<root>/step_N`, and only then
-named in `<root>/latest` (itself replaced atomically). A save killed at any point therefore leaves the previous
-checkpoint as the newest complete one; `find_resumable` skips anything incomplete with a warning. A step saved
-again (after a rollback to it) replaces the old `step_N` by two renames, the old one kept as `.replaced_step_N`
-until the new one is in place; `restore_replaced` undoes a save killed between the two. Loading goes through
-Megatron's sharded state dicts, so a checkpoint saved at one TP/PP layout loads at another.
-
-A training run's checkpoints hold its identity (`run.json`, see `run_identity.py`). Resuming and rolling back
-follow one run only, and pruning removes only that run's older checkpoints, never the one `latest` names (nor those
-the caller protects: the trainer's good checkpoint, which a rollback loads, and its best evaluation's).
+Loading goes through Megatron's sharded state dicts, so a checkpoint saved at one TP/PP layout loads at another.
 """
 
 from __future__ import annotations
 
-import logging
-import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,18 +18,14 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from megatron_ppo.checkpoint import directory
+from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.models import RoleModel, unwrap
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel.collectives import barrier, global_rank
 from megatron_ppo.parallel.megatron_compat import checkpoint_writes_in_process
-from megatron_ppo.run_identity import RUN_FILE, RunIdentity
 
-logger = logging.getLogger(__name__)
-LATEST = "latest"
-TRAINER_STATE = "trainer_state.pt"
 OPTIMIZERS_SAVED = "checkpoint/optimizers_saved"
-REPLACED_PREFIX = ".replaced_"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 # Transformer Engine modules' FP8 metadata: a local-spec checkpoint (made on CPU, or converted) has none of it
 EXTRA_STATE = "_extra_state"
 # How the distributed optimizer's states are written: each rank's own buffer shards as they are, no gather
@@ -103,8 +89,8 @@ def save_checkpoint(
     """Save models (and their optimizers) under their role names, `trainer_state` (plain Python/tensors) and the
     identity of the `run` saving them (None: an initialisation, such as the SFT start, that no run resumes).
 
-    With `keep`, the run's own checkpoints beyond the newest `keep` are then deleted (`_prune`), except those in
-    `protect` (the best evaluation's, which an evaluation-drop rollback returns to, and the good one a guard
+    With `keep`, the run's own checkpoints beyond the newest `keep` are then deleted (`directory.prune`), except
+    those in `protect` (the best evaluation's, which an evaluation-drop rollback returns to, and the good one a guard
     rollback returns to). Each model's pending distributed-optimizer parameter all-gather is finished first
     (`sync_parameters`), so what is written is the last step's weights on every rank."""
     if keep and run is None:
@@ -128,54 +114,22 @@ def save_checkpoint(
     dist_checkpointing.save(sharded, str(temporary))
     torch.save(rng_states(), temporary / f"rng_rank{global_rank()}.pt")
     if global_rank() == 0:
-        torch.save({**trainer_state, OPTIMIZERS_SAVED: stateful}, temporary / TRAINER_STATE)
+        torch.save({**trainer_state, OPTIMIZERS_SAVED: stateful}, temporary / directory.TRAINER_STATE)
         if run is not None:
             run.write(temporary)
     barrier()
     if global_rank() == 0:
-        replaced = root / f"{REPLACED_PREFIX}{final.name}"
+        replaced = root / f"{directory.REPLACED_PREFIX}{final.name}"
         if final.exists():  # `latest` may name it (a step saved again after a rollback): kept until replaced
             shutil.rmtree(replaced, ignore_errors=True)
             final.rename(replaced)
         temporary.rename(final)
-        point_latest_at(final)
+        directory.point_latest_at(final)
         shutil.rmtree(replaced, ignore_errors=True)
         if keep:
-            _prune(root, run.run_id, keep, step, [Path(p) for p in protect])
+            directory.prune(root, run.run_id, keep, step, [Path(p) for p in protect])
     barrier()
     return final
-
-
-def restore_replaced(root: Path) -> Path | None:
-    """Put back the checkpoint `latest` names when a save that was replacing it was killed between its two renames
-    (it is then `.replaced_step_N`, complete); returns it. Rank 0 only, before anything reads the directory."""
-    named = named_by_latest(root)
-    if named is None or named.exists() or not (root / f"{REPLACED_PREFIX}{named.name}").is_dir():
-        return None
-    (root / f"{REPLACED_PREFIX}{named.name}").rename(named)
-    return named
-
-
-def point_latest_at(checkpoint: Path) -> None:
-    """Name `checkpoint` (complete, directly under its root) in the root's `latest`, atomically."""
-    tracker = checkpoint.parent / f".{LATEST}.tmp"
-    tracker.write_text(checkpoint.name)
-    tracker.replace(checkpoint.parent / LATEST)
-
-
-def _prune(root: Path, run_id: str, keep: int, step: int, protect: Sequence[Path] = ()) -> None:
-    """Delete the complete checkpoints of run `run_id` beyond the `keep` newest of its current line of training.
-
-    The line of training is the checkpoints up to `step`, newest first; a checkpoint past `step` (left by a branch
-    the run abandoned when it resumed from an older one) counts as older than all of them. The checkpoint just
-    saved ranks first, so the one `latest` names is never deleted; nor is another run's checkpoint, or an
-    incomplete one (left for a person to inspect)."""
-    own = [(s, path) for s, path in complete_checkpoints(root) if run_of(path) == run_id]
-    own.sort(key=lambda item: (item[0] <= step, item[0]), reverse=True)
-    for _, path in own[keep:]:
-        if any(path.resolve() == p.resolve() for p in protect):
-            continue
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _optimizer_sharded_state(optimizer: Any, model_state: dict[str, Any], role: str, loading: bool = False) -> Any:
@@ -227,64 +181,10 @@ def _stateless(optimizer: Any) -> bool:
     return all(not getattr(o, "optimizer", None) or not o.optimizer.state for o in inner)
 
 
-def is_complete(path: Path) -> bool:
-    return (path / TRAINER_STATE).is_file() and dist_checkpointing.check_is_distributed_checkpoint(str(path))
-
-
-def step_directories(root: Path) -> list[tuple[int, Path]]:
-    """Every `step_N` directory under `root`, complete or not, as (N, path)."""
-    found = []
-    for child in root.iterdir() if root.is_dir() else []:
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    return [(step, path) for step, path in step_directories(root) if is_complete(path)]
-
-
-def run_of(checkpoint: Path) -> str | None:
-    """The id of the run that saved `checkpoint`; None for an initialisation or a checkpoint from before run ids."""
-    identity = RunIdentity.read(checkpoint)
-    return identity.run_id if identity else None
-
-
-def named_by_latest(root: Path) -> Path | None:
-    tracker = root / LATEST
-    return root / tracker.read_text().strip() if tracker.is_file() else None
-
-
-def find_resumable(root: str | Path) -> Path | None:
-    """The checkpoint to continue: the one `latest` names when complete. Otherwise (with a warning) the newest
-    complete checkpoint of the run `latest` named — or, without a readable `latest`, of the only run present; never
-    another run's. None when there is nothing to continue (or several runs and nothing to choose between them)."""
-    root = Path(root)
-    named = named_by_latest(root)
-    if named is not None and is_complete(named):
-        return named
-    for partial in root.glob(".tmp_step_*") if root.is_dir() else []:
-        logger.warning("ignoring %s: a save that did not finish", partial)
-    complete = complete_checkpoints(root)
-    if named is not None and (named / RUN_FILE).is_file():
-        runs = {run_of(named)}
-        logger.warning("checkpoint %s named by %s is incomplete; looking for an older one of its run", named, LATEST)
-    else:
-        runs = {run_of(path) for _, path in complete}
-        if named is not None and complete:
-            logger.warning("checkpoint %s named by %s is missing; looking for an older one", named, LATEST)
-        if len(runs) > 1:
-            logger.warning("%s holds checkpoints of %d runs and no usable %s: not choosing", root, len(runs), LATEST)
-            return None
-    own = [path for _, path in complete if run_of(path) in runs]
-    return own[-1] if own else None
-
-
 def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: dict[str, Any]) -> dict[str, Any]:
     """Restore models, optimizers and this rank's RNG state; returns the trainer state saved with them."""
     path = Path(path)
-    trainer_state = torch.load(path / TRAINER_STATE, weights_only=True)
+    trainer_state = torch.load(path / directory.TRAINER_STATE, weights_only=True)
     saved_optimizers = [role for role in trainer_state.pop(OPTIMIZERS_SAVED) if role in optimizers]
     sharded: dict[str, Any] = {role: model_sharded_state(model, f"{role}.") for role, model in models.items()}
     for role in saved_optimizers:
@@ -327,19 +227,8 @@ def set_rng_states(states: dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
 
 
-def resolve(path: str | Path) -> Path:
-    """`path` if it is a complete checkpoint, else the newest complete one under it (a checkpoint root)."""
-    path = Path(path)
-    if is_complete(path):
-        return path
-    found = find_resumable(path)
-    if found is None:
-        raise FileNotFoundError(f"{path} is neither a complete checkpoint nor a directory holding one")
-    return found
-
-
 def load_weights(model: RoleModel, path: str | Path, source_role: str, drop: tuple[str, ...] = ()) -> None:
     """Initialise `model` from `source_role`'s weights in a checkpoint (any layout; `path` may be a checkpoint
     root), except keys containing `drop` (the critic takes the actor's trunk but not its vocabulary output)."""
-    state = _load_sharded(model_sharded_state(model, f"{source_role}.", drop), resolve(path))
+    state = _load_sharded(model_sharded_state(model, f"{source_role}.", drop), directory.resolve(path))
     _load_model_state(model, state, f"{source_role}.", strict=not drop)

@@ -1,6 +1,6 @@
 """A role's weights read from a checkpoint's files a layer at a time: no model, no process group.
 
-A checkpoint (`checkpoint.py`) is a PyTorch distributed checkpoint (Megatron's `torch_dist` format) whose keys are
+A checkpoint (`store.py`) is a PyTorch distributed checkpoint (Megatron's `torch_dist` format) whose keys are
 Megatron's sharded state dict names, global whatever TP/PP/EP saved it: the role's prefix (`actor.`), then
   embedding.word_embeddings.weight, decoder.final_layernorm.weight, output_layer.weight (untied)   [rows, h] / [h]
   decoder.layers.<name>                 every layer's tensor stacked on a first axis   [num_layers, *shape]
@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_ppo.checkpoint import DISTRIBUTED_OPTIMIZER_KEY
+from megatron_ppo.checkpoint.store import DISTRIBUTED_OPTIMIZER_KEY
 
 _LAYERS, _EXPERTS = "decoder.layers.", "mlp.experts.experts."
 _OUTSIDE = {"embedding.word_embeddings.weight": 0, "decoder.final_layernorm.weight": 2, "output_layer.weight": 3}

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ppo.algo import StagedKLSchedule, build_kl_controller
-from megatron_ppo.report import RunLog, load_run
-from megatron_ppo.run_identity import RunIdentity, unflatten_config
+from megatron_ppo.checkpoint.run_identity import RunIdentity, unflatten_config
+from megatron_ppo.runs.report import RunLog, load_run
 from megatron_ppo.train.guards import ROLE_LOSSES
 from megatron_ppo.train.kl_coefficients import COEF_METRICS, STAGE_METRIC, TARGET_METRIC, build_kl_coefficients
 

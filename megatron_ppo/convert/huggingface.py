@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from megatron_ppo import checkpoint
-from megatron_ppo.checkpoint_weights import CheckpointWeights
+from megatron_ppo.checkpoint import directory, store
+from megatron_ppo.checkpoint.weights import CheckpointWeights
 from megatron_ppo.config.errors import ConfigError
-from megatron_ppo.config.schema import ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
+from megatron_ppo.config.frozen import with_changes
+from megatron_ppo.config.schema import ROLES, ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate
 from megatron_ppo.models import RoleModel, build_role_model, run_micro_batches, unwrap
 from megatron_ppo.models.hf_conversion import (
@@ -56,9 +57,8 @@ def layout_problems(model: ModelConfig, layout: MegatronConfig) -> list[str]:
     """Why `model` cannot be split by `layout` on this machine's device (the config validation's layout and expert
     rules), if it cannot."""
     world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size * layout.expert_model_parallel_size
-    config = PPOConfig(model=model, cluster=ClusterConfig(gpus_per_node=world, device="cuda" if on_cuda() else "cpu"))
-    for role in ("actor", "ref", "critic"):
-        getattr(config, role).megatron = layout
+    cluster = ClusterConfig(gpus_per_node=world, device="cuda" if on_cuda() else "cpu")
+    config = with_changes(PPOConfig(model=model, cluster=cluster), {f"{role}.megatron": layout for role in ROLES})
     return [p for p in validate(config) if ".megatron" in p]
 
 
@@ -68,7 +68,7 @@ def converted_init_checkpoint(
     """The cached conversion of `hf_dir` under `cache_dir`, converting on first use under the training layout
     (every rank takes part, each reading and holding only its own shard). `model` is the recipe's; it must
     describe the same network as the checkpoint's `config.json`."""
-    found = checkpoint.find_resumable(cache_dir)
+    found = directory.find_resumable(cache_dir)
     if found is not None:
         return found
     if problems := architecture_mismatches(model, hf_dir):
@@ -102,7 +102,7 @@ def hf_to_mcore(
     shard = build_role_model("ref", model, layout)
     fill_from_hf(shard, hf_dir, model, layout)
     meta = {"step": 0, "hf_model": json.dumps(dataclasses.asdict(model))}
-    return checkpoint.save_checkpoint(out_dir, 0, {"actor": shard}, {}, meta)
+    return store.save_checkpoint(out_dir, 0, {"actor": shard}, {}, meta)
 
 
 def fill_from_hf(
@@ -181,7 +181,7 @@ def mcore_to_hf(
     newest complete checkpoint)."""
     model = hf_model_config(hf_config_dir)
     shapes, dtype = Shapes.of(model), hf_dtype(hf_config_dir)
-    source = CheckpointWeights(checkpoint.resolve(megatron_dir), "actor")
+    source = CheckpointWeights(directory.resolve(megatron_dir), "actor")
     if problems := _export_mismatches(source, model):
         raise ConfigError(problems, source=str(Path(hf_config_dir) / "config.json"))
     planned = {hf: (part.shape, dtype or weight.dtype) for weight in source.weights()
@@ -226,7 +226,7 @@ def megatron_logits(megatron_dir: str | Path, model: ModelConfig, layout: Megatr
     """Full-vocabulary logits `[b, s, V]` of the checkpoint's actor under `layout` (on the last pipeline stage,
     `None` elsewhere)."""
     actor = build_role_model("ref", model, layout)
-    checkpoint.load_weights(actor, megatron_dir, "actor")
+    store.load_weights(actor, megatron_dir, "actor")
 
     def gather(batch, logits):
         full = gather_from_tensor_model_parallel_region(logits)[..., : model.vocab_size]

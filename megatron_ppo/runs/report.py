@@ -8,7 +8,7 @@ works on a run still in progress, on a finished one, or on one copied off the cl
 
 Each run writes into its own folder `<trainer.log_dir>/<run id>/`. Given `trainer.log_dir`, the report reads the run
 written most recently and names it and the others; given a run's folder, it reads that run. `report ... --plot`
-draws runs instead (`plot.py`), from what `load_run` reads here.
+draws runs instead (`figure.py`), from what `load_run` reads here.
 """
 
 from __future__ import annotations

@@ -1,0 +1,2 @@
+"""Reading a run back: its TensorBoard events as metrics and events (`report`) and its figure (`figure`,
+`report --plot`)."""

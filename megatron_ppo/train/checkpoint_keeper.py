@@ -1,0 +1,139 @@
+"""The run's saves and which of them may be trusted: the good-checkpoint bookkeeping of `PPOTrainer`.
+
+A save after iteration N holds the policy that iteration N+1 starts from, and only N+1 measures all of it — its
+experience KL, its losses and values, and the one optimizer step of N that N's own update KL could not see (its
+last). So a save is *unconfirmed* until the next iteration's guards ask for no rollback or stop (`judge`); it is
+then the *good* checkpoint, the one a rollback loads and a guard stop leaves for a resume. A rollback fired by N+1
+therefore returns past the save at N, even when the fault came with N+1's own update: the guards cannot tell which
+update a bad iteration inherited, and one more save interval of work is the price of never reloading a blown-up
+policy (`docs/design.md`, "Good checkpoints"). Beside it the keeper holds the best evaluation's checkpoint, which an
+evaluation-drop rollback returns to.
+
+The keeper's own state (`state_dict`: the good and the best checkpoint as of a save) travels in the trainer state
+of every checkpoint, under the keys checkpoints have always had.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_ppo.checkpoint import directory, store
+from megatron_ppo.checkpoint.run_identity import RunIdentity
+from megatron_ppo.config.schema import TrainerConfig
+from megatron_ppo.models.gpt import RoleModel, sync_parameters
+from megatron_ppo.parallel.collectives import barrier, global_rank
+from megatron_ppo.train.guards import GuardAction
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """Where a rollback returns (`path`; None: nowhere yet) and why that checkpoint, for the log."""
+
+    path: Path | None
+    why: str
+
+
+class CheckpointKeeper:
+    """Saves the run's checkpoints and knows which are good: the last save (`saved`), the one the next iteration's
+    guards have not judged yet (`unconfirmed`), the newest whose policy passed them (`good`), and the best
+    evaluation's (`best`)."""
+
+    def __init__(self, trainer: TrainerConfig, run: RunIdentity) -> None:
+        self.root, self.keep, self.run = trainer.default_local_dir, trainer.max_ckpt_to_keep, run
+        self.saved: tuple[int, Path] | None = None  # (step, path) of the last save
+        self.good: str | None = None  # the newest save whose policy passed the next iteration's guards
+        self.unconfirmed: str | None = None  # a save the next iteration's guards have not judged yet
+        self.best: str | None = None  # the checkpoint of the best evaluation (evaluation-drop rollbacks)
+
+    # --- state ---------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_checkpoint": self.best, "good_checkpoint": self.good}  # the good one as of this save
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = state["best_checkpoint"]
+        self.good = state.get("good_checkpoint")  # (absent in checkpoints saved before it was kept)
+
+    # --- saving and loading --------------------------------------------------------------------------------------
+    def save(
+        self, step: int, models: dict[str, RoleModel], optimizers: dict[str, Any], trainer_state: dict[str, Any]
+    ) -> tuple[Path, bool]:
+        """Save at `step` (once per step: a new best evaluation, then `save_freq`, write one checkpoint); returns its
+        path and whether it was written now. Pruning spares the good and the best checkpoint."""
+        if self.saved is not None and self.saved[0] == step:
+            return self.saved[1], False
+        for model in models.values():
+            sync_parameters(model)  # a distributed-optimizer step may still be gathering weights (CUDA overlap)
+        path = store.save_checkpoint(
+            self.root, step, models, optimizers, trainer_state, run=self.run, keep=self.keep,
+            protect=[p for p in (self.best, self.good) if p],
+        )  # fmt: skip
+        self.saved, self.unconfirmed = (step, path), str(path)
+        return path, True
+
+    def resume(self, path: Path, models: dict[str, RoleModel], optimizers: dict[str, Any]) -> dict[str, Any]:
+        """Load the checkpoint a run continues from; the next iteration judges it, as if saved just now. Returns
+        the trainer state saved with it."""
+        state = store.load_checkpoint(path, models, optimizers)
+        self.load_state_dict(state)
+        self.unconfirmed = str(path)
+        return state
+
+    # --- judging -------------------------------------------------------------------------------------------------
+    def judge(self, actions: Sequence[GuardAction]) -> None:
+        """The unconfirmed save held the policy this iteration started from: good when its guards asked for no
+        rollback or stop, else passed over for good (a rollback has already loaded the good one)."""
+        if self.unconfirmed is not None and not any(a.kind in ("rollback", "stop") for a in actions):
+            self.good = self.unconfirmed
+        self.unconfirmed = None
+
+    def good_checkpoint(self) -> Path | None:
+        """The good checkpoint, while it is complete on disk and this run's (another run may reuse its step's name)."""
+        path = None if self.good is None else Path(self.good)
+        if path is None or not directory.is_complete(path) or directory.run_of(path) != self.run.run_id:
+            return None
+        return path
+
+    # --- rollback and stop ---------------------------------------------------------------------------------------
+    def rollback_target(self, target: Literal["latest", "best_eval"]) -> Rollback:
+        """The checkpoint a rollback to `target` loads: the best evaluation's, or the newest good one."""
+        if target == "best_eval":
+            return Rollback(Path(self.best) if self.best else None, "the best evaluation's checkpoint")
+        why = "the newest good checkpoint: its policy passed the guards of the iteration after it"
+        if self.unconfirmed is not None:
+            why += f"; {self.unconfirmed}, saved before this iteration, is passed over"
+        return Rollback(self.good_checkpoint(), why)
+
+    def roll_back_to(
+        self, path: Path, models: dict[str, RoleModel], optimizers: dict[str, Any]
+    ) -> tuple[dict[str, Any], bool]:
+        """Load `path` into the models and optimizers; it is then the last save and the good one, and `latest`
+        names it (a resume after a crash continues from here, not from a passed-over save). Returns the trainer
+        state saved with it, and whether the best evaluation was forgotten: it was the unconfirmed save's, passed
+        over with it, so the best is the loaded checkpoint's."""
+        best, passed = self.best, self.unconfirmed
+        state = store.load_checkpoint(path, models, optimizers)
+        self.load_state_dict(state)
+        self.saved, self.good, self.unconfirmed = (state["step"], path), str(path), None
+        self.name_in_latest(path)
+        forgotten = passed is not None and best == passed
+        if not forgotten:
+            self.best = best
+        return state, forgotten
+
+    def leave_for_stop(self) -> str:
+        """Before a guard's stop: `latest` names the good checkpoint (a resume continues from it, not from a save
+        the guards did not pass). Returns what the stop leaves, for its message."""
+        good = self.good_checkpoint()
+        if good is None:
+            return "no good checkpoint was saved: a new launch starts over"
+        self.name_in_latest(good)
+        return f"the good checkpoint left is {good} (`latest` names it: a new launch resumes from it)"
+
+    @staticmethod
+    def name_in_latest(path: Path) -> None:
+        if global_rank() == 0:
+            directory.point_latest_at(path)
+        barrier()
