@@ -106,7 +106,7 @@ def test_grad_norm_and_updated_weights_match_single_process(parity, name: str) -
 
 
 @pytest.mark.parametrize(("name", "without"), [("tp2-sp", "tp2")])
-def test_sequence_parallel_splits_each_micro_batch_over_tp_and_pads_odd_widths(parity, name: str, without: str) -> None:
+def test_sequence_parallel_splits_micro_batches_over_tp_padding_odd_widths(parity, name: str, without: str) -> None:
     """Under sequence parallelism the decoders take each micro-batch's sequence split over the TP ranks, `[s/TP, b,
     h]`, its width padded to a multiple of TP; without it, the whole widths, some odd here (rows of 6–12 tokens in
     micro-batches of 2), so the padding is exercised. That these runs equal TP=1: the parity tests above."""

@@ -24,7 +24,7 @@ SMOKE = "tests/e2e/test_recipe_smoke.py"
 # flag → the CPU test that runs it (through the trainer's own path, against a reference)
 CPU_TESTED = {
     "megatron.tensor_model_parallel_size": f"{PARITY}::test_grad_norm_and_updated_weights_match_single_process",
-    "megatron.sequence_parallel": f"{PARITY}::test_value_head_lives_only_on_the_last_stage",
+    "megatron.sequence_parallel": f"{PARITY}::test_sequence_parallel_splits_micro_batches_over_tp_padding_odd_widths",
     "megatron.pipeline_model_parallel_size": f"{PARITY}::test_grad_norm_and_updated_weights_match_single_process",
     "megatron.virtual_pipeline_model_parallel_size": f"{PARITY}::test_value_head_lives_only_on_the_last_stage",
     "megatron.use_distributed_optimizer": "tests/distributed/test_data_parallel_overlap.py::"
