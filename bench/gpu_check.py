@@ -17,7 +17,8 @@
     (h) with 2 GPUs visible (else skipped, not failed): the (b) model at TP2 + sequence parallelism and at PP2 from
         TP1's initial weights, experience log-probs and values, one iteration's losses and grad norms, and the
         weights after its step equal TP1's within bf16 tolerance; the tiny recipe at TP2 + SP through the CLI
-        (`bench/layout_check.py`).
+        (`bench/layout_check.py`);
+    (i) greedy decoding with the KV cache against the uncached decoder: tokens/s of each (`bench/decode_check.py`).
 It prints one table, writes JSON (`--out`), names the path that ran (Transformer Engine or local + SDPA) and exits
 1 when a part failed. `--dry-run` runs every part's code on the CPU with a tiny model in a minute or two (CI); (h)
 there runs its layouts on 2 CPU processes (gloo, fp32).
@@ -42,6 +43,8 @@ from typing import Any
 
 import torch
 
+from bench.decode_check import check_decode
+from bench.decode_check import table_lines as decode_table_lines
 from bench.first_update_check import check_first_update
 from bench.first_update_check import table_lines as first_update_table_lines
 from bench.gpu_plan import (
@@ -280,6 +283,7 @@ def table(results: dict[str, Any]) -> str:
     lines += resume_table_lines(results["f_resume"])
     lines += first_update_table_lines(results["g_first_update"])
     lines += layout_table_lines(results["h_layouts"], results["h_tiny_recipe_tp2_sp"])
+    lines += decode_table_lines(results["i_decode"])
     return "\n".join(lines)
 
 
@@ -308,6 +312,7 @@ def run(plan: Plan, out_path: Path, work: Path) -> int:
     _part(results, "f_resume", lambda: check_resume(plan, work))
     _part(results, "g_first_update", lambda: check_first_update(plan, work))
     _part(results, "h_layouts", lambda: check_layouts(plan, work))
+    _part(results, "i_decode", lambda: check_decode(plan, work))
     destroy_distributed()
     _part(results, "h_tiny_recipe_tp2_sp", lambda: check_tiny_recipe_tp2_sp(plan, work))
     print(table(results), flush=True)
@@ -316,7 +321,7 @@ def run(plan: Plan, out_path: Path, work: Path) -> int:
     print(f"results: {out_path}")
     parts = [results["a_tiny_recipe"], *results["b_ppo_iteration"], results["c_logprobs"], results["d_offload"],
              results["e_grad_norm_by_cut"], results["f_resume"], results["g_first_update"], results["h_layouts"],
-             results["h_tiny_recipe_tp2_sp"]]  # fmt: skip
+             results["h_tiny_recipe_tp2_sp"], results["i_decode"]]  # fmt: skip
     return 0 if all(p.get("ok") for p in parts) else 1
 
 

@@ -38,6 +38,17 @@ def equal_tokens_group(config: TransformerConfig) -> dist.ProcessGroup | None:
     return group if dist.get_world_size(group) > 1 else None
 
 
+def expert_parallel_micro_batch_count(config: TransformerConfig, count: int) -> int:
+    """The number of micro-batches a pass runs on every rank of this rank's expert TP × EP group (the largest of the
+    group's `count`s; ranks with fewer add empty ones, `models.schedule`); `count` where nothing needs it."""
+    group = equal_tokens_group(config)
+    if group is None:
+        return count
+    largest = torch.tensor([count], device=current_device())
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    return int(largest.item())
+
+
 def expert_parallel_shapes(
     config: TransformerConfig, shapes: Sequence[tuple[int, int]]
 ) -> list[tuple[int, int]] | None:

@@ -25,11 +25,17 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ppo.models.context_parallel import gather_per_token, split_micro_batch
 from megatron_ppo.models.gpt import RoleModel, unwrap
-from megatron_ppo.models.moe import expert_parallel_shapes, pad_tokens, routing_padding_mask
+from megatron_ppo.models.moe import (
+    expert_parallel_micro_batch_count,
+    expert_parallel_shapes,
+    pad_tokens,
+    routing_padding_mask,
+)
 from megatron_ppo.models.widths import padded_width, pass_shape
 from megatron_ppo.parallel.device import module_device, to_device
 
@@ -48,6 +54,7 @@ def run_micro_batches(
     loss_fn: LossFn,
     *,
     forward_only: bool,
+    inference_context: StaticInferenceContext | None = None,
 ) -> list[dict[str, Any]]:
     """Run the schedule over `micro_batches` (each with `input_ids` `[b, s]`, optional `position_ids` and a boolean
     `attention_mask` `[b, 1, s, s]`, True where attention is not allowed; causal without one); `loss_fn` sees the
@@ -56,12 +63,30 @@ def run_micro_batches(
     The model's inputs are padded below and to the right to the shapes of `model_shapes` (the layout's and the
     bucket's width, the expert-parallel group's shape, one shape per pipeline pass); the last stage's output is
     cut back to the micro-batch's own `[b, s]` (this CP rank's tokens of it) before `loss_fn`, so no padding enters
-    a loss, a metric or a log-prob. The tokens the model computed and the real ones go to `model.padding`."""
+    a loss, a metric or a log-prob. The tokens the model computed and the real ones go to `model.padding`.
+
+    A pass runs as many micro-batches as the largest count of its expert-parallel group (MoE's allgather
+    dispatcher is a collective per micro-batch) and, under the interleaved schedule (virtual stages), a multiple of
+    PP (Megatron refuses fewer and uneven remainders): a rank with fewer runs empty micro-batches (one padding
+    token, no loss, no result).
+
+    With an `inference_context` (KV-cached decoding, `models.generation`): the micro-batches, all of one shape,
+    enter unpadded (padding would enter the cache), micro-batch i writing rows `[i·b, (i+1)·b)` of the cache; the
+    last stage's output holds the TP-gathered logits of the last position only (`[b, 1, vocab]`)."""
+    real_micro_batches = len(micro_batches)
+    micro_batches = [*micro_batches, *_empty_micro_batches(model, real_micro_batches)]
     num_micro_batches = len(micro_batches)
     cp_size = parallel_state.get_context_parallel_world_size()
     sp_tp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
     device = module_device(model.chunks[0], f"the {model.role} model")
-    shapes = model_shapes(model, [tuple(batch["input_ids"].shape) for batch in micro_batches], cp_size, sp_tp)
+    own_shapes = [tuple(batch["input_ids"].shape) for batch in micro_batches]
+    if inference_context is None:
+        shapes = model_shapes(model, own_shapes, cp_size, sp_tp)
+    else:
+        if len(set(own_shapes)) != 1 or cp_size > 1 or model.config.sequence_parallel:
+            raise ValueError(f"a cached pass takes micro-batches of one shape (got {sorted(set(own_shapes))}), "
+                             "without context or sequence parallelism")  # fmt: skip
+        shapes, model.config.variable_seq_lengths = own_shapes, False
     micro_batch_size, seq_length = (max(sizes) for sizes in zip(*shapes, strict=True))
     for batch, (rows, width) in zip(micro_batches, shapes, strict=True):
         lengths = batch.get("lengths")
@@ -83,16 +108,20 @@ def run_micro_batches(
         input_ids, position_ids, attention_mask = pad_tokens(
             input_ids, position_ids, attention_mask, (shapes[index][0], shapes[index][1] // cp_size)
         )
+        extra = {}
         if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
             lengths = batch.get("lengths", torch.full((rows,), width, device=device))
-            mask = routing_padding_mask(lengths, tuple(input_ids.shape))
-            output = chunk(input_ids, position_ids, attention_mask, padding_mask=mask)
-        else:
-            output = chunk(input_ids, position_ids, attention_mask)
+            extra["padding_mask"] = routing_padding_mask(lengths, tuple(input_ids.shape))
+        if inference_context is not None:  # this micro-batch's rows of the cache; logits gathered over TP
+            inference_context.batch_size_offset = index * rows
+            extra.update(inference_context=inference_context, runtime_gather_output=True)
+        output = chunk(input_ids, position_ids, attention_mask, **extra)
         if unwrap(chunk).post_process and tuple(output.shape[:2]) != (rows, width):
             # the padding stays out of the loss, its metrics and its outputs (cut only where there is some: a
             # slice's backward writes its gradient into a fresh full-size buffer)
             output = output[:rows, :width]
+        if index >= real_micro_batches:  # an empty micro-batch of the interleaved schedule: no loss, no result
+            return output, lambda output: (output.sum() * 0.0, {})
         return output, partial(_scaled_loss, loss_fn, batch, num_micro_batches)
 
     iterators = [iter(enumerate(micro_batches)) for _ in model.chunks]
@@ -108,6 +137,7 @@ def run_micro_batches(
     )
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return []
+    results, micro_batches = list(results)[:real_micro_batches], micro_batches[:real_micro_batches]
     if cp_size > 1:
         group = parallel_state.get_context_parallel_group()
         widths = [batch["input_ids"].shape[1] for batch in micro_batches]
@@ -117,6 +147,19 @@ def run_micro_batches(
             for result, w in zip(results, widths, strict=True)
         ]  # fmt: skip
     return list(results)
+
+
+def _empty_micro_batches(model: RoleModel, count: int) -> list[MicroBatch]:
+    """The micro-batches that bring a pass of `count` up to what every rank runs (`run_micro_batches`): the
+    expert-parallel group's largest count, then, under virtual stages, a multiple of PP
+    (`microbatch_group_size_per_vp_stage`, PP by default). Each holds one padding token (length 0: out of the
+    routers' statistics); the pass's shape rule pads it like the others."""
+    target = expert_parallel_micro_batch_count(model.config, count)
+    pipeline = parallel_state.get_pipeline_model_parallel_world_size()
+    if (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+        target = -(-target // pipeline) * pipeline
+    empty = {"input_ids": torch.zeros(1, 1, dtype=torch.long), "lengths": torch.zeros(1, dtype=torch.long)}
+    return [dict(empty) for _ in range(target - count)]
 
 
 def model_shapes(

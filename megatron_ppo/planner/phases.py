@@ -39,6 +39,12 @@ class Phase(StrEnum):
         return f"update_{role}" if role else self.value.replace(" ", "_")
 
 
+# The rows per data-parallel replica that one batch of answers decodes at once (`models.generation`), at most, and
+# the share of the device memory left between iterations that its KV cache may take (fewer rows where it would take
+# more; the rest is for the passes' activations). The planner reports both.
+GENERATION_BATCH_ROWS = 512
+GENERATION_CACHE_SHARE = 0.5
+
 OFFLOAD_KINDS = ("params", "grads", "optimizer")
 # What each phase needs on the GPU, role by role. Between iterations every role's weights and optimizer states are
 # resident: checkpoints, rollbacks and evaluation read them (gradients are zeroed before each update, so none).

@@ -12,6 +12,11 @@ Memory model (bytes per parameter on a GPU holding N / (TP·PP) of them; see doc
                  b = a micro-batch's rows at full length (`micro_batch_rows`: with use_dynamic_bsz, as many as the
                  token budget holds)
     reserved     3 GiB per GPU (CUDA context, NCCL buffers, allocator fragmentation)
+    KV cache     of an evaluation's greedy answers (`models.generation`, data.val_files): keys and values of the
+                 rank's layers, 2 · L/PP · B · (prompt + response) · groups/TP · head_dim weight-size values for a
+                 batch of B rows per replica, next to the between-iterations state: B = GENERATION_BATCH_ROWS, or
+                 fewer where the cache would take more than GENERATION_CACHE_SHARE of the memory left (reported
+                 beside the phases; the runtime sizes it from the free memory the same way)
 Roles share the GPUs. Each phase of an iteration (`phases.py`, the table host offload moves state by:
 experience, critic update, actor update, between iterations) needs some kinds of each role's state on the GPU; a
 role keeps those plus every kind whose offload switch (`param_offload`, `grad_offload`, `optimizer_offload`) is off,
@@ -46,7 +51,14 @@ from megatron_ppo.planner.flops import (
     iteration_flops,
     parameter_count,
 )
-from megatron_ppo.planner.phases import PHASE_NEEDS, Phase, offload_switches, resident_kinds
+from megatron_ppo.planner.phases import (
+    GENERATION_BATCH_ROWS,
+    GENERATION_CACHE_SHARE,
+    PHASE_NEEDS,
+    Phase,
+    offload_switches,
+    resident_kinds,
+)
 
 GIB = 1024**3
 RESERVED_GIB = 3.0
@@ -89,6 +101,7 @@ class Plan:
     problems: list[str]
     all_to_all_gb_per_gpu: float = 0.0  # MoE token dispatch + combine, one iteration, leaving each GPU
     all_to_all_s: float = 0.0  # its time at the assumed bandwidth, included in step_time_s
+    kv_cache_gib: float = 0.0  # an evaluation's KV cache per GPU (module docstring)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -205,6 +218,18 @@ def phase_gib(config: PPOConfig, roles: dict[str, RolePlan]) -> dict[str, float]
     }
 
 
+def kv_cache_gib(config: PPOConfig, rows: int = GENERATION_BATCH_ROWS) -> float:
+    """GiB per GPU of the KV cache of `rows` greedy answers at full length (the module docstring's formula; the
+    runtime's is `models.generation.kv_cache_bytes`)."""
+    m, layout = config.model, config.actor.megatron
+    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    tokens = config.data.max_prompt_length + config.data.max_response_length
+    element = 4 if m.params_dtype == "fp32" else 2
+    return 2 * m.num_layers / pp * rows * tokens * max(groups // tp, 1) * head_dim * element / GIB
+
+
 def plan(config: PPOConfig, recipe: str = "") -> Plan:
     roles = {role: plan_role(config, role) for role in ROLES}
     phases = phase_gib(config, roles)
@@ -226,6 +251,7 @@ def plan(config: PPOConfig, recipe: str = "") -> Plan:
         + _expert_layout_text(config, layout),
         roles=roles,
         phases_gib=phases,
+        kv_cache_gib=kv_cache_gib(config),
         peak_gib=peak,
         budget_gib=budget,
         fits=peak <= budget,
@@ -366,6 +392,12 @@ def format_plan(result: Plan, config: PPOConfig) -> str:
     lines += _moe_lines(result, config)
     for phase, gib in result.phases_gib.items():
         lines.append(f"  phase {phase:<14} {gib:7.1f} GiB per GPU (incl. {RESERVED_GIB:.0f} GiB reserved)")
+    free = result.budget_gib - result.phases_gib[Phase.BETWEEN_ITERATIONS]
+    fit = int(GENERATION_CACHE_SHARE * free / (result.kv_cache_gib / GENERATION_BATCH_ROWS)) if free > 0 else 0
+    lines.append(f"  evaluation KV cache {result.kv_cache_gib:.1f} GiB per GPU for {GENERATION_BATCH_ROWS} rows × "
+                 f"{config.data.max_prompt_length + config.data.max_response_length} tokens; greedy answers decode "
+                 f"{min(fit, GENERATION_BATCH_ROWS)} rows at a time (the cache takes at most "
+                 f"{GENERATION_CACHE_SHARE:.0%} of the {max(free, 0):.1f} GiB left between iterations)")  # fmt: skip
     verdict = "fits" if result.fits else "does NOT fit"
     lines.append(
         f"peak {result.peak_gib:.1f} GiB of {result.budget_gib:.1f} GiB usable ({MARGIN:.0%} margin): {verdict}"

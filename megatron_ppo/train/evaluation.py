@@ -4,7 +4,8 @@
 What it measures depends on what the rows and the config give:
 - with a score function (`reward.score_fn`) and rows that carry verl's `reward_model.ground_truth`: the actor answers
   each validation prompt greedily (up to `data.max_response_length` tokens) and the answers are scored →
-  `reward_mean` (what the evaluation-drop and plateau guards watch);
+  `reward_mean` (what the evaluation-drop and plateau guards watch), with the decoding's `generation_*` scalars
+  (prompts, tokens generated, seconds, tokens/s; KV-cached, `models.generation`);
 - always: on the validation rows' own responses, the actor's mean log-prob per response token (`log_prob_mean`) and,
   with a reference model, KL(actor‖ref) per token by the k3 estimator (`kl_mean`).
 """
@@ -20,7 +21,7 @@ from megatron_ppo import algo
 from megatron_ppo.data.parse import Row, Tokenizer
 from megatron_ppo.data.scoring import Scorer
 from megatron_ppo.models import RoleModel, eval_mode
-from megatron_ppo.models.generation import generate
+from megatron_ppo.models.generation import timed_generate
 from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.train.batch import collate
 from megatron_ppo.train.experience import forward_per_token, log_prob_fn
@@ -28,7 +29,8 @@ from megatron_ppo.train.micro_batching import MicroBatching
 
 
 class Evaluator(Protocol):
-    """What the trainer evaluates with: `(actor, reference) → {name: value}` (`reward_mean` when it scores answers)."""
+    """What the trainer evaluates with: `(actor, reference) → {name: value}` (`reward_mean` when it scores answers;
+    `generation_*`, the decoding's speed, which the trainer logs as `perf/eval_generation_*`)."""
 
     gives_reward: bool
 
@@ -64,15 +66,16 @@ class ValidationSet:
     def __call__(self, actor: RoleModel, ref: RoleModel | None) -> dict[str, float]:
         out = {}
         if self.gives_reward:
-            answers = generate(
+            generation = timed_generate(
                 actor, [row.prompt_ids for row in self.scored], max_new_tokens=self.max_new_tokens,
                 eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, greedy=True,
             )  # fmt: skip
             rewards = [
                 self.scorer(row.data_source, self.tokenizer.decode(tokens), row.ground_truth, row.extra_info or {})
-                for row, (tokens, _) in zip(self.scored, answers, strict=True)
+                for row, (tokens, _) in zip(self.scored, generation.answers, strict=True)
             ]
             out["reward_mean"] = sum(rewards) / len(rewards)
+            out.update(generation.metrics())
         batch = to_device(collate(self.rows, self.tokenizer.pad_id), current_device(), "the validation batch")
         mask = batch["loss_mask"]
         log_prob = _log_probs(actor, batch, self.micro_batch_size)

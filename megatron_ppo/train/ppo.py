@@ -335,9 +335,16 @@ class PPOTrainer:
     def evaluation(self) -> dict[str, float]:
         """Evaluate the actor now: `eval/*` metrics, logged; the evaluation guards act on `eval/reward_mean`
         (a new best is saved as a checkpoint first, when the evaluation-drop guard may need to return to it)."""
-        results = {f"eval/{k}": v for k, v in self.evaluate(self.actor, self.ref).items()}
+        measured = self.evaluate(self.actor, self.ref)
+        # the decoding's speed (`models.generation.Generation.metrics`) is logged as perf/, not as an evaluation
+        speed = {key: measured.pop(key) for key in [k for k in measured if k.startswith("generation_")]}
+        results = {f"eval/{k}": v for k, v in measured.items()}
         self.evaluations[self.step] = results
-        self.logger.log(self.step, results)
+        self.logger.log(self.step, {**results, **{f"perf/eval_{k}": v for k, v in speed.items()}})
+        if speed:
+            self.logger.event(self.step, "evaluation", (
+                f"{speed['generation_prompts']:.0f} prompts, {speed['generation_tokens']:.0f} tokens generated in "
+                f"{speed['generation_s']:.2f} s ({speed['generation_tokens_per_s']:.0f} tokens/s)"))  # fmt: skip
         reward = results.get("eval/reward_mean")
         if reward is None:
             return results

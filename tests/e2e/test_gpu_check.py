@@ -22,7 +22,7 @@ def test_gpu_check_dry_run_runs_every_part_and_writes_its_table(tmp_path: Path) 
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     report = json.loads(out.read_text())
     parts = [report["a_tiny_recipe"], *report["b_ppo_iteration"], report["c_logprobs"], report["d_offload"],
-             report["h_layouts"], report["h_tiny_recipe_tp2_sp"]]  # fmt: skip
+             report["h_layouts"], report["h_tiny_recipe_tp2_sp"], report["i_decode"]]  # fmt: skip
     assert all(part["ok"] for part in parts), parts
     offload = report["d_offload"]
     assert set(offload["on"]["resident_gib"]) == set(offload["off"]["resident_gib"]) == {

@@ -1,6 +1,7 @@
 """Every shipped GPU recipe runs on CPU through the CLI at smoke-test size (`recipe_shrink.shrink`: its layout and
 feature flags kept, only sizes shrunk, GPU-only settings swapped for their CPU stand-ins): 2 iterations from random
-weights on generated token-id rows with a checkpoint after each, then a resume from the first checkpoint that must
+weights on generated token-id rows with a checkpoint after each and an evaluation on validation rows at step 2
+(greedy answers through the KV-cached decoder, scored; log-probs), then a resume from the first checkpoint that must
 repeat the uninterrupted run's second iteration. Recipes whose shrunk layouts are the same share one run (the first
 recipe's, by name); all the runs of a world size and their resumes go in one torchrun launch
 (`recipe_smoke_driver`)."""
@@ -51,13 +52,33 @@ def write_rows(path: Path, vocab: int, rows: int = 2 * BATCH, seed: int = 0) -> 
     return path
 
 
-def phases(shrunk: Shrunk, root: Path, tokenizer: Path, vocab: int, rows: Path) -> list[dict]:
-    """The driver's commands for one shrunk recipe: 2 iterations with a checkpoint after each, then a resume from
-    the first checkpoint (logging into its own folder)."""
+def write_validation(root: Path, vocab: int, rows: int = 5, seed: int = 1) -> tuple[Path, Path]:
+    """Validation rows with verl's `reward_model.ground_truth` (prompts of 2–PROMPT tokens, so the cached decoder's
+    prefill and step schedule differ by row) and a custom score function: an evaluation answers them greedily."""
+    rng = random.Random(seed)
+    lines = [json.dumps({
+        "prompt_ids": [rng.randrange(vocab) for _ in range(rng.randint(2, PROMPT))],
+        "response_ids": [rng.randrange(vocab) for _ in range(rng.randint(1, RESPONSE))],
+        "reward_model": {"ground_truth": "7"},
+    }) for _ in range(rows)]  # fmt: skip
+    (root / "val.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "score.py").write_text("def score(data_source, solution_str, ground_truth, extra_info):\n"
+                                   "    return float(ground_truth in solution_str)\n")  # fmt: skip
+    return root / "val.jsonl", root / "score.py"
+
+
+def phases(shrunk: Shrunk, root: Path, tokenizer: Path, vocab: int, rows: Path, validation: tuple[Path, Path]
+           ) -> list[dict]:  # fmt: skip
+    """The driver's commands for one shrunk recipe: 2 iterations with a checkpoint after each and an evaluation at
+    step 2 (greedy answers through the KV cache, on the recipe's layout), then a resume from the first checkpoint
+    (logging into its own folder)."""
     run = root / shrunk.name
+    val_rows, score = validation
     common = [*shrunk.overrides, f"model.tokenizer={tokenizer}",
               f"data.train_files=[{rows}]", f"model.vocab_size={vocab}", f"trainer.default_local_dir={run / 'ckpt'}",
-              "trainer.save_freq=1", "trainer.logger=[console,tensorboard]"]  # fmt: skip
+              "trainer.save_freq=1", "trainer.logger=[console,tensorboard]", f"data.val_files=[{val_rows}]",
+              "trainer.test_freq=2", "trainer.val_before_train=false", "reward.score_fn=custom",
+              f"reward.custom_fn.path={score}", "reward.custom_fn.name=score"]  # fmt: skip
     train = ["train", str(shrunk.recipe), *common, f"trainer.log_dir={run / 'tb'}"]
     resume = ["train", str(shrunk.recipe), *common, f"trainer.log_dir={run / 'tb-resume'}",
               "trainer.resume_mode=resume_path", f"trainer.resume_from_path={run / 'ckpt' / 'step_1'}"]  # fmt: skip
@@ -70,8 +91,9 @@ def launch(world: int, root: Path) -> dict[str, dict]:
     tokenizer = tokenizer_dir(root / "tokenizer", "chatml")
     vocab = load_tokenizer(tokenizer).vocab_size
     rows = write_rows(root / "rows.jsonl", vocab)
+    validation = write_validation(root, vocab)
     runs = [SHRUNK[name] for name in sorted(set(SHARED.values())) if SHRUNK[name].world == world]
-    plan = [command for shrunk in runs for command in phases(shrunk, root, tokenizer, vocab, rows)]
+    plan = [command for shrunk in runs for command in phases(shrunk, root, tokenizer, vocab, rows, validation)]
     (root / "plan.json").write_text(json.dumps(plan, indent=1))
     torchrun = Path(sys.executable).with_name("torchrun")
     log = root / "launch.log"
@@ -115,6 +137,9 @@ def test_recipe_trains_saves_and_resumes_through_the_cli(recipe: str, launches) 
     assert set(first["actor/pg_loss"]) == {1, 2}, f"{where}: the run logged steps {set(first['actor/pg_loss'])}"
     for tag, by_step in first.items():
         assert all(math.isfinite(value) for value in by_step.values()), f"{where}: {tag} = {by_step}"
+    # the evaluation at step 2: greedy answers to the 5 validation prompts, through the cached decoder
+    assert set(first["eval/reward_mean"]) == {2} and set(first["eval/log_prob_mean"]) == {2}, where
+    assert first["perf/eval_generation_prompts"][2] == 5 and first["perf/eval_generation_tokens"][2] > 0, where
     ckpt = run / "ckpt"
     assert (ckpt / "latest").read_text().strip() == "step_2", where
     assert all(is_complete(ckpt / f"step_{step}") for step in (1, 2)), f"{where}: {sorted(ckpt.iterdir())}"

@@ -25,7 +25,7 @@ from megatron_ppo.config.schema import ModelConfig, PPOConfig
 from megatron_ppo.data.rows import Row, read_rows
 from megatron_ppo.data.tokenizer import SentencePieceTokenizer, train_char_tokenizer
 from megatron_ppo.models import RoleModel, build_role_model
-from megatron_ppo.models.generation import generate
+from megatron_ppo.models.generation import generate, timed_generate
 from megatron_ppo.parallel.collectives import barrier
 from megatron_ppo.tasks.addition.problems import AdditionProblem, corpus, demonstrate, reward, split_problems
 from megatron_ppo.tasks.addition.sft import run_sft
@@ -80,13 +80,14 @@ def _tokenizer(work: Path, problems: list[AdditionProblem]) -> SentencePieceToke
 
 def score(model: RoleModel, tokenizer: SentencePieceTokenizer, problems: list[AdditionProblem]) -> dict[str, float]:
     """Greedy answers to `problems`: mean reward and exact-match accuracy."""
-    responses = generate(
+    generation = timed_generate(
         model, [tokenizer.encode(p.prompt) for p in problems], max_new_tokens=MAX_NEW_TOKENS,
         eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, greedy=True,
     )  # fmt: skip
     rewards = [reward(p, tokenizer.decode(tokens) if finished else None)
-               for p, (tokens, finished) in zip(problems, responses, strict=True)]  # fmt: skip
-    return {"reward_mean": sum(rewards) / len(rewards), "accuracy": sum(r == 1.0 for r in rewards) / len(rewards)}
+               for p, (tokens, finished) in zip(problems, generation.answers, strict=True)]  # fmt: skip
+    return {"reward_mean": sum(rewards) / len(rewards), "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
+            **generation.metrics()}  # fmt: skip
 
 
 @dataclass
