@@ -215,6 +215,18 @@ class PolicyLossSettings(Freezable):
     dro_beta: float | None = ranged(None, POSITIVE)  # dro: quadratic log-ratio penalty (required for dro)
 
 
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+
+
+@dataclass
+class RouterReplaySettings(Freezable):
+    """MoE routing replay (verl `actor_rollout_ref.actor.router_replay.*`; `models.router_replay`): the update's
+    forwards send each token to the experts it went to in an earlier pass, so π_θ/π_old compares one network.
+    R2: the experts of the old-log-prob pass; R3: the behaviour policy's, from the rows' `routed_experts`."""
+
+    mode: str = choice("disabled", ROUTER_REPLAY_MODES)
+
+
 @dataclass
 class ActorConfig(Freezable):
     """The trained policy: PPO objective (verl `actor_rollout_ref.actor.*` leaves), layout and optimizer."""
@@ -243,6 +255,7 @@ class ActorConfig(Freezable):
     loss_agg_mode: str = choice("token-mean", tuple(LOSS_AGGREGATIONS))
     # seq-mean-token-sum-norm divisor; None: data.max_response_length
     loss_scale_factor: int | None = ranged(None, AT_LEAST_ONE)
+    router_replay: RouterReplaySettings = field(default_factory=RouterReplaySettings)  # MoE only
 
 
 @dataclass

@@ -181,6 +181,12 @@ def _model_problems(c: PPOConfig) -> list[str]:
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups="
             f"{m.num_query_groups}; each query group must hold the same number of heads"
         )
+    replay = c.actor.router_replay.mode
+    if replay != "disabled" and not m.num_experts:
+        p.append(
+            f"actor.router_replay.mode={replay} replays mixture-of-experts routing, but the model is dense "
+            "(model.num_experts=0); set actor.router_replay.mode=disabled"
+        )
     longest = c.data.max_length
     if m.position_embedding_type == "learned_absolute" and longest > m.max_position_embeddings:
         p.append(

@@ -14,6 +14,9 @@ and
     token_rewards       finite numbers, one per response token — or neither, when `reward.score_fn` scores the row
                         from verl's columns: data_source, reward_model.ground_truth, extra_info (see `scoring.py`)
     behavior_log_probs  optional: log-probs ≤ 0 of the behaviour policy, one per response token
+    routed_experts      with actor.router_replay.mode=R3 (required then, read only then): the behaviour policy's
+                        MoE routing, [token][layer][k] expert indices for every prompt and response token (the
+                        last may be missing), as inference engines export it; checked against the model
     uid                 optional: GRPO group id (string or integer); default: the prompt (rows with the same prompt
                         tokens form one group)
     data_source         optional: a string; default ""
@@ -40,10 +43,11 @@ import jinja2
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data.chat import ChatTemplate, render_builtin_chat
 from megatron_ppo.data.scoring import Scorer
-from megatron_ppo.data.values import BadRow, describe, finite_number, per_token, token_ids
+from megatron_ppo.data.values import BadRow, RoutingShape, describe, finite_number, per_token, routed_experts, token_ids
 
 TOKEN_REWARDS_KEY = "token_rewards"
 BEHAVIOR_LOG_PROBS_KEY = "behavior_log_probs"
+ROUTED_EXPERTS_KEY = "routed_experts"
 UID_KEY = "uid"
 DATA_SOURCE_KEY = "data_source"
 PROMPT_IDS_KEY = "prompt_ids"
@@ -80,6 +84,8 @@ class Row:
     uid: str
     data_source: str
     source: str  # "path:line" (JSONL, 1-based) or "path:row N" (Parquet, 0-based)
+    # [prompt + response tokens (or one fewer), layers, k] int32: the behaviour policy's experts (R3 only)
+    routed_experts: Any = None
     # verl's `reward_model.ground_truth` and `extra_info`, when given: what evaluation scores a fresh response with
     ground_truth: Any = None
     extra_info: dict[str, Any] | None = None
@@ -109,7 +115,15 @@ class _Tokens:
     apart_vs_together: str | None  # how the ids differ tokenized apart vs together; None: same or not checked
 
 
-def parse_row(record: Any, source: str, tokenizer: Tokenizer, config: DataConfig, scorer: Scorer | None) -> ParsedRow:
+def parse_row(
+    record: Any,
+    source: str,
+    tokenizer: Tokenizer,
+    config: DataConfig,
+    scorer: Scorer | None,
+    routing: RoutingShape | None = None,
+) -> ParsedRow:
+    """`record` checked and tokenized; with `routing` (R3), also its `routed_experts` against the model."""
     if not isinstance(record, dict):
         raise BadRow(
             "not_object",
@@ -155,6 +169,8 @@ def parse_row(record: Any, source: str, tokenizer: Tokenizer, config: DataConfig
             response = tokenizer.decode(tokens.response_ids)
         reward = _score(record, data_source, response, scorer)
     eos = [0.0] if tokens.appends_eos else []
+    num_tokens = len(tokens.prompt_ids) + len(tokens.response_ids)
+    routes = None if routing is None else routed_experts(record, ROUTED_EXPERTS_KEY, routing, num_tokens)
     row = Row(
         prompt_ids=tokens.prompt_ids,
         response_ids=tokens.response_ids,
@@ -164,6 +180,7 @@ def parse_row(record: Any, source: str, tokenizer: Tokenizer, config: DataConfig
         uid=_uid(record.get(UID_KEY), tokens.prompt_ids),
         data_source=data_source,
         source=source,
+        routed_experts=routes,
         ground_truth=_ground_truth(record),
         extra_info=record.get(EXTRA_INFO_KEY) if isinstance(record.get(EXTRA_INFO_KEY), dict) else None,
     )

@@ -23,7 +23,7 @@ from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data.chat import BUILTIN_FORMAT
 from megatron_ppo.data.parse import ParsedRow, Row, Tokenizer, parse_row
 from megatron_ppo.data.scoring import Scorer
-from megatron_ppo.data.values import BadRow
+from megatron_ppo.data.values import BadRow, RoutingShape
 
 __all__ = ["DataError", "DataReport", "Row", "Tokenizer", "read_rows"]
 
@@ -86,13 +86,15 @@ def read_rows(
     config: DataConfig,
     rejects_path: str | Path | None = None,
     scorer: Scorer | None = None,
+    routing: RoutingShape | None = None,
 ) -> tuple[list[Row], DataReport]:
     """Read, check, tokenize, score and length-limit every row of `paths`, in order. See the module docstring.
 
     `rejects_path` is required when `config.on_bad_row == "skip"`; it is overwritten with one JSON line
     {"source", "kind", "reason", "row"} per rejected row ("row": the object, or the raw line if it did not parse).
     `scorer` (from `scoring.build_scorer(config.reward)`) gives the reward of rows that carry none; a row it cannot
-    score is rejected with the reason.
+    score is rejected with the reason. `routing` (actor.router_replay.mode=R3): every row's `routed_experts` is read
+    and checked against the model's layers, top-k and experts.
     Raises `DataError` for a missing or unreadable file, for the first bad row in error mode, and when no row is left.
     """
     _check_options(config)
@@ -116,7 +118,7 @@ def read_rows(
                 try:
                     if isinstance(raw, bytes):
                         record = _decode_json(raw)
-                    parsed = parse_row(record, source, tokenizer, config, scorer)
+                    parsed = parse_row(record, source, tokenizer, config, scorer, routing)
                 except BadRow as bad:
                     if rejects is None:
                         raise DataError(f"{source}: {bad.problem}") from None
@@ -222,6 +224,11 @@ def _fit_length(row: Row, config: DataConfig, report: DataReport) -> Row | None:
     if config.overlong_policy == "filter":
         report.filtered_overlong += 1
         return None
+    if row.routed_experts is not None:
+        raise DataError(
+            f"{row.source}: the row is over-long and 'routed_experts' describe the whole sequence: cut, every later "
+            "token would see another context than the one routed; set data.overlong_policy=filter (or raise the limits)"
+        )
     report.truncated_prompt += long_prompt
     report.truncated_response += long_response
     return dataclasses.replace(

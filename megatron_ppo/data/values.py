@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
 
 
 class BadRow(Exception):
@@ -70,3 +72,43 @@ def token_ids(record: dict[str, Any], key: str, vocab_size: int) -> list[int]:
                 "from the tokenizer named by model.tokenizer",
             )
     return ids
+
+
+class RoutingShape(NamedTuple):
+    """What a row's `routed_experts` must match: the model's layers, its top-k and its experts."""
+
+    num_layers: int
+    topk: int
+    num_experts: int
+
+
+def routed_experts(record: dict[str, Any], key: str, shape: RoutingShape, num_tokens: int) -> torch.Tensor:
+    """`record[key]` — per input token (prompt then response; the last may be missing, as an inference engine
+    never routes the token it sampled last), per layer, the top-k expert indices — as a `[tokens, layers, k]`
+    tensor of `torch.int32`, checked against the model's `shape`."""
+    values = record.get(key)
+    if values is None:
+        raise BadRow("missing_field", f"'{key}' is missing; actor.router_replay.mode=R3 replays every row's "
+                     f"routing: expected [{num_tokens} tokens][{shape.num_layers} layers][{shape.topk}] expert "
+                     "indices")  # fmt: skip
+    try:
+        experts = torch.tensor(values, dtype=torch.long)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+        raise BadRow("wrong_type", f"'{key}' is not a rectangular list of integer expert indices ({e})") from None
+    expected = f"[{num_tokens} (or {num_tokens - 1}) tokens, {shape.num_layers} layers, top-{shape.topk}]"
+    if (
+        experts.dim() != 3
+        or experts.shape[0] not in (num_tokens, num_tokens - 1)
+        or tuple(experts.shape[1:]) != (shape.num_layers, shape.topk)
+    ):
+        raise BadRow("routing_mismatch", f"'{key}' has shape {list(experts.shape)}; the model expects "
+                     f"{expected} (model.num_layers, model.num_experts_per_tok; one entry per prompt and response "
+                     "token)")  # fmt: skip
+    if experts.numel() and (int(experts.min()) < 0 or int(experts.max()) >= shape.num_experts):
+        bad = int(experts.max()) if int(experts.max()) >= shape.num_experts else int(experts.min())
+        raise BadRow("routing_mismatch", f"'{key}' names expert {bad}; the model has model.num_experts="
+                     f"{shape.num_experts} (indices 0..{shape.num_experts - 1})")  # fmt: skip
+    if (experts.sort(dim=-1).values.diff(dim=-1) == 0).any():
+        raise BadRow("routing_mismatch", f"'{key}' routes a token to the same expert twice; expected "
+                     f"{shape.topk} distinct experts per token and layer")  # fmt: skip
+    return experts.to(torch.int32)

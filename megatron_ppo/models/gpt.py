@@ -19,10 +19,12 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import ROLES, MegatronConfig, ModelConfig
 from megatron_ppo.models.attention import with_sdpa_attention
 from megatron_ppo.models.kernels import transformer_engine_importable, transformer_engine_usable
 from megatron_ppo.models.norms import LocalNorm, with_local_norms
+from megatron_ppo.models.router_replay import RouterReplayBinding, replay_bypasses
 from megatron_ppo.models.transformer_config import build_transformer_config, padded_vocab_size
 from megatron_ppo.models.value_head import ValueHead
 from megatron_ppo.models.widths import PaddingTally, width_bucket
@@ -43,6 +45,7 @@ class RoleModel:
     logprob_chunk_tokens: int | None = None  # model.logprob_chunk_tokens, for vocab_parallel_log_probs
     width_multiple: int = 1  # micro-batch widths are multiples of this (models.widths.width_bucket)
     padding: PaddingTally = field(default_factory=PaddingTally)  # tokens computed vs real, for perf/ metrics
+    router_replay: RouterReplayBinding | None = None  # this model's routers, when routing replay is on
 
     @property
     def is_trained(self) -> bool:
@@ -104,18 +107,23 @@ def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
     return spec, use_te
 
 
-def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> RoleModel:
+def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, routing_replay: bool = False) -> RoleModel:
     """This rank's chunks of `role`'s GPT.
 
     actor: the policy, wrapped in Megatron's DDP (grad buffers, data-parallel reduction).
     critic: the same trunk with a `ValueHead` instead of the vocabulary output layer (untied), in DDP.
     ref: frozen — no gradients, no optimizer state, eval mode, not wrapped.
+    `routing_replay` (the actor under `actor.router_replay.mode` R2/R3): Megatron's router replay on this model's
+    routers, bound to it (`RoleModel.router_replay`); a router path that would bypass it is refused first.
     Parallel state must already hold `layout` (see `megatron_ppo.parallel.init_distributed`).
     """
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
     spec, uses_te = select_layer_spec(model)
-    config = build_transformer_config(model, layout, with_aux_loss=role == "actor")
+    config = build_transformer_config(model, layout, with_aux_loss=role == "actor", routing_replay=routing_replay)
+    bypasses = replay_bypasses(config) if routing_replay else []
+    if bypasses:
+        raise ConfigError([f"actor.router_replay.mode: {line}" for line in bypasses])
     vocab = padded_vocab_size(model, layout.tensor_model_parallel_size)
     num_chunks = layout.virtual_pipeline_model_parallel_size or 1
     chunks: list[torch.nn.Module] = []
@@ -167,7 +175,9 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig) -> R
             for index, chunk in enumerate(chunks)
         ]
     bucket = width_bucket(layout.make_sequence_length_divisible_by, on_cuda())
-    return RoleModel(role, chunks, config, model.vocab_size, vocab, model.logprob_chunk_tokens, bucket)
+    replay = RouterReplayBinding(chunks, config) if routing_replay else None
+    return RoleModel(role, chunks, config, model.vocab_size, vocab, model.logprob_chunk_tokens, bucket,
+                     router_replay=replay)  # fmt: skip
 
 
 def data_parallel_config(layout: MegatronConfig) -> DistributedDataParallelConfig:

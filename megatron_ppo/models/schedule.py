@@ -36,6 +36,7 @@ from megatron_ppo.models.moe import (
     pad_tokens,
     routing_padding_mask,
 )
+from megatron_ppo.models.router_replay import Action
 from megatron_ppo.models.widths import padded_width, pass_shape
 from megatron_ppo.parallel.device import module_device, to_device
 
@@ -55,6 +56,7 @@ def run_micro_batches(
     *,
     forward_only: bool,
     inference_context: StaticInferenceContext | None = None,
+    routing: Action | None = None,
 ) -> list[dict[str, Any]]:
     """Run the schedule over `micro_batches` (each with `input_ids` `[b, s]`, optional `position_ids` and a boolean
     `attention_mask` `[b, 1, s, s]`, True where attention is not allowed; causal without one); `loss_fn` sees the
@@ -72,7 +74,13 @@ def run_micro_batches(
 
     With an `inference_context` (KV-cached decoding, `models.generation`): the micro-batches, all of one shape,
     enter unpadded (padding would enter the cache), micro-batch i writing rows `[i·b, (i+1)·b)` of the cache; the
-    last stage's output holds the TP-gathered logits of the last position only (`[b, 1, vocab]`)."""
+    last stage's output holds the TP-gathered logits of the last position only (`[b, 1, vocab]`).
+
+    `routing` (a model with `router_replay`): "record" keeps every micro-batch's routes for
+    `model.router_replay.collect`; "replay" routes each micro-batch as its `routed_experts` say
+    (`models.router_replay`; an empty micro-batch has no record and routes to the fallback experts, so each
+    forward still queues one target for its recomputing backward). Either way the routers route live again after
+    the pass."""
     real_micro_batches = len(micro_batches)
     micro_batches = [*micro_batches, *_empty_micro_batches(model, real_micro_batches)]
     num_micro_batches = len(micro_batches)
@@ -112,10 +120,15 @@ def run_micro_batches(
         if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
             lengths = batch.get("lengths", torch.full((rows,), width, device=device))
             extra["padding_mask"] = routing_padding_mask(lengths, tuple(input_ids.shape))
+            if replay is not None:
+                replay.before_forward(chunk, batch, tuple(input_ids.shape))
         if inference_context is not None:  # this micro-batch's rows of the cache; logits gathered over TP
             inference_context.batch_size_offset = index * rows
             extra.update(inference_context=inference_context, runtime_gather_output=True)
         output = chunk(input_ids, position_ids, attention_mask, **extra)
+        if replay is not None and (replay.action == "replay" or index < real_micro_batches):
+            replay.after_forward(chunk, index, input_ids.shape[0], rows, micro_batches[index]["input_ids"].shape[1],
+                                 cp_size)  # fmt: skip
         if unwrap(chunk).post_process and tuple(output.shape[:2]) != (rows, width):
             # the padding stays out of the loss, its metrics and its outputs (cut only where there is some: a
             # slice's backward writes its gradient into a fresh full-size buffer)
@@ -124,17 +137,26 @@ def run_micro_batches(
             return output, lambda output: (output.sum() * 0.0, {})
         return output, partial(_scaled_loss, loss_fn, batch, num_micro_batches)
 
+    replay = model.router_replay if routing is not None else None
+    if routing is not None and replay is None:
+        raise ValueError(f"routing={routing!r}: the {model.role} model was built without routing replay")
     iterators = [iter(enumerate(micro_batches)) for _ in model.chunks]
     forward_backward = get_forward_backward_func()
-    results = forward_backward(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=model.chunks if len(model.chunks) > 1 else model.chunks[0],
-        num_microbatches=num_micro_batches,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
+    if replay is not None:
+        replay.start(routing)
+    try:
+        results = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=model.chunks if len(model.chunks) > 1 else model.chunks[0],
+            num_microbatches=num_micro_batches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+    finally:
+        if replay is not None:
+            replay.end_pass()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return []
     results, micro_batches = list(results)[:real_micro_batches], micro_batches[:real_micro_batches]

@@ -54,7 +54,7 @@ def moe_settings(model: ModelConfig, layout: MegatronConfig, with_aux_loss: bool
 
 
 def build_transformer_config(
-    model: ModelConfig, layout: MegatronConfig, with_aux_loss: bool = False
+    model: ModelConfig, layout: MegatronConfig, with_aux_loss: bool = False, routing_replay: bool = False
 ) -> TransformerConfig:
     """The Megatron config for one role, for the device chosen at start (`megatron_ppo.parallel.device`).
 
@@ -70,7 +70,8 @@ def build_transformer_config(
     sending a tensor while its out-of-step peer blocked in the shape exchange before it: TP 2 × PP 2 × VPP 2 with
     token budgets deadlocked on gloo. Pipeline
     messages of one fixed shape per pass (`variable_seq_lengths` off, set per pass by `models.schedule.model_shapes`).
-    MoE fields: `moe_settings`."""
+    MoE fields: `moe_settings`; `routing_replay` gives each router Megatron's `RouterReplay`
+    (`models.router_replay`)."""
     cuda = on_cuda()
     interleaved = (layout.virtual_pipeline_model_parallel_size or 1) > 1
     dtype = DTYPES[model.params_dtype]
@@ -110,6 +111,7 @@ def build_transformer_config(
         batch_p2p_comm=cuda and not interleaved,
         **fusion_flags(model),
         **moe_settings(model, layout, with_aux_loss),
+        moe_enable_routing_replay=routing_replay,
     )
     # variable_seq_lengths stays off: the schedule pads each pipeline pass to one shape and sets the flag for a
     # pass that keeps several (`models.schedule.model_shapes`)

@@ -24,6 +24,7 @@ from megatron_ppo.data.batching import (
     group_rows,
 )
 from megatron_ppo.data.rows import Row
+from megatron_ppo.models.router_replay import record_dtype
 from megatron_ppo.parallel.collectives import data_parallel_share, dynamic_micro_batch_count
 
 
@@ -40,6 +41,9 @@ class Batch(TypedDict):
     group: torch.Tensor  # [R] long: dense GRPO group ids of the rows' uids
     behavior_log_prob: NotRequired[torch.Tensor]  # [R, W] float: the behaviour policy's log-probs, when rows have them
     behavior_rows: NotRequired[torch.Tensor]  # [R] bool: the rows that carry them (the others hold zeros)
+    # [R, W, L, K] the behaviour policy's experts + 1 per input token and layer, 0 where none (R3;
+    # `models.router_replay`)
+    routed_experts: NotRequired[torch.Tensor]
 
 
 def collate(rows: Sequence[Row], pad_id: int) -> Batch:
@@ -76,6 +80,14 @@ def collate(rows: Sequence[Row], pad_id: int) -> Batch:
     if any(r.behavior_log_probs is not None for r in rows):
         batch["behavior_log_prob"] = behavior_log_prob
         batch["behavior_rows"] = torch.tensor([r.behavior_log_probs is not None for r in rows])
+    routed = [r.routed_experts for r in rows if r.routed_experts is not None]
+    if routed:  # R3: every row carries them (data.parse)
+        _, layers, topk = routed[0].shape
+        experts = torch.zeros(len(rows), width, layers, topk, dtype=record_dtype(int(max(r.max() for r in routed)) + 1))
+        for i, row in enumerate(rows):
+            if row.routed_experts is not None:
+                experts[i, : len(row.routed_experts)] = row.routed_experts + 1
+        batch["routed_experts"] = experts
     return batch
 
 
@@ -115,9 +127,9 @@ def select[AnyBatch: dict](batch: AnyBatch, indices: Sequence[int]) -> AnyBatch:
     index = torch.as_tensor(list(indices), dtype=torch.long)
     width = int(batch["lengths"][index].max())
     out = {}
-    for key, value in batch.items():  # every tensor has the rows first
+    for key, value in batch.items():  # every tensor has the rows first; those of 2 dims or more, tokens second
         rows = value[index]
-        out[key] = rows[:, :width] if rows.dim() == 2 else rows
+        out[key] = rows[:, :width] if rows.dim() >= 2 else rows
     return out
 
 

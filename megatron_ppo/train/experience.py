@@ -12,6 +12,7 @@ import torch
 from megatron_ppo import algo
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.models import RoleModel, eval_mode, run_micro_batches, vocab_parallel_log_probs
+from megatron_ppo.models.router_replay import ROUTED_EXPERTS, Action
 from megatron_ppo.parallel.collectives import (
     broadcast_tensor_from_last_stage,
     gather_rows_data_parallel,
@@ -28,6 +29,8 @@ class ForwardPasses(TypedDict):
     old_log_prob: torch.Tensor  # [R, W] log π_old(label): the actor before this iteration's updates
     ref_log_prob: NotRequired[torch.Tensor]  # [R, W] log π_ref(label), when a KL term is on
     values: NotRequired[torch.Tensor]  # [R, W] V(prefix) of the critic, for GAE
+    # [R, W, L, K] the old-log-prob pass's experts per input token and layer (R2; `models.router_replay`)
+    routed_experts: NotRequired[torch.Tensor]
 
 
 class Experience(Batch):
@@ -48,14 +51,23 @@ def forward_per_token(
     batch: Batch,
     output_fn: Callable[[Batch, torch.Tensor], torch.Tensor],
     micro: MicroBatching,
+    routing: Action | None = None,
+    records: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`output_fn(micro_batch, model_output)` → `[rows, width]` for every row of `batch`: computed on this
     replica's share, gathered over data-parallel ranks and broadcast from the last pipeline stage (tensor
-    collectives; the result lives on the batch's device)."""
+    collectives; the result lives on the batch's device). `routing`: the routing replay of the pass (R2 records
+    into `records["routed_experts"]`, R3 replays the batch's; `models.router_replay`)."""
     share, groups, micro_batches = replica_micro_batches(batch, micro.rows, micro.max_tokens)
     outputs = run_micro_batches(
-        model, micro_batches, lambda b, out: (out.new_zeros(()), {"value": output_fn(b, out)}), forward_only=True
-    )
+        model, micro_batches, lambda b, out: (out.new_zeros(()), {"value": output_fn(b, out)}), forward_only=True,
+        routing=routing,
+    )  # fmt: skip
+    if routing == "record":
+        assert model.router_replay is not None and records is not None
+        records[ROUTED_EXPERTS] = model.router_replay.collect(
+            share, groups, len(batch["input_ids"]), batch["input_ids"].shape[1], like=batch["loss_mask"]
+        )
     gathered = None
     if is_last_stage():
         width = batch["input_ids"].shape[1]
@@ -92,15 +104,35 @@ def forward_passes(
     """`old_log_prob` of the actor, `ref_log_prob` (when a KL term is on) and the critic's `values` (GAE), each
     role in micro-batches of its own size (`log_prob_micro_batch_size_per_gpu`, the critic's
     `forward_micro_batch_size_per_gpu`) or token budget: `micro` (role → its micro-batching, the out-of-memory
-    back-off's), by default the config's."""
+    back-off's), by default the config's. With `actor.router_replay.mode` R2 the actor's pass records its routing
+    (`routed_experts`); with R3 it routes as the rows' `routed_experts` say."""
     micro = micro_batching(config, Phase.EXPERIENCE) if micro is None else micro
+    routing = first_pass_routing(config, batch)
+    records: dict[str, torch.Tensor] = {}
     with eval_mode(actor, ref, critic):
-        out = ForwardPasses(old_log_prob=forward_per_token(actor, batch, log_prob_fn(actor), micro["actor"]))
+        old = forward_per_token(actor, batch, log_prob_fn(actor), micro["actor"], routing, records)
+        out = ForwardPasses(old_log_prob=old, **records)  # type: ignore[typeddict-item]
         if ref is not None:
             out["ref_log_prob"] = forward_per_token(ref, batch, log_prob_fn(ref), micro["ref"])
         if critic is not None:
             out["values"] = forward_per_token(critic, batch, values_fn, micro["critic"])
     return out
+
+
+def first_pass_routing(config: PPOConfig, batch: Batch) -> Action | None:
+    """What the old-log-prob pass does with the routers: R2 records them, R3 replays the rows' `routed_experts`
+    (every row must carry them; `data.parse` checks each against the model)."""
+    mode = config.actor.router_replay.mode
+    if mode == "R2":
+        return "record"
+    if mode == "R3":
+        if ROUTED_EXPERTS not in batch:
+            raise ValueError(
+                "actor.router_replay.mode=R3 replays the behaviour policy's routing, but this batch's rows carry no "
+                f"'{ROUTED_EXPERTS}': give every row its routed experts, or use mode R2"
+            )
+        return "replay"
+    return None
 
 
 def compute_advantages(

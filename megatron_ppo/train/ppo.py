@@ -83,7 +83,8 @@ class PPOTrainer:
         self.logger = MetricsLogger(
             self.run.log_dir, trainer.logger, self.total_steps, config=config, run_id=self.run.identity.run_id
         )
-        self.actor = build_role_model("actor", config.model, layout)
+        replay = config.actor.router_replay.mode != "disabled"
+        self.actor = build_role_model("actor", config.model, layout, routing_replay=replay)
         self.ref = build_role_model("ref", config.model, config.ref.megatron) if config.needs_reference else None
         self.critic = build_role_model("critic", config.model, config.critic.megatron) if config.needs_critic else None
         if weights.actor:

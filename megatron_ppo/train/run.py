@@ -17,6 +17,7 @@ from megatron_ppo.convert.huggingface import converted_init_checkpoint
 from megatron_ppo.data.rows import read_rows
 from megatron_ppo.data.scoring import build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
+from megatron_ppo.data.values import RoutingShape
 from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 from megatron_ppo.parallel.ranks import describe_rank
 from megatron_ppo.train.evaluation import ValidationSet
@@ -69,9 +70,13 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
     scorer = build_scorer(config.reward)  # before any process group: a missing verl or custom file fails at once
     with distributed_run(config) as weights:
         tokenizer = load_tokenizer(config.model.tokenizer)
+        routing = None  # R3: the rows' routed experts, checked against the model
+        if config.actor.router_replay.mode == "R3":
+            routing = RoutingShape(model.num_layers, model.num_experts_per_tok, model.num_experts)
         rows, report = read_rows(
             config.data.train_files, tokenizer, config.data,
             rejects_path=os.path.join(config.trainer.default_local_dir, "rejects.jsonl"), scorer=scorer,
+            routing=routing,
         )  # fmt: skip
         validation = None
         if config.data.val_files:

@@ -24,6 +24,7 @@ from megatron_ppo import algo
 from megatron_ppo.config.schema import ActorConfig, CriticConfig, PPOConfig
 from megatron_ppo.models import RoleModel, run_micro_batches, vocab_parallel_log_probs
 from megatron_ppo.models.moe import clear_moe_aux_losses, moe_aux_loss_metrics
+from megatron_ppo.models.router_replay import ROUTED_EXPERTS
 from megatron_ppo.parallel.collectives import broadcast_from_last_stage, gather_data_parallel
 from megatron_ppo.parallel.ranks import data_parallel
 from megatron_ppo.train.batch import replica_micro_batches, select
@@ -233,8 +234,11 @@ def update_role(
 
     Metrics: the loss-function parts averaged over mini-batches, plus `{role}/grad_norm` (mean of the finite
     norms), `{role}/grad_norm_max`, `{role}/lr` and, for a MoE role with a load-balancing loss,
-    `{role}/moe_aux_loss` (`models.moe.moe_aux_loss_metrics`)."""
+    `{role}/moe_aux_loss` (`models.moe.moe_aux_loss_metrics`). With routing replay (the experience carries
+    `routed_experts`), every forward routes as recorded and `{role}/router_replay_mismatch` is the fraction of
+    (token, layer) pairs whose top-k set the live routers would have changed (`models.router_replay`)."""
     rows = experience["input_ids"].shape[0]
+    routing = "replay" if model.router_replay is not None and ROUTED_EXPERTS in experience else None
     per_mini_batch: list[Metrics] = []
     update = RoleUpdate()
     mini_batch_size = config.ppo_mini_batch_size
@@ -244,8 +248,12 @@ def update_role(
             _, _, micro_batches = replica_micro_batches(mini, micro.rows, micro.max_tokens)
             zero_grads(model, optimizer)
             clear_moe_aux_losses()
-            outputs = run_micro_batches(model, micro_batches, make_loss(mini_batch_counts(mini)), forward_only=False)
+            outputs = run_micro_batches(
+                model, micro_batches, make_loss(mini_batch_counts(mini)), forward_only=False, routing=routing
+            )
             moe_metrics = moe_aux_loss_metrics(role, model.config, len(micro_batches))  # already in the backward
+            if routing is not None and (mismatch := model.router_replay.take_mismatch()) is not None:
+                moe_metrics[f"{role}/router_replay_mismatch"] = mismatch
             result = optimizer_step(optimizer, config.optim.clip_grad)
             if not result.skipped:
                 scheduler.step(1)

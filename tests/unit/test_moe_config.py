@@ -12,6 +12,7 @@ from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig
 from megatron_ppo.models import build_transformer_config
 from megatron_ppo.models.moe import pad_tokens, routing_padding_mask
+from megatron_ppo.models.router_replay import replay_bypasses
 
 TINY_MOE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-moe-cpu.yaml"
 ALL_ROLES = ("actor", "ref", "critic")
@@ -114,3 +115,29 @@ def test_padding_for_the_allgather_dispatcher_goes_below_and_right_and_is_masked
     routing = routing_padding_mask(torch.tensor([3, 2]), (3, 5))
     expected = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(routing, expected), f"True where no real token: {routing}"
+
+
+def test_routing_replay_on_a_dense_model_is_refused() -> None:
+    message = _problems("actor.router_replay.mode=R2", recipe=TINY_MOE.with_name("tiny-cpu.yaml"))
+    assert "actor.router_replay.mode=R2" in message and "set actor.router_replay.mode=disabled" in message
+
+
+def test_routing_replay_refuses_router_paths_that_bypass_its_hook() -> None:
+    config = build_transformer_config(MOE, MegatronConfig(), with_aux_loss=True, routing_replay=True)
+    assert config.moe_enable_routing_replay and replay_bypasses(config) == []
+    config.moe_router_fusion = True  # the fused top-k returns before Megatron's replay hook
+    config.moe_router_load_balancing_type = "sinkhorn"
+    config.moe_expert_capacity_factor = 1.0
+    problems = " | ".join(replay_bypasses(config))
+    for fragment in ("moe_router_fusion", "sinkhorn", "moe_expert_capacity_factor"):
+        assert fragment in problems, problems
+    dense = build_transformer_config(ModelConfig(params_dtype="fp32"), MegatronConfig())
+    assert "dense" in replay_bypasses(dense)[0]
+
+
+def test_the_moe_recipes_turn_r2_on_and_the_tiny_one_can() -> None:
+    recipes = TINY_MOE.parent
+    for name in ("qwen3-30b-a3b.yaml", "qwen3-235b-a22b.yaml"):
+        assert load_config(recipes / name).actor.router_replay.mode == "R2", name
+        assert "router_replay" in (recipes / name).read_text().split("defaults:")[0], f"{name}: header says why"
+    assert load_config(TINY_MOE, ["actor.router_replay.mode=R2"]).actor.router_replay.mode == "R2"
