@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from functools import partial
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-from bench.common import measure
+from bench.common import measure, smallest
 from megatron_ppo import algo
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig
 from megatron_ppo.models import (
@@ -31,7 +32,12 @@ MODEL = ModelConfig(
     num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=8192, max_position_embeddings=256,
     params_dtype="fp32", position_embedding_type="rope",
 )  # fmt: skip
-MICRO_BATCHES, MICRO_BATCH, SEQ, REPEATS = 4, 4, 256, 5
+SMALLEST_MODEL = ModelConfig(
+    num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=256, max_position_embeddings=32,
+    params_dtype="fp32", position_embedding_type="rope",
+)  # fmt: skip
+# the model, micro-batches, rows per micro-batch, sequence length, timed rounds
+SIZES = {"full": (MODEL, 4, 4, 256, 5), "smallest": (SMALLEST_MODEL, 2, 2, 16, 1)}
 
 
 def seconds(fn) -> float:
@@ -40,24 +46,25 @@ def seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    shape, micro_batches, micro_batch, seq, repeats = SIZES["smallest" if smallest(argv, __doc__) else "full"]
     torch.set_num_threads(1)
     init_distributed(MegatronConfig(), seed=0)
-    actor = build_role_model("actor", MODEL, MegatronConfig())
+    actor = build_role_model("actor", shape, MegatronConfig())
     gen = torch.Generator().manual_seed(0)
     batches = []
-    for _ in range(MICRO_BATCHES):
-        input_ids = torch.randint(0, MODEL.vocab_size, (MICRO_BATCH, SEQ), generator=gen)
+    for _ in range(micro_batches):
+        input_ids = torch.randint(0, shape.vocab_size, (micro_batch, seq), generator=gen)
         batches.append(
             {
                 "input_ids": input_ids,
                 "labels": torch.roll(input_ids, -1, 1),
-                "mask": torch.ones(MICRO_BATCH, SEQ),
-                "old_log_prob": -torch.rand(MICRO_BATCH, SEQ, generator=gen) * 8,
-                "advantages": torch.randn(MICRO_BATCH, SEQ, generator=gen),
+                "mask": torch.ones(micro_batch, seq),
+                "old_log_prob": -torch.rand(micro_batch, seq, generator=gen) * 8,
+                "advantages": torch.randn(micro_batch, seq, generator=gen),
             }
         )
-    tokens = MICRO_BATCHES * MICRO_BATCH * SEQ
+    tokens = micro_batches * micro_batch * seq
 
     def ppo_loss(batch, logits):
         log_prob, entropy = vocab_parallel_log_probs(logits, batch["labels"], with_entropy=True)
@@ -74,22 +81,22 @@ def main() -> None:
 
     def plain_forward_step(data_iterator, model):
         batch = next(data_iterator)
-        position_ids = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
-        logits = model(batch["input_ids"], position_ids, causal_attention_mask(SEQ))
+        position_ids = torch.arange(seq).expand(micro_batch, seq)
+        logits = model(batch["input_ids"], position_ids, causal_attention_mask(seq))
         return vocab_parallel_cross_entropy(logits, batch["labels"]), partial(lambda b, out: (out.mean(), {}), batch)
 
     def plain() -> None:
         zero_grad_buffers(actor)  # also waits for the last pass's overlapped gradient all-reduce
         get_forward_backward_func()(
             forward_step_func=plain_forward_step, data_iterator=iter(batches), model=actor.chunks[0],
-            num_microbatches=MICRO_BATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
+            num_microbatches=micro_batches, seq_length=seq, micro_batch_size=micro_batch, forward_only=False,
         )  # fmt: skip
 
     _, m_plain = measure(plain, 1)  # peak memory of each, after a warm-up call
     _, m_ours = measure(ours, 1)
-    rounds = [(seconds(plain), seconds(ours)) for _ in range(REPEATS)]
+    rounds = [(seconds(plain), seconds(ours)) for _ in range(repeats)]
     t_plain, t_ours = (statistics.median(times) for times in zip(*rounds, strict=True))
-    print(f"actor forward+backward, {tokens} tokens, {MODEL.num_layers}×{MODEL.hidden_size}, vocab {MODEL.vocab_size}")
+    print(f"actor forward+backward, {tokens} tokens, {shape.num_layers}×{shape.hidden_size}, vocab {shape.vocab_size}")
     print("TP=1, 1 thread")
     print(f"  plain Megatron (cross-entropy) : {t_plain * 1e3:8.1f} ms   peak +{m_plain:7.1f} MiB")
     print(f"  megatron-ppo (PPO loss)        : {t_ours * 1e3:8.1f} ms   peak +{m_ours:7.1f} MiB")

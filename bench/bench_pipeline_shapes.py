@@ -13,31 +13,34 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from bench.bench_ppo_step import synthetic_rows
-from bench.common import scratch_overrides
+from bench.common import scratch_overrides, smallest
 from megatron_ppo.config import load_config
 from megatron_ppo.models import schedule
 from megatron_ppo.parallel import destroy_distributed, init_distributed
 from megatron_ppo.train.ppo import PPOTrainer
 
-ROUNDS = 4
+# rounds, rows to draw batches from, batch, mini-batch and micro-batch rows
+SIZES = {"full": (4, 1024, 128, 64, 16), "smallest": (1, 64, 32, 32, 8)}
 LAYOUT = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    rounds, row_count, batch, mini, micro = SIZES["smallest" if smallest(argv, __doc__) else "full"]
     torch.set_num_threads(1)
     config = load_config("recipes/tiny-cpu.yaml", [
-        *scratch_overrides("pipeline-shapes"), "data.train_batch_size=128",
+        *scratch_overrides("pipeline-shapes"), f"data.train_batch_size={batch}",
         *(f"{role}.megatron.{key}={value}" for role in ("actor", "ref", "critic") for key, value in LAYOUT.items()),
         *(f"{role}.{key}={value}" for role in ("actor", "critic")
-          for key, value in (("ppo_mini_batch_size", 64), ("ppo_micro_batch_size_per_gpu", 16))),
+          for key, value in (("ppo_mini_batch_size", mini), ("ppo_micro_batch_size_per_gpu", micro))),
     ])  # fmt: skip
     init_distributed(config.actor.megatron, seed=0)
-    trainer = PPOTrainer(config, synthetic_rows(1024, config.model.vocab_size, seed=0), pad_id=0)
+    trainer = PPOTrainer(config, synthetic_rows(row_count, config.model.vocab_size, seed=0), pad_id=0)
     one_shape = schedule.pass_shape
 
     def exchanged(shapes):  # the former behaviour: every micro-batch its own shape, sent ahead of each message
@@ -46,7 +49,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"one shape per pass": [], "shapes exchanged": []}
     padding: dict[str, float] = {}
     trainer.iteration()  # warm-up
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for name, rule in (("one shape per pass", one_shape), ("shapes exchanged", exchanged)):
             schedule.pass_shape = rule
             start = time.perf_counter()
@@ -56,7 +59,7 @@ def main() -> None:
     schedule.pass_shape = one_shape
     if dist.get_rank() == 0:
         median = {name: statistics.median(seconds) for name, seconds in times.items()}
-        print(f"PP=2 PPO iteration, {config.data.train_batch_size} rows, micro-batches of 16, {ROUNDS} rounds")
+        print(f"PP=2 PPO iteration, {config.data.train_batch_size} rows, micro-batches of {micro}, {rounds} rounds")
         for name, seconds in median.items():
             print(f"  {name:20s}: {seconds * 1e3:8.1f} ms   padded / real tokens {padding[name]:.3f}")
         print(f"  ratio one shape / exchanged: {median['one shape per pass'] / median['shapes exchanged']:.3f}")

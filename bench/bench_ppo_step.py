@@ -8,11 +8,12 @@ Run: torchrun --nproc_per_node 2 -m bench.bench_ppo_step   (or `make bench`)
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from bench.common import measure, scratch_overrides
+from bench.common import measure, scratch_overrides, smallest
 from megatron_ppo.config import load_config
 from megatron_ppo.data.batching import dynamic_micro_batches, fixed_micro_batches, padding_fraction
 from megatron_ppo.data.rows import Row
@@ -21,7 +22,16 @@ from megatron_ppo.parallel import destroy_distributed, init_distributed
 from megatron_ppo.train.batch import collate, select
 from megatron_ppo.train.ppo import PPOTrainer
 
-REPEATS = 3
+# timed repeats, rows to draw batches from, overrides of the tiny recipe's batch sizes (smallest: 32-row batches)
+SMALL_BATCHES = [
+    "data.train_batch_size=32",
+    *(
+        f"{role}.{key}=16"
+        for role in ("actor", "critic")
+        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu")
+    ),
+]
+SIZES = {"full": (3, 4096, []), "smallest": (1, 64, SMALL_BATCHES)}
 
 
 def synthetic_rows(count: int, vocab: int, seed: int) -> list[Row]:
@@ -60,15 +70,16 @@ def skewed_padding() -> tuple[float, float]:
     return fixed, dynamic
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    repeats, row_count, batch_sizes = SIZES["smallest" if smallest(argv, __doc__) else "full"]
     torch.set_num_threads(1)
-    config = load_config("recipes/tiny-cpu.yaml", scratch_overrides("ppo-step"))
+    config = load_config("recipes/tiny-cpu.yaml", [*scratch_overrides("ppo-step"), *batch_sizes])
     init_distributed(config.actor.megatron, seed=0)
-    rows = synthetic_rows(4096, config.model.vocab_size, seed=0)
+    rows = synthetic_rows(row_count, config.model.vocab_size, seed=0)
     trainer = PPOTrainer(config, rows, pad_id=0)
     batch = collate(rows[: config.data.train_batch_size], pad_id=0)
-    t_ppo, _ = measure(trainer.iteration, REPEATS)
-    t_bare, _ = measure(lambda: bare_passes(trainer, batch), REPEATS)
+    t_ppo, _ = measure(trainer.iteration, repeats)
+    t_bare, _ = measure(lambda: bare_passes(trainer, batch), repeats)
     tokens = float(batch["lengths"].sum())
     fixed, dynamic = skewed_padding()
     if dist.get_rank() == 0:

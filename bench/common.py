@@ -1,11 +1,22 @@
-"""Helpers shared by the benchmarks: wall time, the process's peak resident memory, and a scratch run's overrides."""
+"""Helpers shared by the benchmarks: wall time, the process's peak resident memory, a scratch run's overrides, and
+the command line every bench module takes (`--smallest`)."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+
+def smallest(argv: Sequence[str] | None, doc: str | None) -> bool:
+    """A bench module's command line: `--smallest` runs it at its smallest size, in seconds — the test suite's smoke
+    run (`tests/distributed/test_bench_smoke.py`), which checks that it works, not what it measures; without it,
+    the benchmark's own sizes (`make bench`)."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0] if doc else None)
+    parser.add_argument("--smallest", action="store_true", help="the smallest size (seconds; its numbers mean nothing)")
+    return parser.parse_args(argv).smallest
 
 
 def reset_peak_rss() -> None:

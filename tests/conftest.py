@@ -7,15 +7,23 @@
     floor        the set also run on the oldest megatron-core and torch the package admits (`make test-floor`): every
                  unit test, and the distributed and e2e tests that mark themselves
 
-`make test-fast` runs everything but e2e and slurm; `make test` runs all of it."""
+`make test-fast` runs everything but e2e and slurm; `make test` runs all of it. `--shuffle SEED` runs the tests in an
+order drawn from SEED (the modules shuffled, and the tests inside each: module fixtures are still built once), so a
+test that leans on another's side effects shows; the seed is in the header, to repeat an order."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 
 TIERS = {"unit": "unit", "parity": "unit", "distributed": "distributed", "e2e": "e2e", "slurm": "slurm", "drill": "e2e"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shuffle", metavar="SEED", type=int, default=None,
+                     help="run the modules, and the tests inside each, in an order drawn from SEED")  # fmt: skip
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -29,16 +37,19 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
 
 
-def pytest_report_header() -> str:
+def pytest_report_header(config: pytest.Config) -> list[str]:
     import megatron.core
     import torch
 
-    return (
-        f"megatron-core {megatron.core.__version__} ({Path(megatron.core.__file__).parent}), torch {torch.__version__}"
-    )
+    seed = config.getoption("--shuffle")
+    return [
+        f"megatron-core {megatron.core.__version__} ({Path(megatron.core.__file__).parent}), torch {torch.__version__}",
+        *([f"tests shuffled: --shuffle {seed}"] if seed is not None else []),
+    ]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(trylast=True)  # after pytest's own ordering (by fixture), so that `--shuffle` has the last word
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests_root = Path(__file__).parent
     for item in items:
         parts = Path(item.path).relative_to(tests_root).parts
@@ -47,3 +58,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(tier)
         if tier == "unit":
             item.add_marker("floor")
+    seed = config.getoption("--shuffle")
+    if seed is not None:
+        rng = random.Random(seed)
+        modules: dict[Path, list[pytest.Item]] = {}
+        for item in items:
+            modules.setdefault(Path(item.path), []).append(item)
+        groups = list(modules.values())
+        rng.shuffle(groups)
+        for group in groups:
+            rng.shuffle(group)
+        items[:] = [item for group in groups for item in group]

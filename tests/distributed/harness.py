@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.support.ports import free_port
+from tests.support.ports import on_a_free_port
 
 # What the forkserver imports before it forks anything: the heavy libraries and every worker module here.
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron_ppo.train.run", "megatron_ppo.convert.huggingface",
@@ -47,20 +47,13 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     """fn(rank, world_size, *args) on `world_size` fresh processes (one thread each, a fresh port); returns the
     results by rank, or raises with the first failing rank's traceback. A port taken by another process between
     `free_port()` and the rendezvous (two suites on one machine) is tried again on another port, twice at most."""
-    for attempt in range(3):
-        try:
-            return _launch(fn, world_size, args, timeout_s)
-        except AssertionError as error:
-            if "EADDRINUSE" not in str(error) or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    return on_a_free_port(lambda port: _launch(fn, world_size, port, args, timeout_s))
 
 
-def _launch(fn: Callable, world_size: int, args: tuple, timeout_s: float) -> list[Any]:
+def _launch(fn: Callable, world_size: int, port: int, args: tuple, timeout_s: float) -> list[Any]:
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     results = context.Queue()
-    port = free_port()
     processes = [
         context.Process(target=_child, args=(fn, rank, world_size, port, args, results), daemon=False)
         for rank in range(world_size)

@@ -20,9 +20,13 @@ from tests.distributed.update_workers import grpo_rows
 from tests.distributed.workers import weights
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
+# every kind for each trained role, the frozen reference's parameters (spelled out: tests/unit/test_cpu_coverage.py
+# reads which flags this test sets)
 ALL_OFFLOADED = [
-    f"{role}.megatron.{kind}_offload=true" for role in ("actor", "critic") for kind in ("param", "grad", "optimizer")
-] + ["ref.megatron.param_offload=true"]
+    *(f"{role}.megatron.{kind}=true" for role in ("actor", "critic")
+      for kind in ("param_offload", "grad_offload", "optimizer_offload")),
+    "ref.megatron.param_offload=true",
+]  # fmt: skip
 
 
 def _config(root: str, offload: bool, extra: list[str] = (), distributed_optimizer: bool = False) -> PPOConfig:

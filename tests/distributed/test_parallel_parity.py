@@ -114,10 +114,19 @@ def test_grad_norm_and_updated_weights_match_single_process(parity, name: str) -
     assert_grad_norms_and_weights_match(parity, name)
 
 
-def test_sequence_parallel_parity_runs_micro_batch_widths_tp_does_not_divide() -> None:
-    lengths = [len(row.prompt_ids) + len(row.response_ids) for row in workers.rows(workers.ROWS, seed=3)]
-    widths = [max(lengths[i : i + 2]) for i in range(0, len(lengths), 2)]  # micro-batches of 2 rows (ppo_config)
-    assert any(width % 2 for width in widths), f"tp2-sp needs an odd micro-batch width to pad, got {widths}"
+@pytest.mark.parametrize(("name", "without"), [("tp2-sp", "tp2")])
+def test_sequence_parallel_splits_micro_batches_over_tp_padding_odd_widths(parity, name: str, without: str) -> None:
+    """Under sequence parallelism the decoders take each micro-batch's sequence split over the TP ranks, `[s/TP, b,
+    h]`, its width padded to a multiple of TP; without it, the whole widths, some odd here (rows of 6–12 tokens in
+    micro-batches of 2), so the padding is exercised. That these runs equal TP=1: the parity tests above."""
+
+    def widths(layout: str) -> list[list[int]]:  # the sequence lengths entering the decoders, pass by pass (rank 0)
+        passes = parity["reports"][layout][0]["pipeline_passes"]
+        return [sorted({shape[0] for shape in seen["shapes"]}) for seen in passes]
+
+    whole, split = widths(without), widths(name)
+    assert any(width % 2 for pass_widths in whole for width in pass_widths), f"{without}: no odd width to pad: {whole}"
+    assert split == [sorted({-(-width // 2) for width in pass_widths}) for pass_widths in whole], (whole, split)
 
 
 @pytest.mark.parametrize(

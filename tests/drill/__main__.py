@@ -1,8 +1,9 @@
 """`make drill`: the tiny recipe with seven faults injected at fixed steps (`faults.py`); each guard must fire where
 expected, and nowhere else, each rollback must load the good checkpoint it names, the KL must be back under
-`guards.kl_explosion_threshold` after it, and the run must still improve held-out accuracy by ≥ 0.15 over its SFT
-start. Then a guard stop: a short run whose NaN gradients stop it, leaving its good checkpoint. Every guard but the
-optional plateau back-off (unit-tested) answers one of the faults.
+`guards.kl_explosion_threshold` after it, the evaluation drop's rollback must load the best evaluation's checkpoint,
+and the run must still improve held-out accuracy over its SFT start by ≥ 0.15 (≥ 0.10 under `--short`). Then a
+guard stop: a short run whose NaN gradients stop it, leaving its good checkpoint. Every guard but the optional
+plateau back-off (unit-tested) answers one of the faults.
 
     torchrun --nproc_per_node 2 -m tests.drill recipes/tiny-cpu.yaml [--short | --stop | --oom-one-rank]
         [--plot FILE] [key=value ...]
@@ -66,7 +67,9 @@ ONE_RANK_OOM = ["trainer.total_training_steps=4", "trainer.save_freq=1", "traine
 GUARDS = ["guards.grad_norm_window=4", "guards.loss_explosion_factor=100", "guards.kl_bump_threshold=2.0",
           "guards.watch=[{metric: actor/ref_kl, max: 2.0, action: warn}]", "guards.max_rollbacks=4",
           "trainer.resume_mode=disable"]  # fmt: skip
-MIN_GAIN = 0.15
+# The held-out accuracy gain the drill needs over its SFT start, about half of what it measures (full: `make drill`;
+# short, the test suite's: 0.570 → 0.775, +0.205, with its four rollbacks in 12 steps).
+MIN_GAIN = {"full": 0.15, "short": 0.10}
 
 
 def stop_run(config: PPOConfig) -> GuardStopped | None:
@@ -120,10 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         row, stop_problems = check_stop(stopped, stopping, STOP_AT)
         rows.append(row)
         problems += stop_problems
-    gain = summary["accuracy_after"] - summary["accuracy_before"]
-    if not args.short and gain < MIN_GAIN:
+    gain, min_gain = summary["accuracy_after"] - summary["accuracy_before"], MIN_GAIN["short" if args.short else "full"]
+    if gain < min_gain:
         problems.append(f"held-out accuracy rose by {gain:.3f} (SFT {summary['accuracy_before']:.3f} → "
-                        f"{summary['accuracy_after']:.3f}); the drill needs ≥ {MIN_GAIN}")  # fmt: skip
+                        f"{summary['accuracy_after']:.3f}); the drill needs ≥ {min_gain}")  # fmt: skip
     drill_table(rows, summary)
     if args.plot:
         marks = [(fault.step, fault.name) for fault in faults]

@@ -30,6 +30,8 @@ import megatron_ppo.tasks.addition.recipe as recipe_module
 import megatron_ppo.train.ppo as ppo_module
 import megatron_ppo.train.update as update_module
 
+BEST_EVAL = "best_eval"  # an evaluation drop returns to the checkpoint saved at the best evaluation the run holds
+
 
 @dataclass(frozen=True)
 class Fault:
@@ -37,7 +39,9 @@ class Fault:
     step: int  # the iteration it is injected in (eval_drop: the evaluation after that iteration)
     guards: tuple[str, ...]  # the guards that must answer it, the one that repairs it first
     fires_at: int  # the step at which they must fire
-    loads: int | None = None  # the step of the checkpoint its rollback must load (None: no rollback, or any)
+    # the step of the checkpoint its rollback must load; BEST_EVAL: the best evaluation's, read from the run's own
+    # evaluations; None: no rollback
+    loads: int | str | None = None
 
 
 def schedule(
@@ -52,7 +56,7 @@ def schedule(
         Fault("out_of_memory", oom[0], ("out_of_memory",), oom[0]),
         Fault("out_of_memory_mid_phase", oom[1], ("out_of_memory",), oom[1]),
         Fault("kl_blowup", blowup[0], kl_guards, blowup[0], loads=blowup[1]),  # the update's own KL sees it
-        Fault("eval_drop", drop, ("eval_drop",), drop),
+        Fault("eval_drop", drop, ("eval_drop",), drop, loads=BEST_EVAL),
         # its last step is seen in the next iteration, after the save: the rollback passes that save over
         Fault("kl_blowup_at_save", at_save[0], kl_guards, at_save[0] + 1, loads=at_save[1]),
     ]

@@ -15,7 +15,7 @@ from tensorboard.util import tensor_util
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.runs.report import find_runs
 from megatron_ppo.train.guards import GUARD_STOP_EXIT, UPDATE_KL, GuardStopped
-from tests.drill.faults import Fault
+from tests.drill.faults import BEST_EVAL, Fault
 
 # Events that report rather than correct: they do not make an iteration unclean.
 NOT_CORRECTIONS = ("guard/watch", "guard/lr_floor", "guard/rollback")
@@ -44,8 +44,9 @@ def _accumulator(log_dir: str | Path) -> EventAccumulator:
 
 def check(log_dir: str | Path, faults: list[Fault], kl_threshold: float) -> tuple[list[DrillRow], list[str]]:
     """One row per fault, and what went wrong: a guard that did not fire at its fault's step, or fired elsewhere; a
-    rollback that loaded another checkpoint than the fault's `loads`; a KL fault whose recovering iteration's KL is
-    not back under `kl_threshold`."""
+    rollback that loaded another checkpoint than the fault's `loads` (`BEST_EVAL`: the step of the best evaluation
+    the run held when the guard fired, `_best_evaluation`); a KL fault whose recovering iteration's KL is not back
+    under `kl_threshold`."""
     accumulator = _accumulator(log_dir)
     tags = accumulator.Tags()
     guard_events = {tag: accumulator.Scalars(tag) for tag in tags["scalars"] if tag.startswith("guard/")}
@@ -73,9 +74,12 @@ def check(log_dir: str | Path, faults: list[Fault], kl_threshold: float) -> tupl
             problems.append(f"{fault.name}: no clean iteration after {tag} fired")
         message = messages.get((tag, fault.fires_at), b"").decode()
         rollback = messages.get(("guard/rollback", fault.fires_at), b"").decode()
-        loaded = match.group(1) if (match := re.search(r"rolled back to \S*?(step_\d+)", rollback)) else ""
-        if fault.loads is not None and loaded != f"step_{fault.loads}":
-            problems.append(f"{fault.name}: its rollback loaded {loaded or 'nothing'}, expected step_{fault.loads}")
+        loaded = _loaded(rollback) or ""
+        loads = fault.loads
+        if loads == BEST_EVAL:
+            loads = None if at is None else _best_evaluation(accumulator, at.wall_time)
+        if fault.loads is not None and (loads is None or loaded != f"step_{loads}"):
+            problems.append(f"{fault.name}: its rollback loaded {loaded or 'nothing'}, expected step_{loads}")
         kl_after = None
         if at is not None and recovered is not None:
             kl_after = next((e.value for e in kls if e.wall_time > at.wall_time and e.step == recovered), None)
@@ -107,6 +111,31 @@ def check_stop(stopped: GuardStopped | None, config: PPOConfig, step: int) -> tu
         problems.append(f"guard/nonfinite fired at steps {fired} of the stop run, expected exactly [{step}]")
     row = DrillRow("guard_stop", step, "nonfinite", fired, message, None, f"{named} (left)")
     return row, problems
+
+
+def _loaded(message: str) -> str | None:
+    """The checkpoint (`step_N`) a `guard/rollback` message says it loaded."""
+    return match.group(1) if (match := re.search(r"rolled back to \S*?(step_\d+)", message)) else None
+
+
+def _best_evaluation(accumulator: EventAccumulator, before: float) -> int | None:
+    """The step of the best `eval/reward_mean` (the first of equals) the run held at wall time `before`, as the
+    trainer keeps it: every evaluation logged until then, less those a rollback forgot — an evaluation at a step
+    past the checkpoint an earlier rollback loaded went with the iterations it passed over (`PPOTrainer._roll_back`)."""
+    timeline = [(e.wall_time, "eval", e.step, e.value) for e in accumulator.Scalars("eval/reward_mean")]
+    timeline += [(e.wall_time, "rollback", e.step, tensor_util.make_ndarray(e.tensor_proto).reshape(-1)[0].decode())
+                 for e in accumulator.Tensors("guard/rollback/text_summary")]  # fmt: skip
+    held: list[tuple[int, float]] = []
+    for wall_time, kind, step, value in sorted(timeline, key=lambda event: event[0]):
+        if kind == "eval" and wall_time <= before:
+            held.append((step, value))
+        elif kind == "rollback" and wall_time < before and (loaded := _loaded(value)) is not None:  # not its own
+            held = [(s, v) for s, v in held if s <= int(loaded.removeprefix("step_"))]
+    best = None
+    for step, value in held:
+        if best is None or value > best[1]:
+            best = (step, value)
+    return None if best is None else best[0]
 
 
 def _first_clean_iteration(after: float, iterations: list[tuple[float, int]], corrections: list[float]) -> int | None:

@@ -25,7 +25,8 @@ METRICS = [
 
 
 # The one uninterrupted run: every resume below runs this config and is compared with it step by step.
-TWELVE_STEPS = ["trainer.total_training_steps=12", "trainer.save_freq=2"]
+LAST_STEP = 12
+TWELVE_STEPS = [f"trainer.total_training_steps={LAST_STEP}", "trainer.save_freq=2"]
 
 
 @pytest.fixture(scope="module")
@@ -46,22 +47,39 @@ def test_every_metric_is_logged_and_finite(tiny) -> None:
     assert not bad, f"non-finite values logged: {bad}"
 
 
+# Half the held-out gain the README measures for the tiny recipe (`make train`: 0.585 → 0.925, +0.34; the staged
+# run of `make compare-kl`: +0.375). This shortened run measured 0.570 → 0.810 (+0.240; 0.795 at step 4, 0.745 at 8).
+MIN_GAIN = 0.17
+# The band each KL stage's mean KL per token must lie in, as a multiple of its target, for the stages with at least
+# MIN_STAGE_STEPS steps (the controller needs a few to reach its target). Measured (kl/mean ÷ kl/target, one value
+# per step): early (1 step, KL rising from the warm-up's 0) 0.08; mid (steps 3–8) 0.23, 0.81, 1.11, 1.78, 2.51,
+# 2.80, mean 1.54; late (steps 9–12) 1.82, 1.05, 0.89, 0.69, mean 1.11. Every stage's mean stays under the upper
+# bound. The runs are deterministic on one machine (two runs gave the same values); the margins are for others.
+KL_BAND = (0.5, 2.0)
+MIN_STAGE_STEPS = 3
+
+
 def test_ppo_raises_the_held_out_reward_over_the_sft_start(tiny) -> None:
+    """By at least half the gain the README measures (MIN_GAIN)."""
     evaluations = tiny["scalars"]["eval/reward_mean"]
     start, end = evaluations[0], evaluations[max(evaluations)]
-    assert end >= start + 0.10, f"held-out reward went from {start:.3f} (SFT) to {end:.3f} after PPO"
+    assert end >= start + MIN_GAIN, f"held-out reward went from {start:.3f} (SFT) to {end:.3f} after PPO"
 
 
 def test_kl_stays_near_each_stage_target(tiny) -> None:
+    """Each stage's mean KL per token within KL_BAND × its target (the stages too short to reach it: under)."""
     logged = tiny["scalars"]
     by_stage: dict[int, list[float]] = {}
     for step, stage in logged["kl/stage"].items():
         if step in logged.get("kl/target", {}):
             by_stage.setdefault(int(stage), []).append(logged["kl/mean"][step] / logged["kl/target"][step])
-    assert by_stage, "no staged KL targets were logged"
+    assert sum(len(ratios) >= MIN_STAGE_STEPS for ratios in by_stage.values()) >= 2, f"too few staged steps {by_stage}"
+    low, high = KL_BAND
     for stage, ratios in by_stage.items():
         mean_ratio = sum(ratios) / len(ratios)
-        assert mean_ratio < 3.0, f"stage {stage}: KL averaged {mean_ratio:.2f} × its target"
+        assert mean_ratio <= high, f"stage {stage}: KL averaged {mean_ratio:.2f} × its target (ratios {ratios})"
+        if len(ratios) >= MIN_STAGE_STEPS:
+            assert mean_ratio >= low, f"stage {stage}: KL averaged only {mean_ratio:.2f} × its target ({ratios})"
 
 
 def test_the_run_ends_with_the_summary_table(tiny) -> None:
@@ -70,8 +88,8 @@ def test_the_run_ends_with_the_summary_table(tiny) -> None:
 
 COMPARED = ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "critic/vf_loss", "kl/mean", "kl/coef", "reward/mean",
             "actor/grad_norm")  # fmt: skip
-# A resumed job stops at step 6 or 4 (`trainer.exit_interval`): what it must show is in its first steps.
-UNTIL_6, UNTIL_4 = "trainer.exit_interval=6", "trainer.exit_interval=4"
+# A resumed job stops at step 4 (`trainer.exit_interval`): what it must show is in its first steps.
+UNTIL_4 = "trainer.exit_interval=4"
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +99,16 @@ def uninterrupted(tiny) -> dict[str, dict[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def killed_at_step_2(tiny, tmp_path_factory) -> Path:
-    """The same run at TP=2, SIGKILLed (workers included) as soon as `latest` names `step_2`: its checkpoint folder,
-    which each test that resumes it copies first."""
+def killed_at_step_2(tiny, tmp_path_factory) -> tuple[Path, int]:
+    """The same run at TP=2, SIGKILLed (workers included) as soon as `latest` names `step_2` (or, on a machine too
+    loaded to look in between, a later save): its checkpoint folder, which each test that resumes it copies first,
+    and the step it holds."""
     directory = tmp_path_factory.mktemp("killed")
-    run_and_kill_after_checkpoint(2, [*tiny["common"], f"trainer.default_local_dir={directory}/ckpt",
-                                      f"trainer.log_dir={directory}/tb"], directory / "ckpt", 2,
-                                  directory / "killed.log")  # fmt: skip
-    return directory / "ckpt"
+    step = run_and_kill_after_checkpoint(2, [*tiny["common"], f"trainer.default_local_dir={directory}/ckpt",
+                                             f"trainer.log_dir={directory}/tb"], directory / "ckpt", 2,
+                                         directory / "killed.log")  # fmt: skip
+    assert step < LAST_STEP, f"the kill came after the run's last save (step_{step})"
+    return directory / "ckpt", step
 
 
 def _assert_same_after(resumed, uninterrupted, steps, tags=COMPARED, rel_tol=1e-6, abs_tol=1e-6) -> None:
@@ -99,28 +119,36 @@ def _assert_same_after(resumed, uninterrupted, steps, tags=COMPARED, rel_tol=1e-
             )
 
 
+def until(step: int) -> list[str]:
+    """A job that stops after `step` (`trainer.exit_interval`), or at the run's end."""
+    return [f"trainer.exit_interval={step}"] if step < LAST_STEP else []
+
+
 def test_resume_after_sigkill_then_a_preemption_signal_reproduces_the_uninterrupted_run(
     tiny, uninterrupted, killed_at_step_2, tmp_path: Path
 ) -> None:
     """One run in three jobs: killed after its step-2 checkpoint; resumed, then preempted (SIGUSR1 to the training
-    processes, as Slurm sends it) after step 3 with the regular saves off, so the checkpoint it leaves is the
-    preemption's own and the job exits 75 for the requeue; resumed again to step 6 (its job budget). Same layout
-    and processes as the uninterrupted run, so every step after each resume equals it to float precision."""
+    processes, as Slurm sends it) once the step after it is logged, with the regular saves off, so the checkpoint it
+    leaves is the preemption's own (at the step the signal lands after, by the machine's load) and the job exits 75
+    for the requeue; resumed again for two steps (its job budget). Same layout and processes as the uninterrupted
+    run, so every step after each resume equals it to float precision."""
+    killed, killed_step = killed_at_step_2
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(killed_at_step_2, ckpt)
+    shutil.copytree(killed, ckpt)
     common = [*tiny["common"], f"trainer.default_local_dir={ckpt}"]
-    status = run_and_signal_after_step(2, [*common, "trainer.save_freq=0", f"trainer.log_dir={tmp_path}/tb1"], 3,
-                                       signal.SIGUSR1, tmp_path / "b.log")  # fmt: skip
+    status = run_and_signal_after_step(2, [*common, "trainer.save_freq=0", f"trainer.log_dir={tmp_path}/tb1"],
+                                       killed_step + 1, signal.SIGUSR1, tmp_path / "b.log")  # fmt: skip
     log = (tmp_path / "b.log").read_text()
-    assert "resumed from" in log and "step_2" in log, log[-3000:]
+    assert "resumed from" in log and f"step_{killed_step}" in log, log[-3000:]
     assert status != 0 and "exiting with 75" in log, f"exit {status}; log tail:\n{log[-3000:]}"
     saved_step = int((ckpt / "latest").read_text().strip().removeprefix("step_"))
-    assert 3 <= saved_step < 6, f"the preemption checkpoint is at step {saved_step}"
+    assert killed_step < saved_step < LAST_STEP, f"the preemption checkpoint is at step {saved_step}"
     resumed_once = scalars(tmp_path / "tb1")
-    _assert_same_after(resumed_once, uninterrupted, steps=range(3, saved_step + 1))
-    run(2, [*common, UNTIL_6, f"trainer.log_dir={tmp_path}/tb2"], tmp_path / "c.log")
+    _assert_same_after(resumed_once, uninterrupted, steps=range(killed_step + 1, saved_step + 1))
+    end = min(saved_step + 2, LAST_STEP)
+    run(2, [*common, *until(end), f"trainer.log_dir={tmp_path}/tb2"], tmp_path / "c.log")
     assert f"step_{saved_step}" in (tmp_path / "c.log").read_text()
-    _assert_same_after(scalars(tmp_path / "tb2"), uninterrupted, steps=range(saved_step + 1, 7))
+    _assert_same_after(scalars(tmp_path / "tb2"), uninterrupted, steps=range(saved_step + 1, end + 1))
 
 
 TP1 = [f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")]
@@ -146,14 +174,15 @@ def _assert_same_step_across_layouts(ours, reference, steps) -> None:
 def test_resume_at_tp1_from_a_tp2_checkpoint_continues_the_run(tiny, uninterrupted, killed_at_step_2, tmp_path) -> None:
     """Saved at TP=2 on 2 processes, resumed at TP=1 on 1 process, optimizer states included: Megatron reshards the
     checkpoint; the first step after it equals the uninterrupted TP=2 run's, and the run goes on."""
+    killed, step = killed_at_step_2
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(killed_at_step_2, ckpt)
-    run(1, [*tiny["common"], *TP1, UNTIL_4, f"trainer.default_local_dir={ckpt}", f"trainer.log_dir={tmp_path}/tb"],
-        tmp_path / "b.log")  # fmt: skip
+    shutil.copytree(killed, ckpt)
+    run(1, [*tiny["common"], *TP1, *until(step + 2), f"trainer.default_local_dir={ckpt}",
+            f"trainer.log_dir={tmp_path}/tb"], tmp_path / "b.log")  # fmt: skip
     assert "resumed from" in (tmp_path / "b.log").read_text()
     resumed = scalars(tmp_path / "tb")
-    _assert_same_step_across_layouts(resumed, uninterrupted, steps=[3])
-    assert sorted(resumed["actor/pg_loss"]) == [3, 4]
+    _assert_same_step_across_layouts(resumed, uninterrupted, steps=[step + 1])
+    assert sorted(resumed["actor/pg_loss"]) == list(range(step + 1, min(step + 2, LAST_STEP) + 1))
 
 
 def test_tp1_first_steps_then_a_resume_at_tp2_follow_the_tp2_run(tiny, uninterrupted, tmp_path: Path) -> None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.ports import free_port
+from tests.support.ports import on_a_free_port
 from tests.support.tiny import RECIPE, REPO
 
 QUICK = [
@@ -32,14 +33,19 @@ QUICK = [
 
 def train(directory: Path, overrides: list[str], log: Path, subcommand: str = "train") -> int:
     """`python -m megatron_ppo train` (or another recipe subcommand) as one process, with its own rendezvous port
-    and console lines unwrapped; the exit status."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port()),
-           "COLUMNS": "1000"}  # fmt: skip
+    (another when it was taken) and console lines unwrapped; the exit status."""
     command = [sys.executable, "-m", "megatron_ppo", subcommand, str(RECIPE), *QUICK,
                f"data.addition.work_dir={directory}/work", f"trainer.default_local_dir={directory}/ckpt",
                f"trainer.log_dir={directory}/tb", *overrides]  # fmt: skip
-    with log.open("w") as out:
-        return subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=900).returncode
+
+    def launch(port: int) -> int:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(port),
+               "COLUMNS": "1000"}  # fmt: skip
+        with log.open("w") as out:
+            return subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=900).returncode  # fmt: skip
+
+    return on_a_free_port(launch, log=lambda status: log.read_text() if status else "")
 
 
 def run_id(checkpoint: Path) -> str:
@@ -47,12 +53,19 @@ def run_id(checkpoint: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory) -> Path:
-    """Run A: 6 steps, a checkpoint every 2, the last 2 kept."""
+def run_a(tmp_path_factory) -> Path:
+    """Run A: 6 steps, a checkpoint every 2, the last 2 kept. Never changed: each test works on its own copy."""
     directory = tmp_path_factory.mktemp("two-runs")
     status = train(directory, ["trainer.total_training_steps=6", "trainer.resume_mode=disable"], directory / "a.log")
     assert status == 0, (directory / "a.log").read_text()[-3000:]
     return directory
+
+
+@pytest.fixture
+def first_run(run_a: Path, tmp_path: Path) -> Path:
+    """This test's copy of run A's directory (task cache, checkpoints, TensorBoard folder), so that what one test
+    does there (a second run moving run A aside) is not another's start, in any order."""
+    return Path(shutil.copytree(run_a, tmp_path / "two-runs"))
 
 
 @pytest.mark.floor

@@ -9,12 +9,13 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from slurm.local_cluster import LocalSlurm, SlurmUnavailable
-from tests.support.ports import free_port
+from tests.support.ports import free_port, on_a_free_port, port_taken
 from tests.support.tensorboard import scalars
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,17 +46,18 @@ def runs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runs")
 
 
-def submit(cluster: LocalSlurm, logs: Path, overrides: list[str], *extra: str) -> list[str]:
+def submit(cluster: LocalSlurm, logs: Path, overrides: list[str], *extra: str, port: int | None = None) -> list[str]:
     """`python slurm/submit.py` against the cluster; the submitted job ids."""
     command = [sys.executable, "slurm/submit.py", RECIPE, "--log-dir", str(logs), *extra, *SHORT, *overrides]
-    result = subprocess.run(command, cwd=REPO, env=job_env(cluster), capture_output=True, text=True, check=False)
+    env = job_env(cluster, free_port() if port is None else port)
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     return re.findall(r"submitted job (\d+)", result.stdout)
 
 
-def job_env(cluster: LocalSlurm) -> dict[str, str]:
-    """The submitting shell's environment (sbatch passes it to the job) with a free rendezvous port."""
-    return {**cluster.env, "MASTER_PORT": str(free_port())}
+def job_env(cluster: LocalSlurm, port: int) -> dict[str, str]:
+    """The submitting shell's environment (sbatch passes it to the job) with the job's rendezvous port."""
+    return {**cluster.env, "MASTER_PORT": str(port)}
 
 
 def job_log(logs: Path, job_id: str) -> str:
@@ -68,11 +70,26 @@ def logged_steps(log: str) -> list[int]:
     return [int(step) for step in re.findall(r" step (\d+): reward", log)]
 
 
-def wait_for_line(logs: Path, job_id: str, text: str, timeout_s: float = 300) -> None:
+def wait_for_line(cluster: LocalSlurm, logs: Path, job_id: str, text: str, timeout_s: float = 600) -> bool:
+    """Wait until `text` is in the job's log (True), or the job has ended without it (False)."""
     deadline = time.monotonic() + timeout_s
     while text not in job_log(logs, job_id):
+        if cluster.job(job_id).get("JobState") in DONE:
+            return text in job_log(logs, job_id)
         assert time.monotonic() < deadline, f"{text!r} never appeared; log:\n{job_log(logs, job_id)[-3000:]}"
         time.sleep(0.2)
+    return True
+
+
+def until_done(cluster: LocalSlurm, logs: Path, submit_one: Callable[[int], str], timeout_s: float) -> tuple[str, dict]:
+    """`submit_one(port)` (a job id) waited for until it ends; submitted again on another port when its rendezvous
+    found the port taken (another job on this machine had it by then): (its id, `scontrol show job`)."""
+
+    def launch(port: int) -> tuple[str, dict]:
+        job_id = submit_one(port)
+        return job_id, cluster.wait_for(job_id, DONE, timeout_s=timeout_s)
+
+    return on_a_free_port(launch, log=lambda done: "" if done[1]["JobState"] == "COMPLETED" else job_log(logs, done[0]))
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +99,14 @@ def first_job(cluster: LocalSlurm, runs: Path) -> dict:
     overrides += ["trainer.total_training_steps=4", "trainer.save_freq=2"]
     make = ["make", "--no-print-directory", "submit", f"RECIPE={RECIPE}", f"LOG_DIR={logs}",
             f"OVERRIDES={' '.join([*SHORT, *overrides])}"]  # fmt: skip
-    result = subprocess.run(make, cwd=REPO, env=job_env(cluster), capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-    (job_id,) = re.findall(r"submitted job (\d+)", result.stdout)
-    job = cluster.wait_for(job_id, DONE, timeout_s=600)
+
+    def submit_one(port: int) -> str:
+        result = subprocess.run(make, cwd=REPO, env=job_env(cluster, port), capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+        (job_id,) = re.findall(r"submitted job (\d+)", result.stdout)
+        return job_id
+
+    job_id, job = until_done(cluster, logs, submit_one, timeout_s=600)
     return {"id": job_id, "job": job, "log": job_log(logs, job_id), "logs": logs, "out": runs / "first"}
 
 
@@ -119,8 +140,13 @@ def test_a_failing_job_ends_failed_with_the_error_in_its_log(cluster: LocalSlurm
 def test_preemption_checkpoints_requeues_and_resumes(cluster: LocalSlurm, runs: Path, first_job) -> None:
     logs, out = runs / "logs", runs / "preempted"
     overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=10"]
-    (job_id,) = submit(cluster, logs, overrides)
-    wait_for_line(logs, job_id, " step 2: reward")
+    # The signal goes as soon as the run has started (its preemption watch is on before any model is built; a
+    # signal before the first step is acted on after it), so it lands in the first steps of ten, never after the
+    # last, however loaded the machine: one preemption, one restart.
+    for port in (free_port() for _ in range(3)):
+        (job_id,) = submit(cluster, logs, overrides, port=port)
+        if wait_for_line(cluster, logs, job_id, "run step 0:") or not port_taken(job_log(logs, job_id)):
+            break
     subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)
     job = cluster.wait_for(job_id, DONE, timeout_s=300)
     log = job_log(logs, job_id)
@@ -157,8 +183,8 @@ def test_two_nodes_one_task_each_rendezvous_on_the_first(cluster: LocalSlurm, ru
     logs, out = runs / "logs", runs / "two-nodes"
     overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=2",
                  "cluster.gpus_per_node=1"]  # fmt: skip
-    (job_id,) = submit(cluster, logs, overrides, "--nodes", "2")
-    job = cluster.wait_for(job_id, DONE, timeout_s=300)
+    job_id, job = until_done(cluster, logs, lambda port: submit(cluster, logs, overrides, "--nodes", "2", port=port)[0],
+                             timeout_s=300)  # fmt: skip
     log = job_log(logs, job_id)
     assert job["JobState"] == "COMPLETED" and job["NumNodes"] == "2", (job, log[-3000:])
     first, second = cluster.nodes

@@ -24,18 +24,23 @@ LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "l
 QWEN3_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True}
 
 
-def save_hf_model(kind: str, directory: Path, tied: bool, rope: dict | None = None) -> Path:
-    """A small random `transformers` model of `kind` (llama, qwen2, qwen3, qwen3_moe; Qwen3 with head_dim 32 ≠
-    hidden/heads, as in Qwen3-32B; Qwen3-MoE with `QWEN3_MOE`'s experts in every layer), its norm weights drawn
-    around 1 so that a misplaced norm changes the logits."""
+def tiny_hf_config(kind: str, tied: bool, rope: dict | None = None) -> transformers.PretrainedConfig:
+    """The config of a small `transformers` model of `kind` (llama, qwen2, qwen3, qwen3_moe; Qwen3 with head_dim
+    32 ≠ hidden/heads, as in Qwen3-32B; Qwen3-MoE with `QWEN3_MOE`'s experts in every layer)."""
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                     "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig}[kind]  # fmt: skip
-    config = config_class(
+    return config_class(
         vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=16384 if rope else 64, tie_word_embeddings=tied,
         initializer_range=0.2, **({"head_dim": 32} if kind.startswith("qwen3") else {}),
         **({"rope_parameters": rope} if rope else {}), **(QWEN3_MOE if kind == "qwen3_moe" else {}),
     )  # fmt: skip
+
+
+def save_hf_model(kind: str, directory: Path, tied: bool, rope: dict | None = None) -> Path:
+    """A small random `transformers` model of `tiny_hf_config(kind, tied, rope)`, its norm weights drawn around 1 so
+    that a misplaced norm changes the logits."""
+    config = tiny_hf_config(kind, tied, rope)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

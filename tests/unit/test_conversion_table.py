@@ -1,6 +1,6 @@
-"""The conversion table on its own, without Megatron or processes: each tensor-parallel rank reads exactly its
-share of the full Megatron tensor (of an expert, its expert-tensor-parallel share), and Megatron → Hugging Face
-gives back every Hugging Face tensor unchanged."""
+"""The conversion table on its own, without Megatron models or processes: each tensor-parallel rank reads exactly
+its share of the full Megatron tensor (of an expert, its expert-tensor-parallel share) as Megatron's own
+initialisation cuts it, and Megatron → Hugging Face gives back every Hugging Face tensor unchanged."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
 from safetensors import safe_open
 
 from megatron_ppo.convert.huggingface import hf_model_config
@@ -38,14 +39,23 @@ def _megatron_names(reader: SafetensorsReader, layers: int, experts: int) -> lis
 
 
 def _rank_share(full: torch.Tensor, kind: Kind, part: TensorParallelPart) -> torch.Tensor:
-    """Megatron's split of a full tensor: columns for row-parallel, [gate_r; up_r] for gate/up, rows otherwise."""
+    """The rank's share as Megatron itself cuts a full ("master") weight: `_initialize_affine_weight_cpu`, what its
+    Column/RowParallelLinear and VocabParallelEmbedding run under `use_cpu_initialization` — split along the
+    partition dimension (1 for row-parallel, 0 otherwise; a vector as one column), rank r taking parts r, r + TP, …
+    of `stride` × TP; the fused gate/up of SwiGLU with stride 2 ([gate_r; up_r]: the local layout Megatron's
+    `glu` halves in the forward and its checkpoint factory `apply_swiglu_sharded_factory` writes)."""
     if kind is Kind.REPLICATED:
         return full
-    if kind is Kind.ROW:
-        return full.chunk(part.size, dim=1)[part.rank]
-    if kind is Kind.GATE_UP:
-        return torch.cat([half.chunk(part.size)[part.rank] for half in full.chunk(2)])
-    return full.chunk(part.size)[part.rank]
+    matrix = full if full.dim() == 2 else full.view(-1, 1)
+    rows, columns = matrix.shape
+    dim = 1 if kind is Kind.ROW else 0
+    per_rank = (columns if dim else rows) // part.size
+    share = torch.empty((rows, per_rank) if dim else (per_rank, columns), dtype=matrix.dtype)
+    _initialize_affine_weight_cpu(
+        share, rows, columns, per_rank, dim, lambda master: master.copy_(matrix),
+        stride=2 if kind is Kind.GATE_UP else 1, params_dtype=matrix.dtype, rank=part.rank, world_size=part.size,
+    )  # fmt: skip
+    return share.view(-1) if full.dim() == 1 else share
 
 
 @pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("qwen2", True), ("qwen3", False), ("qwen3_moe", False)])

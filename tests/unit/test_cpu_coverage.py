@@ -3,8 +3,10 @@ of what cannot run on CPU (`config/gpu_only.py`), which the README's table repea
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ SMOKE = "tests/e2e/test_recipe_smoke.py"
 # flag → the CPU test that runs it (through the trainer's own path, against a reference)
 CPU_TESTED = {
     "megatron.tensor_model_parallel_size": f"{PARITY}::test_grad_norm_and_updated_weights_match_single_process",
-    "megatron.sequence_parallel": f"{PARITY}::test_sequence_parallel_parity_runs_micro_batch_widths_tp_does_not_divide",
+    "megatron.sequence_parallel": f"{PARITY}::test_sequence_parallel_splits_micro_batches_over_tp_padding_odd_widths",
     "megatron.pipeline_model_parallel_size": f"{PARITY}::test_grad_norm_and_updated_weights_match_single_process",
     "megatron.virtual_pipeline_model_parallel_size": f"{PARITY}::test_value_head_lives_only_on_the_last_stage",
     "megatron.use_distributed_optimizer": "tests/distributed/test_data_parallel_overlap.py::"
@@ -71,10 +73,98 @@ def test_every_recipe_flag_is_cpu_tested_or_listed_as_gpu_only(recipe: Path) -> 
                            "in megatron_ppo/config/gpu_only.py")  # fmt: skip
 
 
-def test_the_named_cpu_tests_exist() -> None:
-    for flag, node in CPU_TESTED.items():
-        path, name = node.split("::")
-        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{flag}: {node} does not exist"
+@cache
+def _module(path: Path) -> tuple[str, dict[str, ast.AST], dict[str, tuple[Path, str | None]]]:
+    """A test module's source, its top-level definitions by name, and the names it imports from `tests.*`: name →
+    (the module's file, the name in it; None when the name is the module itself)."""
+    source = path.read_text()
+    definitions: dict[str, ast.AST] = {}
+    imports: dict[str, tuple[Path, str | None]] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            definitions[node.name] = node
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        definitions[name.id] = node
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tests":
+            base = REPO.joinpath(*node.module.split("."))
+            for alias in node.names:
+                as_module = base / f"{alias.name}.py"
+                imports[alias.asname or alias.name] = (as_module, None) if as_module.is_file() else (
+                    base.with_suffix(".py"), alias.name)  # fmt: skip
+    return source, definitions, imports
+
+
+def exercised_source(path: Path, name: str) -> str:
+    """The source a test runs in the test tree: its definition (decorators and parametrisation included) and,
+    transitively, every top-level definition it names there — its fixtures, the layouts it is parametrised by, the
+    worker functions and helpers of `tests.*` modules it calls — but no package code. Of a module's `LAYOUTS`, a
+    test parametrised by layout names takes only the layouts it names."""
+    seen: set[tuple[Path, str]] = set()
+    todo, parts = [(path, name)], []
+    source, definitions, _ = _module(path)
+    layouts = definitions.get("LAYOUTS")
+    if isinstance(layouts, ast.Assign) and isinstance(layouts.value, ast.Dict):
+        # a test parametrised by some of the module's layouts (by name) runs those, not every one the fixture holds
+        decorators = getattr(definitions[name], "decorator_list", [])
+        named = {n.id for d in decorators for n in ast.walk(d) if isinstance(n, ast.Name)}
+        entries = {key.value: value for key, value in zip(layouts.value.keys, layouts.value.values, strict=True)
+                   if isinstance(key, ast.Constant)}  # fmt: skip
+        chosen = {c.value for d in decorators for c in ast.walk(d) if isinstance(c, ast.Constant)} & set(entries)
+        if chosen and "LAYOUTS" not in named:
+            seen.add((path, "LAYOUTS"))
+            parts += [ast.get_source_segment(source, entries[key]) or "" for key in sorted(chosen)]
+    while todo:
+        where, what = todo.pop()
+        source, definitions, imports = _module(where)
+        if (where, what) in seen or what not in definitions:
+            continue
+        seen.add((where, what))
+        node = definitions[what]
+        parts.append(ast.get_source_segment(source, node, padded=False) or "")
+        decorators = getattr(node, "decorator_list", [])
+        for child in [node, *decorators]:
+            for sub in ast.walk(child):
+                names = [sub.id] if isinstance(sub, ast.Name) else [sub.arg] if isinstance(sub, ast.arg) else []
+                for used in names:  # a fixture is named by the test's argument
+                    if used in definitions:
+                        todo.append((where, used))
+                    elif used in imports and imports[used][1] is not None:
+                        todo.append(imports[used])  # type: ignore[arg-type]
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
+                    module = imports.get(sub.value.id)
+                    if module is not None and module[1] is None:
+                        todo.append((module[0], sub.attr))
+        parts.extend(ast.get_source_segment(source, d) or "" for d in decorators)
+    return "\n".join(parts)
+
+
+# A setting its test runs without naming it: the schema's default, under the feature it belongs to.
+RUN_BY_DEFAULT = {"model.moe_token_dispatcher=allgather": "num_experts"}
+
+
+def flag_evidence(flag: str) -> str:
+    """What a test that runs `flag` must name: the key's last part, or for `key=value` the value."""
+    if flag in RUN_BY_DEFAULT:
+        key, _, value = flag.partition("=")
+        assert getattr(ModelConfig(), key.removeprefix("model.")) == value, f"{flag} is no longer the default"
+        return RUN_BY_DEFAULT[flag]
+    key, _, value = flag.partition("=")
+    return value or key.rsplit(".", 1)[-1]
+
+
+@pytest.mark.parametrize("flag", CPU_TESTED)
+def test_each_named_cpu_test_exercises_its_flag(flag: str) -> None:
+    path, name = CPU_TESTED[flag].split("::")
+    assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{flag}: {CPU_TESTED[flag]} does not exist"
+    evidence = flag_evidence(flag)
+    source = exercised_source(REPO / path, name)
+    assert re.search(rf"\b{re.escape(evidence)}\b", source), (
+        f"{flag}: {CPU_TESTED[flag]} never sets {evidence!r} (not in the test, its parametrisation, its fixtures or "
+        "the test-tree workers it calls): name a test that runs the flag"
+    )
 
 
 def test_readme_lists_every_gpu_only_setting_with_its_gpu_check_part() -> None:

@@ -4,6 +4,7 @@ machine that reports CUDA, micro-batches and models on another device caught."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -17,6 +18,14 @@ from megatron_ppo.models.kernels import FUSIONS, describe_kernels, importable_fu
 from megatron_ppo.parallel.device import module_device, select_device, set_cuda_max_connections, to_device
 
 
+def _importable(*modules: str) -> bool:
+    """Whether every module can be found (a dotted name's parents first: `find_spec` imports them)."""
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in modules)
+    except ModuleNotFoundError:  # a missing parent package
+        return False
+
+
 @pytest.fixture
 def reports_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -27,9 +36,19 @@ def test_cuda_config_initialises_on_the_gpu_with_only_importable_fusions(reports
     config = build_transformer_config(model, MegatronConfig(tensor_model_parallel_size=2))
     assert not config.use_cpu_initialization, "on CUDA the weights must be drawn on the GPU"
     assert config.batch_p2p_comm
-    available = importable_fusions()
+    # what is installed here, asked of Python's importer, not of the code under test: Megatron's torch-scripted
+    # bias fusions always; the masked softmax from its CUDA extensions; the fused RoPE from Transformer Engine; the
+    # gradient-accumulation fusion from apex's fused_weight_gradient_mlp_cuda; the persistent LayerNorm from apex
+    installed = {
+        "bias_activation_fusion": True, "bias_dropout_fusion": True,
+        "masked_softmax_fusion": _importable("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"),
+        "apply_rope_fusion": _importable("transformer_engine"),
+        "gradient_accumulation_fusion": _importable("fused_weight_gradient_mlp_cuda"),
+        "persist_layer_norm": _importable("apex.contrib.layer_norm"),
+    }  # fmt: skip
     flags = {name: getattr(config, name) for name in FUSIONS}
-    assert flags == available, f"fusion flags {flags} differ from what imports here {available}"
+    assert flags == installed, f"fusion flags {flags} differ from what is installed here {installed}"
+    assert importable_fusions() == installed
     # this machine has neither Transformer Engine nor apex: only Megatron's torch-scripted fusions can be on
     assert not (config.apply_rope_fusion or config.gradient_accumulation_fusion or config.persist_layer_norm)
     assert config.bias_activation_fusion and config.bias_dropout_fusion

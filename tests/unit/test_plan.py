@@ -15,6 +15,7 @@ from megatron_ppo.config import load_config
 from megatron_ppo.config.gpus import GPU_SPECS
 from megatron_ppo.planner.flops import active_parameter_count, expert_parameter_count, parameter_count
 from megatron_ppo.planner.plan import plan, suggest
+from tests.support.hf_models import tiny_hf_config
 
 REPO = Path(__file__).resolve().parents[2]
 # Sizes on the models' Hugging Face cards (billions of parameters).
@@ -74,16 +75,16 @@ def test_more_memory_per_parameter_with_a_replicated_optimizer() -> None:
     assert replicated.roles["actor"].optimizer_gib == pytest.approx(2 * sharded.roles["actor"].optimizer_gib)
 
 
-def test_plan_cli_json_for_scripts() -> None:
+def test_plan_cli_json_for_scripts(tmp_path: Path) -> None:
+    """The JSON report's parameter count is transformers' own for the model's published config.json."""
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_ppo", "plan", "recipes/qwen2.5-32b.yaml", "--json"],
+        [sys.executable, "-m", "megatron_ppo", "plan", "recipes/qwen3-32b.yaml", "--json"],
         capture_output=True, text=True, cwd=REPO, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["fits"] and report["roles"]["actor"]["params"] == parameter_count(
-        load_config(REPO / "recipes" / "qwen2.5-32b.yaml").model
-    )
+    total, _ = transformers_counts(QWEN3_32B_CONFIG_JSON, tmp_path)
+    assert report["fits"] and report["roles"]["actor"]["params"] == total
 
 
 def test_overrides_may_follow_options(capsys) -> None:
@@ -109,6 +110,31 @@ QWEN3_32B_CONFIG_JSON = {
     "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
     "vocab_size": 151936,
 }  # fmt: skip
+
+
+def transformers_counts(config_json: dict, directory: Path) -> tuple[int, int]:
+    """(every parameter, the routed experts') of the `transformers` model of a config.json, on the meta device."""
+    import torch
+    import transformers
+
+    (directory / "config.json").write_text(json.dumps(config_json))
+    with torch.device("meta"):  # shapes only
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+    return hf.num_parameters(), sum(p.numel() for n, p in hf.named_parameters() if ".mlp.experts." in n)
+
+
+@pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False),
+                                            ("qwen3_moe", False)])  # fmt: skip
+def test_parameter_counts_equal_transformers_own_on_tiny_configs(tmp_path: Path, kind: str, tied: bool) -> None:
+    """Every architecture variant the planner counts (tied or untied embeddings, Qwen2's QKV bias, Qwen3's QK norm
+    and head_dim ≠ hidden/heads, Qwen3-MoE's router and experts), read from a config.json as `convert` reads it,
+    against `transformers`' own `num_parameters()` of the same config."""
+    from megatron_ppo.convert.huggingface import hf_model_config
+
+    total, experts = transformers_counts(tiny_hf_config(kind, tied).to_dict(), tmp_path)
+    model = hf_model_config(tmp_path)
+    assert parameter_count(model) == total, f"{kind}: planner {parameter_count(model)} vs transformers {total}"
+    assert expert_parameter_count(model) == experts, f"{kind}: experts {expert_parameter_count(model)} vs {experts}"
 
 
 def test_qwen3_32b_parameter_count_equals_the_sum_over_its_config_json_shapes(tmp_path: Path) -> None:
@@ -182,12 +208,12 @@ def _with_ep(ep: int, *more: str) -> list[str]:
 ONE_NODE = ["cluster.nodes=1", *_with_ep(8)]  # the arithmetic below is written for 8 GPUs
 
 
-def test_expert_parallelism_shards_the_experts_and_their_optimizer_states_only() -> None:
+def test_expert_parallelism_shards_the_experts_and_their_optimizer_states_only(tmp_path: Path) -> None:
     """EP 8 → 4: each GPU holds twice the expert weights, the same dense ones; the experts' optimizer states are
-    sharded by expert DP = world / (ETP·EP·PP) (8 / 4 = 2), the dense ones by DP 8."""
-    config = load_config(MOE_RECIPE, ONE_NODE)
-    m = config.model
-    experts, dense = expert_parameter_count(m), parameter_count(m) - expert_parameter_count(m)
+    sharded by expert DP = world / (ETP·EP·PP) (8 / 4 = 2), the dense ones by DP 8. The counts: transformers' own,
+    of the published config.json."""
+    total, experts = transformers_counts(QWEN3_MOE_CONFIG_JSON["qwen3-moe-30b-a3b"], tmp_path)
+    dense = total - experts
     by_ep = {ep: plan(load_config(MOE_RECIPE, [*ONE_NODE, *_with_ep(ep)])).roles["actor"] for ep in (4, 8)}
     for ep, role in by_ep.items():
         assert role.expert_params_per_gpu == experts // ep
