@@ -11,14 +11,13 @@ Run: torchrun --nproc_per_node 2 -m bench.bench_async_save [--smallest]   (or `m
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from bench.bench_ppo_step import synthetic_rows
-from bench.common import scratch_overrides
+from bench.common import scratch_overrides, smallest
 from megatron_ppo.config import load_config
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.parallel import destroy_distributed, init_distributed
@@ -28,9 +27,9 @@ from megatron_ppo.train.ppo import PPOTrainer
 SAVES = 5  # of each kind; --smallest: 1
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
-    saves = 1 if "--smallest" in sys.argv else SAVES
+    saves = 1 if smallest(argv, __doc__) else SAVES
     config = load_config("recipes/tiny-cpu.yaml", scratch_overrides("async-save"))
     init_distributed(config.actor.megatron, seed=0)
     trainer = PPOTrainer(config, synthetic_rows(4096, config.model.vocab_size, seed=0), pad_id=0)

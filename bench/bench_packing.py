@@ -13,7 +13,6 @@ Run: torchrun --nproc_per_node 2 -m bench.bench_packing   (or `make bench`); `--
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import random
@@ -24,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import scratch_overrides
+from bench.common import smallest as at_smallest
 from megatron_ppo.config import load_config
 from megatron_ppo.data.batching import dynamic_micro_batches, packed_micro_batches
 from megatron_ppo.data.rows import Row
@@ -131,10 +131,8 @@ def attention_times(smallest: bool) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--smallest", action="store_true", help="the smallest sizes: a smoke test in seconds")
-    smallest = parser.parse_args().smallest
+def main(argv: list[str] | None = None) -> None:
+    smallest = at_smallest(argv, __doc__)
     torch.set_num_threads(1)
     iterations = ppo_iterations(smallest)
     if os.environ.get("RANK", "0") != "0":  # the lines below are printed once (the process group is gone)

@@ -8,13 +8,12 @@ to other experts than π_old's. With replay, the same update's `actor/router_rep
 Cost: one update epoch with and without replay from the same weights, alternated round by round (the ratio is the
 median of the rounds'); replay adds the live top-k per layer (for the mismatch) and the targets' gather.
 
-Run: torchrun --nproc_per_node 1 -m bench.bench_router_replay   (or `make bench`; BENCH_TINY=1: seconds)
+Run: torchrun --nproc_per_node 1 -m bench.bench_router_replay   (or `make bench`; `--smallest`: seconds)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import statistics
 import time
@@ -22,6 +21,7 @@ from functools import partial
 
 import torch
 
+from bench.common import smallest
 from megatron_ppo.config.schema import (
     ActorConfig,
     MegatronConfig,
@@ -41,22 +41,26 @@ from megatron_ppo.train.micro_batching import MicroBatching
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.update import actor_loss, update_role
 
-TINY = os.environ.get("BENCH_TINY") == "1"
-MODEL = ModelConfig(
-    name="bench-moe", num_layers=2 if TINY else 4, hidden_size=64 if TINY else 128, num_attention_heads=4,
-    vocab_size=256, max_position_embeddings=128, params_dtype="fp32", activation="swiglu", normalization="RMSNorm",
-    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, make_vocab_size_divisible_by=8,
-)  # fmt: skip
-ROWS, EPOCHS, ROUNDS = (8, 2, 1) if TINY else (32, 4, 3)
+SIZES = {"full": (4, 128, 32, 4, 3), "smallest": (2, 64, 8, 2, 1)}  # layers, hidden, rows, epochs, rounds
+
+
+def bench_model(layers: int, hidden: int) -> ModelConfig:
+    return ModelConfig(
+        name="bench-moe", num_layers=layers, hidden_size=hidden, num_attention_heads=4, vocab_size=256,
+        max_position_embeddings=128, params_dtype="fp32", activation="swiglu", normalization="RMSNorm",
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, make_vocab_size_divisible_by=8,
+    )  # fmt: skip
+
+
 OPTIM = OptimConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=1.0)
 
 
-def rows() -> list[Row]:
+def rows(count: int) -> list[Row]:
     rng = random.Random(0)
     return [Row(prompt_ids=[rng.randrange(1, 256) for _ in range(rng.randint(8, 24))],
                 response_ids=[rng.randrange(1, 256) for _ in range(rng.randint(8, 40))],
                 reward=float(rng.choice([-1, 1])), token_rewards=None, behavior_log_probs=None, uid=f"g{i}",
-                data_source="bench", source=f"bench:{i}") for i in range(ROWS)]  # fmt: skip
+                data_source="bench", source=f"bench:{i}") for i in range(count)]  # fmt: skip
 
 
 def changed(a: torch.Tensor, b: torch.Tensor, real: torch.Tensor) -> float:
@@ -64,7 +68,9 @@ def changed(a: torch.Tensor, b: torch.Tensor, real: torch.Tensor) -> float:
     return float((a.sort(-1).values != b.sort(-1).values).any(-1)[real].float().mean())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    layers, hidden, ROWS, EPOCHS, ROUNDS = SIZES["smallest" if smallest(argv, __doc__) else "full"]
+    MODEL = bench_model(layers, hidden)
     torch.set_num_threads(1)
     init_distributed(MegatronConfig(), seed=0)
     config = PPOConfig(model=MODEL)
@@ -74,7 +80,7 @@ def main() -> None:
     actor = build_role_model("actor", MODEL, MegatronConfig(), routing_replay=True)
     initial = {k: v.detach().clone() for c in actor.chunks for k, v in unwrap(c).state_dict().items()
                if isinstance(v, torch.Tensor)}  # fmt: skip
-    batch = collate(rows(), pad_id=0)
+    batch = collate(rows(ROWS), pad_id=0)
     real = torch.arange(batch["input_ids"].shape[1])[None, :] < batch["lengths"][:, None]
     passes = forward_passes(config, batch, actor, None, None)
     shape = batch["loss_mask"].shape

@@ -41,7 +41,7 @@ def check_resume(plan, work: Path) -> dict[str, Any]:
     trainer = PPOTrainer(config, rows, pad_id=0)
     try:
         trainer.iteration()
-        trainer.save()
+        trainer.save(wait=True)  # published before the second trainer resumes from it
         straight = trainer.iteration()
     finally:
         trainer.close()

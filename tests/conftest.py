@@ -35,6 +35,7 @@ def pytest_configure(config: pytest.Config) -> None:
         ("floor", "also run against the oldest megatron-core and torch the package admits"),
     ):
         config.addinivalue_line("markers", f"{name}: {text}")
+    config.pluginmanager.register(_Shuffle(), "shuffle")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -48,8 +49,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own ordering (by fixture), so that `--shuffle` has the last word
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by them
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's tier marker (its folder), and `floor` on every unit test."""
     tests_root = Path(__file__).parent
     for item in items:
         parts = Path(item.path).relative_to(tests_root).parts
@@ -58,6 +60,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(tier)
         if tier == "unit":
             item.add_marker("floor")
+
+
+class _Shuffle:
+    """`--shuffle SEED`: the order, drawn last (after pytest's own ordering by fixture and `-m`'s selection)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        _shuffle(config, items)
+
+
+def _shuffle(config: pytest.Config, items: list[pytest.Item]) -> None:
     seed = config.getoption("--shuffle")
     if seed is not None:
         rng = random.Random(seed)

@@ -176,10 +176,13 @@ class PPOTrainer:
         return path
 
     def _report_save(self, timing: SaveTiming) -> None:
-        """A published save's cost, at its step: `checkpoint/blocked_s`, how long training stopped for it (for an
-        asynchronous save: its start, and any wait for its write), and `checkpoint/write_s`, its whole write."""
+        """A published save's cost, at its step: `timing/checkpoint_blocked_s`, how long training stopped for it (for
+        an asynchronous save: its start, and any wait for its write), and `timing/checkpoint_write_s`, its whole
+        write (wall-clock metrics, under `timing/` with the phases')."""
         blocked = timing.blocked_s + timing.waited_s
-        self.logger.log(timing.step, {"checkpoint/blocked_s": blocked, "checkpoint/write_s": timing.write_s})
+        self.logger.log(
+            timing.step, {"timing/checkpoint_blocked_s": blocked, "timing/checkpoint_write_s": timing.write_s}
+        )
         how = "in the background" if timing.asynchronous else "synchronously"
         waited = f", {timing.waited_s:.2f} s of it waiting for the write" if timing.waited_s else ""
         self.logger.event(timing.step, "checkpoint", f"published {timing.path}: written {how} in "

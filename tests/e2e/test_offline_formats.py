@@ -111,9 +111,12 @@ def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
         assert math.isfinite(logged["actor/pg_loss"][step]) and math.isfinite(logged["critic/vf_loss"][step])
     # evaluation on data.val_files (the verl rows: greedy answers scored by verl) before training and at step 2
     evaluation = [e.message for e in read_run(tmp_path / "tb")[1] if e.tag == "evaluation"]
-    assert evaluation == ["8 validation rows; 8 with a ground truth are answered greedily and scored by "
-                          "verl.utils.reward_score.default_compute_score → "
-                          "eval/reward_mean; every 2 steps"], evaluation  # fmt: skip
+    assert evaluation[0] == (
+        "8 validation rows; 8 with a ground truth are answered greedily and scored by "
+        "verl.utils.reward_score.default_compute_score → eval/reward_mean; every 2 steps"
+    ), evaluation
+    # then one line per evaluation (step 0 and step 2): the prompts decoded, the tokens generated and their speed
+    assert len(evaluation) == 3 and all(line.startswith("8 prompts, ") for line in evaluation[1:]), evaluation
     assert set(logged["eval/reward_mean"]) == {0, 2} and all(0 <= r <= 1 for r in logged["eval/reward_mean"].values())
     assert logged["eval/kl_mean"][0] == 0.0, "before any update the actor is the reference"
     assert logged["eval/kl_mean"][2] > 0.0 and logged["eval/log_prob_mean"][2] < 0.0, "two steps at lr 1e-3 move it"

@@ -38,13 +38,13 @@ def test_cuda_config_initialises_on_the_gpu_with_only_importable_fusions(reports
     assert config.batch_p2p_comm
     # what is installed here, asked of Python's importer, not of the code under test: Megatron's torch-scripted
     # bias fusions always; the masked softmax from its CUDA extensions; the fused RoPE from Transformer Engine; the
-    # gradient-accumulation fusion from apex's fused_weight_gradient_mlp_cuda; the persistent LayerNorm from apex
+    # gradient-accumulation fusion from apex's fused_weight_gradient_mlp_cuda (apex's persistent LayerNorm is never
+    # chosen: the local spec's norms refuse it, the next test)
     installed = {
         "bias_activation_fusion": True, "bias_dropout_fusion": True,
         "masked_softmax_fusion": _importable("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"),
         "apply_rope_fusion": _importable("transformer_engine"),
         "gradient_accumulation_fusion": _importable("fused_weight_gradient_mlp_cuda"),
-        "persist_layer_norm": _importable("apex.contrib.layer_norm"),
     }  # fmt: skip
     flags = {name: getattr(config, name) for name in FUSIONS}
     assert flags == installed, f"fusion flags {flags} differ from what is installed here {installed}"

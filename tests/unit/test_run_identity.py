@@ -46,11 +46,14 @@ def test_the_keys_meant_to_change_are_the_schemas_per_job_fields() -> None:
                       "critic.ppo_max_token_len_per_gpu"]  # fmt: skip
     run_control = ["resume_mode", "resume_from_path", "overwrite", "exit_interval", "exit_duration_in_mins",
                    "logger", "save_freq", "test_freq", "val_before_train", "max_ckpt_to_keep", "default_local_dir",
-                   "log_dir"]  # fmt: skip
+                   "log_dir", "async_save"]  # fmt: skip
+    profiling = ["use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks", "record_shapes",
+                 "record_memory_history", "memory_snapshot_path", "use_nsys_profiler", "nvtx_ranges"]  # fmt: skip
     expected = (
         dict.fromkeys(micro_batching, MICRO_BATCHING)
         | dict.fromkeys(["trainer.total_epochs", "trainer.total_training_steps"], RUN_LENGTH)
         | {f"trainer.{key}": RUN_CONTROL for key in run_control}
+        | {f"profiling.{key}": RUN_CONTROL for key in profiling}  # what a job watches, not what the run trains
     )
     assert expected == PER_JOB_KEYS
     flat = flatten_config(PPOConfig())
