@@ -228,12 +228,6 @@ def _model_problems(c: PPOConfig) -> list[str]:
             f"actor.router_replay.mode={replay} replays mixture-of-experts routing, but the model is dense "
             "(model.num_experts=0); set actor.router_replay.mode=disabled"
         )
-    if replay != "disabled" and m.pack_sequences:
-        p.append(
-            f"actor.router_replay.mode={replay} with model.pack_sequences=true is not built: the routing records "
-            "follow padded rows, and a packed forward would route live; set model.pack_sequences=false (or "
-            "actor.router_replay.mode=disabled)"
-        )
     longest = c.data.max_length
     if m.position_embedding_type == "learned_absolute" and longest > m.max_position_embeddings:
         p.append(

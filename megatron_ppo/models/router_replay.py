@@ -14,7 +14,13 @@ the activation recompute of the backward. This module binds those instances to o
   over the sequence-parallel and context-parallel ranks back into `[rows, width]`; the pass then assembles them by
   row, gathers them over data-parallel replicas and pipeline stages: `routed_experts` `[R, W, L, K]`, the same on
   every rank, carried by the experience like a log-prob, so passes that cut micro-batches differently (experience
-  vs update, token budgets) find each row's routes.
+  vs update, token budgets) find each row's routes. Only real tokens have a record (0 at padding), so the record
+  is the same whether a pass pads or packs its rows.
+- Packed passes (`model.pack_sequences`, `models.packing`): the model's tokens are a `[1, T]` pack, row r's token
+  t at position `Pack.index[r, t]`; records are read back per row through it (`Pack.unpack`) and targets put at
+  their pack positions (`Pack.pack`), so an experience pass and an update that pack the same rows differently
+  (other budgets, other groups) replay each real token's experts. A pack's alignment padding has no record: it
+  goes to the fallback experts and, by the routers' `padding_mask`, stays out of the load-balancing statistics.
 - Encoding: expert index + 1, 0 for "no record" (padding, the last token of an inference engine's export):
   uint8 up to 255 experts, else int32 (NCCL has no int16). Replay gives unrecorded tokens experts 0…K−1.
 - Recompute: before each replayed forward of a chunk the action is REPLAY_FORWARD and the targets are set (Megatron
@@ -42,6 +48,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from megatron_ppo.models.context_parallel import gather_per_token
+from megatron_ppo.models.packing import Pack
 from megatron_ppo.parallel.collectives import gather_rows_data_parallel
 from megatron_ppo.parallel.device import current_device
 
@@ -111,22 +118,30 @@ class RouterReplayBinding:
         self._records = {}
         self._mismatch = None
 
-    def before_forward(self, chunk: torch.nn.Module, batch: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> None:
-        """Arm `chunk`'s routers for a forward of `batch` (this CP rank's tokens) padded to `shape` = (rows, local
-        width): RECORD, or REPLAY_FORWARD with this rank's tokens of the batch's `routed_experts` as targets."""
+    def before_forward(
+        self,
+        chunk: torch.nn.Module,
+        batch: Mapping[str, torch.Tensor],
+        shape: tuple[int, int],
+        pack: Pack | None = None,
+    ) -> None:
+        """Arm `chunk`'s routers for a forward of `batch` (this CP rank's tokens) entered as `shape` = (rows, local
+        width), or as the `[1, T]` `pack` of its rows: RECORD, or REPLAY_FORWARD with this rank's tokens of the
+        batch's `routed_experts` as targets, in the model's token order (`[s, b]` flattened; a pack's positions).
+        Tokens without a record (padding, a pack's alignment padding) go to the fallback experts 0…K−1."""
         routers = self._routers[id(chunk)]
         if self.action == "record":
             for _, replay in routers:
                 replay.set_router_replay_action(RouterReplayAction.RECORD)
             return
-        rows, width = shape
         # an empty micro-batch (`schedule._empty_micro_batches`) has no record: every token to the fallback experts
         records = batch.get(ROUTED_EXPERTS)
         if records is None:
             records = batch["input_ids"].new_zeros((0, 0, self.num_layers, self.topk), dtype=self.dtype)
-        padded = records.new_zeros((rows, width, *records.shape[2:]))
-        padded[: records.shape[0], : records.shape[1]] = records
-        tokens = padded.transpose(0, 1)  # Megatron's token order: [s, b], flattened sequence-major
+        if pack is not None:  # row r's token t at pack position index[r, t]: [T, 1, L, K]
+            tokens = pack.pack(_fit(records, tuple(batch["input_ids"].shape))).transpose(0, 1)
+        else:
+            tokens = _fit(records, shape).transpose(0, 1)  # Megatron's token order: [s, b], flattened sequence-major
         if self.sequence_parallel:
             tp, rank = (
                 parallel_state.get_tensor_model_parallel_world_size(),
@@ -142,29 +157,35 @@ class RouterReplayBinding:
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             replay.set_target_indices(torch.where(valid[:, None], target - 1, fallback))
 
-    def after_forward(
-        self, chunk: torch.nn.Module, index: int, padded_rows: int, rows: int, width: int, cp_size: int
-    ) -> None:
-        """After `chunk`'s forward of micro-batch `index` (`rows` × `width` real tokens, entered as `padded_rows`
-        rows): keep the recorded indices as `[rows, width, K]` per layer (gathered over the sequence-parallel and
-        context-parallel ranks), or set REPLAY_BACKWARD for a recomputing backward."""
+    def after_forward(self, chunk: torch.nn.Module, index: int, lengths: torch.Tensor, width: int, entered_rows: int,
+                      cp_size: int = 1, pack: Pack | None = None) -> None:  # fmt: skip
+        """After `chunk`'s forward of micro-batch `index` (rows of `lengths` real tokens in `width`, entered as
+        `entered_rows` rows, or as the `[1, T]` `pack` of them): keep the recorded indices as `[rows, width, K]`
+        per layer, for the real tokens only (0 elsewhere: the record is the same however a pass pads or packs the
+        rows), gathered over the sequence-parallel and context-parallel ranks; or set REPLAY_BACKWARD for a
+        recomputing backward."""
         routers = self._routers[id(chunk)]
         if self.action == "replay":
             for _, replay in routers:
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
             return
         kept = self._records.setdefault(index, {})
+        real = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
         for layer, replay in routers:
-            tokens = replay.get_recorded_indices().reshape(-1, padded_rows, self.topk)  # [s, b, K]
+            tokens = replay.get_recorded_indices().reshape(-1, entered_rows, self.topk)  # [s, b, K]
             if self.sequence_parallel:
                 group = parallel_state.get_tensor_model_parallel_group()
                 parts = [torch.empty_like(tokens) for _ in range(dist.get_world_size(group))]
                 dist.all_gather(parts, tokens.contiguous(), group=group)
                 tokens = torch.cat(parts, dim=0)
-            record = (tokens.transpose(0, 1)[:rows] + 1).to(self.dtype)  # [rows, padded local width, K]
+            record = (tokens.transpose(0, 1) + 1).to(self.dtype)  # [entered rows, local width, K]
+            if pack is not None:  # pack position index[r, t] → row r's token t
+                kept[layer] = pack.unpack(record)
+                continue
+            record = record[: len(lengths)]
             if cp_size > 1:
                 record = gather_per_token(record, width, parallel_state.get_context_parallel_group())
-            kept[layer] = record[:, :width]
+            kept[layer] = torch.where(real[..., None], record[:, :width], 0)
 
     def end_pass(self) -> None:
         """Disarm every router of the model (live routing again) and drop Megatron's queued targets."""
@@ -221,3 +242,11 @@ class RouterReplayBinding:
             return original(scores, topk, num_groups, group_topk, default_compute_topk)
 
         replay.get_replay_topk = get_replay_topk
+
+
+def _fit(records: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """`records` `[r, w, L, K]` as `[rows, width, L, K]` of `shape`: cut or zero-padded below and to the right."""
+    out = records.new_zeros((*shape, *records.shape[2:]))
+    rows, width = min(shape[0], records.shape[0]), min(shape[1], records.shape[1])
+    out[:rows, :width] = records[:rows, :width]
+    return out

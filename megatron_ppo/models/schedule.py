@@ -39,7 +39,7 @@ from megatron_ppo.models.moe import (
     routing_padding_mask,
 )
 from megatron_ppo.models.packing import PACK, Pack, build_pack, packed_width
-from megatron_ppo.models.router_replay import Action
+from megatron_ppo.models.router_replay import Action, RouterReplayBinding
 from megatron_ppo.models.widths import padded_width, pass_shape
 from megatron_ppo.parallel.device import module_device, to_device
 
@@ -125,7 +125,8 @@ def run_micro_batches(
         index, batch = next(data_iterator)
         batch = to_device(batch, device, f"the {model.role} model's forward")
         if packs is not None:
-            output, loss = _packed_forward(model, chunk, batch, packs[index], loss_fn, num_micro_batches)
+            output, loss = _packed_forward(model, chunk, batch, packs[index], loss_fn, num_micro_batches, replay,
+                                           index, keep=index < real_micro_batches)  # fmt: skip
             if index >= real_micro_batches:  # an empty micro-batch of the interleaved schedule: no loss, no result
                 return output, lambda output: (output.sum() * 0.0, {})
             return output, loss
@@ -156,8 +157,9 @@ def run_micro_batches(
         with logits_cut(chunk, rows, width) if inference_context is None else nullcontext():
             output = chunk(input_ids, position_ids, attention_mask, **extra)
         if replay is not None and (replay.action == "replay" or index < real_micro_batches):
-            replay.after_forward(chunk, index, input_ids.shape[0], rows, micro_batches[index]["input_ids"].shape[1],
-                                 cp_size)  # fmt: skip
+            full_width = micro_batches[index]["input_ids"].shape[1]
+            real_lengths = batch.get("lengths", torch.full((rows,), full_width, device=device))
+            replay.after_forward(chunk, index, real_lengths, full_width, input_ids.shape[0], cp_size)
         if unwrap(chunk).post_process and tuple(output.shape[:2]) != (rows, width):
             # the critic's values `[rows, width, 1]`, a decoding step's logits: the padding stays out of every loss,
             # metric and output
@@ -223,17 +225,24 @@ def _pass_lengths(micro_batches: Sequence[MicroBatch]) -> list[list[int]]:
     return [flat[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
 
 
-def _packed_forward(model: RoleModel, chunk, batch: MicroBatch, pack: Pack, loss_fn: LossFn, num_micro_batches: int):
+def _packed_forward(model: RoleModel, chunk, batch: MicroBatch, pack: Pack, loss_fn: LossFn, num_micro_batches: int,
+                    replay: RouterReplayBinding | None = None, index: int = 0, keep: bool = True):  # fmt: skip
     """One packed micro-batch through `chunk`: its rows as the `[1, T]` pack with THD `PackedSeqParams`, position
     ids restarting per sequence, MoE routers told which tokens are real; `loss_fn` gets the micro-batch with its
-    `Pack` (under `models.packing.PACK`) and the packed output `[1, T, …]`, which it unpacks (`per_row`)."""
+    `Pack` (under `models.packing.PACK`) and the packed output `[1, T, …]`, which it unpacks (`per_row`).
+    `replay` (a pass that records or replays routes): the routers armed with the micro-batch's records at their
+    pack positions, and the routes of micro-batch `index` kept by row (when `keep`: not an empty micro-batch)."""
     if batch.get("attention_mask") is not None:
         raise ValueError("packed sequences run causal attention inside each sequence, without an attention mask")
     input_ids = pack.pack(batch["input_ids"])
     kwargs: dict[str, Any] = {"packed_seq_params": pack.params}
     if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
         kwargs["padding_mask"] = ~pack.token_is_real
+        if replay is not None:
+            replay.before_forward(chunk, batch, (1, pack.width), pack)
     output = chunk(input_ids, pack.position_ids, None, **kwargs)
+    if replay is not None and (replay.action == "replay" or keep):
+        replay.after_forward(chunk, index, batch["lengths"], batch["input_ids"].shape[1], 1, pack=pack)
     return output, partial(_scaled_loss, loss_fn, {**batch, PACK: pack}, num_micro_batches)
 
 

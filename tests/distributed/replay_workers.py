@@ -15,12 +15,13 @@ from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from megatron_ppo.config.schema import MegatronConfig, RouterReplaySettings
 from megatron_ppo.models import build_role_model, unwrap, vocab_parallel_log_probs
+from megatron_ppo.models.packing import labels_of, per_row
 from megatron_ppo.models.router_replay import ROUTED_EXPERTS
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.batch import collate
 from megatron_ppo.train.experience import forward_passes
-from megatron_ppo.train.micro_batching import micro_batching
+from megatron_ppo.train.micro_batching import MicroBatching, micro_batching
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.update import MetricPart, actor_loss, update_role
 from tests.distributed import workers
@@ -48,18 +49,20 @@ def _checked_loss(config, counts):
     loss_fn = actor_loss(config, counts, kl_loss_coef=0.1, vocab_size=MOE_MODEL.vocab_size)
 
     def fn(batch, logits):
-        log_prob, _ = vocab_parallel_log_probs(logits, batch["labels"], vocab_size=MOE_MODEL.vocab_size)
-        gap = ((log_prob.detach() - batch["old_log_prob"]).abs() * batch["loss_mask"]).max()
+        log_prob, _ = vocab_parallel_log_probs(logits, labels_of(batch), vocab_size=MOE_MODEL.vocab_size)
+        gap = ((per_row(batch, log_prob.detach()) - batch["old_log_prob"]).abs() * batch["loss_mask"]).max()
         loss, parts = loss_fn(batch, logits)
         return loss, parts | {"actor/old_gap": MetricPart(gap, 1.0, "max")}
 
     return fn
 
 
-def replay_run(rank: int, world_size: int, workdir: str, layout: MegatronConfig, save: bool = False) -> dict[str, Any]:
+def replay_run(rank: int, world_size: int, workdir: str, layout: MegatronConfig, save: bool = False,
+               packed: bool = False) -> dict[str, Any]:  # fmt: skip
     """At `layout`: the experience pass with R2 (the ref built with replay too, before the actor, so Megatron's
     global list of replay instances starts with the ref's), then two PPO epochs of the actor replaying, then the
-    same update again under full recompute. `save`: write the initial weights (the EP 1 reference)."""
+    same update again under full recompute. `save`: write the initial weights (the EP 1 reference). `packed`: the
+    same experience and update again with packed sequences, each pass packing the rows by its own token budget."""
     workdir = Path(workdir)
     started = time.perf_counter()
     init_distributed(layout, seed=workers.SEED)
@@ -84,6 +87,9 @@ def replay_run(rank: int, world_size: int, workdir: str, layout: MegatronConfig,
         again = build_role_model("actor", MOE_MODEL, recompute, routing_replay=True)
         workers.load(again, workdir / "initial")
         runs["recompute"] = _update_twice(again, recompute, config, exp)
+    packed_passes = {}
+    if packed:
+        packed_passes, runs["packed"] = _packed_record_and_replay(layout, config, batch, passes, workdir)
     # the live routing of the updated weights, recorded: how far replay held the routers
     real = torch.arange(batch["input_ids"].shape[1])[None, :] < batch["lengths"][:, None]
     changed = torch.tensor(float("nan"))
@@ -101,13 +107,33 @@ def replay_run(rank: int, world_size: int, workdir: str, layout: MegatronConfig,
         "drift_after_update": float(changed),
         "seconds": time.perf_counter() - started,
         "r3": r3,
+        "packed_passes": packed_passes,
     }
 
 
-def _update_twice(actor, layout: MegatronConfig, config, exp) -> dict[str, Any]:
-    """Two epochs (one `update_role` each, one optimizer step each) replaying `exp`'s routes: per epoch the largest
-    |log π_θ − log π_old|, the mismatch, pg_loss and grad norm; the router weights' gradient norms; how many targets
-    each pass left in Megatron's backward queues."""
+# the packed passes' token budgets: rows hold 4–13 tokens, so the experience's packs (≤ 21 tokens) and the
+# update's (≤ 13) group the rows unlike each other and unlike the padded passes' row counts (4 and 2)
+PACKED_BUDGETS = {"experience": 21, "update": 13}
+
+
+def _packed_record_and_replay(layout: MegatronConfig, config, batch, passes, workdir: Path) -> tuple[dict, dict]:
+    """The padded run's experience and update with a packed actor (`model.pack_sequences`, the same weights): its
+    R2 record and old log-probs, and its two replayed update epochs (`_update_twice`)."""
+    actor = build_role_model("actor", dataclasses.replace(MOE_MODEL, pack_sequences=True), layout,
+                             routing_replay=True)  # fmt: skip
+    workers.load(actor, workdir / "initial")
+    ours = forward_passes(
+        config, batch, actor, None, None, {"actor": MicroBatching(max_tokens=PACKED_BUDGETS["experience"])}
+    )
+    exp = workers.experience(workers.ROWS, seed=3, passes={**passes, **ours})  # the padded run's ref log-probs
+    update = _update_twice(actor, layout, config, exp, MicroBatching(max_tokens=PACKED_BUDGETS["update"]))
+    return {**{k: v.clone() for k, v in ours.items()}, "notes": sorted(actor.pass_notes)}, update
+
+
+def _update_twice(actor, layout: MegatronConfig, config, exp, micro: MicroBatching | None = None) -> dict[str, Any]:
+    """Two epochs (one `update_role` each, one optimizer step each) replaying `exp`'s routes, in micro-batches of
+    `micro` (default: the config's): per epoch the largest |log π_θ − log π_old|, the mismatch, pg_loss and grad
+    norm; the router weights' gradient norms; how many targets each pass left in Megatron's backward queues."""
     router_grads: list[float] = []
     for router in (m for c in actor.chunks for m in unwrap(c).modules() if isinstance(m, TopKRouter)):
         router.weight.register_hook(lambda g: router_grads.append(float(g.norm())))
@@ -125,7 +151,7 @@ def _update_twice(actor, layout: MegatronConfig, config, exp) -> dict[str, Any]:
     for _ in range(2):
         update = update_role(
             "actor", actor, optimizer, scheduler, exp, config=dataclasses.replace(config.actor, ppo_epochs=1),
-            micro=micro_batching(config, Phase.update("actor"))["actor"],
+            micro=micro or micro_batching(config, Phase.update("actor"))["actor"],
             make_loss=partial(_checked_loss, config.actor),
         )  # fmt: skip
         epochs.append({key: update.metrics.get(f"actor/{key}")

@@ -2,8 +2,9 @@
 update's forwards route as the old-log-prob pass recorded (log-probs equal to the old ones before any step), keep
 those routes after a step while the router still learns, consume each record once under full recompute, never touch
 a neighbouring model's routers; and EP 2, TP 2 (with sequence parallelism) and PP 2 × VPP 2 (layer offsets per
-stage and virtual chunk) record the same routes as EP 1 and replay them alike; R3 replays the rows' routes.
-(Context parallelism needs Transformer Engine's attention: not on CPU.)"""
+stage and virtual chunk) record the same routes as EP 1 and replay them alike; R3 replays the rows' routes; packed
+sequences at EP 2 record and replay as the padded passes do. (Context parallelism needs Transformer Engine's
+attention: not on CPU.)"""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ LAYOUTS = {
 def runs(tmp_path_factory) -> dict:
     workdir = str(tmp_path_factory.mktemp("replay"))
     out = {"ep1": run_distributed(replay_workers.replay_run, 1, workdir, MegatronConfig(), True)}
-    for name, layout in LAYOUTS.items():
-        out[name] = run_distributed(replay_workers.replay_run, 2, workdir, layout)
+    for name, layout in LAYOUTS.items():  # EP 2 also runs its experience and update packed
+        out[name] = run_distributed(replay_workers.replay_run, 2, workdir, layout, False, name == "ep2")
     return out
 
 
@@ -94,3 +95,24 @@ def test_layouts_record_and_replay_as_ep1(runs, name: str) -> None:
                 assert ours["old_gap"] < 1e-4 or theirs["old_gap"] > 1e-5, name
             assert math.isclose(ours["grad_norm"], theirs["grad_norm"], rel_tol=1e-3), name
             assert math.isclose(ours["router_replay_mismatch"], theirs["router_replay_mismatch"], abs_tol=0.02), name
+
+
+def test_packed_passes_record_and_replay_as_padded(runs) -> None:
+    """EP 2 with packed sequences, the experience packed by one token budget and the update by another (other
+    groups than the padded passes' too): the record holds each real token's experts exactly as the padded pass's
+    (0 at padding in both), the first update forward routes as recorded (a token replayed at another token's pack
+    position would change its log-prob and the mismatch), and the update's losses, grad norms and mismatch are the
+    padded update's within fp32 rounding."""
+    for report in runs["ep2"]:
+        packed, padded, real = report["packed_passes"], report["passes"], report["real"]
+        assert any("packed sequences" in note for note in packed["notes"]), packed["notes"]
+        assert torch.equal(packed["routed_experts"], padded["routed_experts"])
+        assert not padded["routed_experts"][~real].any() and padded["routed_experts"][real].all()
+        assert float(((packed["old_log_prob"] - padded["old_log_prob"]).abs() * real).max()) < 1e-6
+        ours, theirs = report["runs"]["packed"]["epochs"], report["runs"]["plain"]["epochs"]
+        assert ours[0]["old_gap"] < 1e-6 and ours[0]["router_replay_mismatch"] == 0.0
+        for a, b in zip(ours, theirs, strict=True):
+            assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (a, b)
+            assert math.isclose(a["pg_loss"], b["pg_loss"], rel_tol=1e-5), (a, b)
+            assert math.isclose(a["old_gap"], b["old_gap"], rel_tol=1e-4, abs_tol=1e-6), (a, b)
+            assert a["router_replay_mismatch"] == b["router_replay_mismatch"], (a, b)
