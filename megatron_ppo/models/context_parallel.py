@@ -17,6 +17,8 @@ token count — is refused with CP by validation.)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -28,11 +30,29 @@ MicroBatch = dict[str, torch.Tensor]
 def chunk_positions(width: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     """The positions of a `width`-token sequence (divisible by 2·CP) held by CP rank `cp_rank`, in order: chunk
     `cp_rank` then chunk 2·CP − 1 − `cp_rank`, each of width / (2·CP) tokens. Shape `[width / CP]`."""
-    if width % (2 * cp_size):
-        raise ValueError(f"a sequence of {width} tokens cannot be cut into 2·CP = {2 * cp_size} equal chunks")
-    chunk = width // (2 * cp_size)
-    first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+    return segment_chunk_positions([width], cp_size, cp_rank)
+
+
+def segment_chunk_positions(segments: Sequence[int], cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The positions held by CP rank r of a row of consecutive segments (a pack's sequences, each padded to a
+    multiple of 2·CP: `models.packing.Pack.segments`), each split on its own: segment i of p_i tokens at offset
+    o_i = Σ_{j<i} p_j is cut into 2·CP chunks of c_i = p_i / (2·CP), and rank r holds
+
+        o_i + r·c_i + [0, c_i)   then   o_i + (2·CP − 1 − r)·c_i + [0, c_i),   for i = 0, 1, …
+
+    in order: `[Σ p_i / CP]`. Every rank gets an early and a late chunk of every sequence, so the same causal
+    attention work per sequence; it is Transformer Engine's `thd_get_partitioned_indices` for THD (Megatron's
+    per-document balancing), and for one segment the padded rows' split (`chunk_positions`)."""
+    parts = []
+    offset = 0
+    for length in segments:
+        if length % (2 * cp_size):
+            raise ValueError(f"a sequence of {length} tokens cannot be cut into 2·CP = {2 * cp_size} equal chunks")
+        chunk = length // (2 * cp_size)
+        for index in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            parts.append(torch.arange(offset + index * chunk, offset + (index + 1) * chunk))
+        offset += length
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 def split_micro_batch(

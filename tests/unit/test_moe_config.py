@@ -144,8 +144,10 @@ def test_the_moe_recipes_turn_r2_on_and_the_tiny_one_can() -> None:
     assert load_config(TINY_MOE, ["actor.router_replay.mode=R2"]).actor.router_replay.mode == "R2"
 
 
-def test_routing_replay_with_packed_sequences_is_refused() -> None:
-    """The records follow padded rows and the packed forward routes live: the combination is refused by name."""
-    message = _problems("actor.router_replay.mode=R2", "model.pack_sequences=true")
-    assert "actor.router_replay.mode=R2 with model.pack_sequences=true is not built" in message, message
-    assert load_config(TINY_MOE, ["actor.router_replay.mode=R2"]).actor.router_replay.mode == "R2"  # padded: valid
+def test_routing_replay_with_packed_sequences_is_accepted() -> None:
+    """Replay follows packs (`models.router_replay`): R2 / R3 with `model.pack_sequences=true` validate, and the MoE
+    recipes pack with R2 on."""
+    config = load_config(TINY_MOE, ["actor.router_replay.mode=R2", "model.pack_sequences=true"])
+    assert config.actor.router_replay.mode == "R2" and config.model.pack_sequences
+    for name in ("qwen3-30b-a3b.yaml", "qwen3-235b-a22b.yaml"):
+        assert load_config(TINY_MOE.parent / name).model.pack_sequences, name
