@@ -111,9 +111,10 @@ def replay_run(rank: int, world_size: int, workdir: str, layout: MegatronConfig,
     }
 
 
-# the packed passes' token budgets: rows hold 4–13 tokens, so the experience's packs (≤ 21 tokens) and the
-# update's (≤ 13) group the rows unlike each other and unlike the padded passes' row counts (4 and 2)
-PACKED_BUDGETS = {"experience": 21, "update": 13}
+# the packed passes' token budgets: rows hold 4–13 tokens (14 once padded to 2 for TP 2 + SP), so the experience's
+# packs (≤ 21 tokens) and the update's (≤ 14) group the rows unlike each other and unlike the padded passes' row
+# counts (4 and 2)
+PACKED_BUDGETS = {"experience": 21, "update": 14}
 
 
 def _packed_record_and_replay(layout: MegatronConfig, config, batch, passes, workdir: Path) -> tuple[dict, dict]:

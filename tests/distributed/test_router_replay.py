@@ -3,8 +3,8 @@ update's forwards route as the old-log-prob pass recorded (log-probs equal to th
 those routes after a step while the router still learns, consume each record once under full recompute, never touch
 a neighbouring model's routers; and EP 2, TP 2 (with sequence parallelism) and PP 2 × VPP 2 (layer offsets per
 stage and virtual chunk) record the same routes as EP 1 and replay them alike; R3 replays the rows' routes; packed
-sequences at EP 2 record and replay as the padded passes do. (Context parallelism needs Transformer Engine's
-attention: not on CPU.)"""
+sequences at each of these layouts record and replay as its padded passes do. (Context parallelism needs
+Transformer Engine's attention: not on CPU.)"""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ LAYOUTS = {
 def runs(tmp_path_factory) -> dict:
     workdir = str(tmp_path_factory.mktemp("replay"))
     out = {"ep1": run_distributed(replay_workers.replay_run, 1, workdir, MegatronConfig(), True)}
-    for name, layout in LAYOUTS.items():  # EP 2 also runs its experience and update packed
-        out[name] = run_distributed(replay_workers.replay_run, 2, workdir, layout, False, name == "ep2")
+    for name, layout in LAYOUTS.items():  # each also runs its experience and update packed
+        out[name] = run_distributed(replay_workers.replay_run, 2, workdir, layout, False, True)
     return out
 
 
@@ -97,13 +97,14 @@ def test_layouts_record_and_replay_as_ep1(runs, name: str) -> None:
             assert math.isclose(ours["router_replay_mismatch"], theirs["router_replay_mismatch"], abs_tol=0.02), name
 
 
-def test_packed_passes_record_and_replay_as_padded(runs) -> None:
-    """EP 2 with packed sequences, the experience packed by one token budget and the update by another (other
-    groups than the padded passes' too): the record holds each real token's experts exactly as the padded pass's
-    (0 at padding in both), the first update forward routes as recorded (a token replayed at another token's pack
-    position would change its log-prob and the mismatch), and the update's losses, grad norms and mismatch are the
-    padded update's within fp32 rounding."""
-    for report in runs["ep2"]:
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_packed_passes_record_and_replay_as_padded(runs, name: str) -> None:
+    """Packed sequences, the experience packed by one token budget and the update by another (other groups than the
+    padded passes' too; with SP each rank holds a contiguous part of the pack; with PP each stage its layers): the
+    record holds each real token's experts exactly as the padded pass's (0 at padding in both), the first update
+    forward routes as recorded (a token replayed at another token's pack position would change its log-prob and
+    the mismatch), and the update's losses, grad norms and mismatch are the padded update's within fp32 rounding."""
+    for report in runs[name]:
         packed, padded, real = report["packed_passes"], report["passes"], report["real"]
         assert any("packed sequences" in note for note in packed["notes"]), packed["notes"]
         assert torch.equal(packed["routed_experts"], padded["routed_experts"])
