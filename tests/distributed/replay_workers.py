@@ -62,7 +62,8 @@ def replay_run(rank: int, world_size: int, workdir: str, layout: MegatronConfig,
     """At `layout`: the experience pass with R2 (the ref built with replay too, before the actor, so Megatron's
     global list of replay instances starts with the ref's), then two PPO epochs of the actor replaying, then the
     same update again under full recompute. `save`: write the initial weights (the EP 1 reference). `packed`: the
-    same experience and update again with packed sequences, each pass packing the rows by its own token budget."""
+    same experience and update again with packed sequences, each pass packing the rows by its own token budget
+    (on one process under full recompute)."""
     workdir = Path(workdir)
     started = time.perf_counter()
     init_distributed(layout, seed=workers.SEED)
@@ -81,15 +82,16 @@ def replay_run(rank: int, world_size: int, workdir: str, layout: MegatronConfig,
     exp = workers.experience(workers.ROWS, seed=3, passes=dict(passes))
     r3 = {} if world_size > 1 else _r3_first_pass(layout, actor, passes)
     runs = {"plain": _update_twice(actor, layout, config, exp)}
+    recompute = dataclasses.replace(layout, recompute_granularity="full", recompute_method="uniform",
+                                    recompute_num_layers=1)  # fmt: skip
     if world_size == 1:  # full recompute: the same update
-        recompute = dataclasses.replace(layout, recompute_granularity="full", recompute_method="uniform",
-                                        recompute_num_layers=1)  # fmt: skip
         again = build_role_model("actor", MOE_MODEL, recompute, routing_replay=True)
         workers.load(again, workdir / "initial")
         runs["recompute"] = _update_twice(again, recompute, config, exp)
     packed_passes = {}
     if packed:
-        packed_passes, runs["packed"] = _packed_record_and_replay(layout, config, batch, passes, workdir)
+        packed_layout = recompute if world_size == 1 else layout
+        packed_passes, runs["packed"] = _packed_record_and_replay(packed_layout, config, batch, passes, workdir)
     # the live routing of the updated weights, recorded: how far replay held the routers
     real = torch.arange(batch["input_ids"].shape[1])[None, :] < batch["lengths"][:, None]
     changed = torch.tensor(float("nan"))

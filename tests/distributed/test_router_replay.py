@@ -27,7 +27,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     workdir = str(tmp_path_factory.mktemp("replay"))
-    out = {"ep1": run_distributed(replay_workers.replay_run, 1, workdir, MegatronConfig(), True)}
+    out = {"ep1": run_distributed(replay_workers.replay_run, 1, workdir, MegatronConfig(), True, True)}
     for name, layout in LAYOUTS.items():  # each also runs its experience and update packed
         out[name] = run_distributed(replay_workers.replay_run, 2, workdir, layout, False, True)
     return out
@@ -97,13 +97,16 @@ def test_layouts_record_and_replay_as_ep1(runs, name: str) -> None:
             assert math.isclose(ours["router_replay_mismatch"], theirs["router_replay_mismatch"], abs_tol=0.02), name
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["ep1", *LAYOUTS])
 def test_packed_passes_record_and_replay_as_padded(runs, name: str) -> None:
     """Packed sequences, the experience packed by one token budget and the update by another (other groups than the
-    padded passes' too; with SP each rank holds a contiguous part of the pack; with PP each stage its layers): the
-    record holds each real token's experts exactly as the padded pass's (0 at padding in both), the first update
-    forward routes as recorded (a token replayed at another token's pack position would change its log-prob and
-    the mismatch), and the update's losses, grad norms and mismatch are the padded update's within fp32 rounding."""
+    padded passes' too; with SP each rank holds a contiguous part of the pack; with PP each stage its layers; on
+    one process under full recompute, whose backward pops each packed forward's targets once): the record holds
+    each real token's experts exactly as the padded pass's (0 at padding in both), the first update forward routes
+    as recorded (a token replayed at another token's pack position would change its log-prob and the mismatch),
+    and the update's losses, grad norms and mismatch are the padded update's within fp32 rounding."""
+    if name == "ep1":
+        assert all(left == 0 for counts in runs[name][0]["runs"]["packed"]["left"] for left in counts)
     for report in runs[name]:
         packed, padded, real = report["packed_passes"], report["passes"], report["real"]
         assert any("packed sequences" in note for note in packed["notes"]), packed["notes"]
