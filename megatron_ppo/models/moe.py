@@ -101,14 +101,19 @@ def pad_tokens(
     return padded_ids, padded_positions, attention_mask
 
 
-def routing_padding_mask(lengths: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+def routing_padding_mask(
+    lengths: torch.Tensor, shape: tuple[int, int], positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """`[rows, width]` boolean, True where a position holds no real token (at or beyond its row's length `[b]`, or
     in a padded row): Megatron's routers leave these out of the load-balancing statistics, as Hugging Face's loss
-    leaves out masked tokens."""
+    leaves out masked tokens. `positions` `[width]`: each column's position in the full row (a context-parallel
+    rank's chunks, `models.context_parallel.chunk_positions`); by default 0…width−1."""
     rows, width = shape
     real = lengths.new_zeros(rows)
     real[: lengths.shape[0]] = lengths
-    return torch.arange(width, device=lengths.device)[None, :] >= real[:, None]
+    if positions is None:
+        positions = torch.arange(width, device=lengths.device)
+    return positions.to(lengths.device)[None, :] >= real[:, None]
 
 
 def finished_everywhere(config: TransformerConfig, finished: bool) -> bool:

@@ -30,7 +30,7 @@ from megatron.core import parallel_state
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_ppo.models.context_parallel import gather_per_token, split_micro_batch
+from megatron_ppo.models.context_parallel import chunk_positions, gather_per_token, split_micro_batch
 from megatron_ppo.models.gpt import RoleModel, logits_cut, unwrap
 from megatron_ppo.models.moe import (
     expert_parallel_micro_batch_count,
@@ -94,7 +94,7 @@ def run_micro_batches(
     real_micro_batches = len(micro_batches)
     micro_batches = [*micro_batches, *_empty_micro_batches(model, real_micro_batches)]
     num_micro_batches = len(micro_batches)
-    cp_size = parallel_state.get_context_parallel_world_size()
+    cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     sp_tp = model.config.tensor_model_parallel_size if model.config.sequence_parallel else 1
     device = module_device(model.chunks[0], f"the {model.role} model")
     packable = inference_context is None and all("lengths" in batch for batch in micro_batches)
@@ -131,8 +131,7 @@ def run_micro_batches(
                 return output, lambda output: (output.sum() * 0.0, {})
             return output, loss
         if cp_size > 1:  # every per-token tensor padded to the pass's width, then this CP rank's chunks taken
-            batch = split_micro_batch(batch, cp_size, parallel_state.get_context_parallel_rank(), sp_tp,
-                                      full_width=shapes[index][1])  # fmt: skip
+            batch = split_micro_batch(batch, cp_size, cp_rank, sp_tp, full_width=shapes[index][1])
         input_ids = batch["input_ids"]
         position_ids = batch.get("position_ids")
         if position_ids is None:
@@ -145,8 +144,11 @@ def run_micro_batches(
         )
         extra = {}
         if model.config.num_moe_experts:  # padding stays out of the routers' load-balancing statistics
-            lengths = batch.get("lengths", torch.full((rows,), width, device=device))
-            extra["padding_mask"] = routing_padding_mask(lengths, tuple(input_ids.shape))
+            full_width = micro_batches[index]["input_ids"].shape[1]
+            lengths = batch.get("lengths", torch.full((rows,), full_width, device=device))
+            # with CP a rank's columns are its chunks of the pass's width, not a prefix of the row
+            positions = chunk_positions(shapes[index][1], cp_size, cp_rank) if cp_size > 1 else None
+            extra["padding_mask"] = routing_padding_mask(lengths, tuple(input_ids.shape), positions)
             if replay is not None:
                 replay.before_forward(chunk, batch, tuple(input_ids.shape))
         if inference_context is not None:  # this micro-batch's rows of the cache; logits gathered over TP
@@ -157,9 +159,7 @@ def run_micro_batches(
         with logits_cut(chunk, rows, width) if inference_context is None else nullcontext():
             output = chunk(input_ids, position_ids, attention_mask, **extra)
         if replay is not None and (replay.action == "replay" or index < real_micro_batches):
-            full_width = micro_batches[index]["input_ids"].shape[1]
-            real_lengths = batch.get("lengths", torch.full((rows,), full_width, device=device))
-            replay.after_forward(chunk, index, real_lengths, full_width, input_ids.shape[0], cp_size)
+            replay.after_forward(chunk, index, lengths, full_width, input_ids.shape[0], cp_size)
         if unwrap(chunk).post_process and tuple(output.shape[:2]) != (rows, width):
             # the critic's values `[rows, width, 1]`, a decoding step's logits: the padding stays out of every loss,
             # metric and output

@@ -11,6 +11,7 @@ import torch
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig
 from megatron_ppo.models import build_transformer_config
+from megatron_ppo.models.context_parallel import chunk_positions
 from megatron_ppo.models.moe import pad_tokens, routing_padding_mask
 from megatron_ppo.models.router_replay import replay_bypasses
 
@@ -116,6 +117,16 @@ def test_padding_for_the_allgather_dispatcher_goes_below_and_right_and_is_masked
     routing = routing_padding_mask(torch.tensor([3, 2]), (3, 5))
     expected = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(routing, expected), f"True where no real token: {routing}"
+
+
+def test_a_context_parallel_ranks_routing_mask_follows_its_chunks() -> None:
+    """At CP 2 a rank's 8 columns of a 16-token row are chunks (r, 3 − r): rank 0 holds positions 0–3 and 12–15,
+    so a row of 10 tokens has its padding in rank 0's last 4 columns and rank 1's last 2, not at columns ≥ 10."""
+    lengths = torch.tensor([10, 3])
+    masks = [routing_padding_mask(lengths, (3, 8), chunk_positions(16, 2, rank)) for rank in (0, 1)]
+    assert masks[0][0].tolist() == [False] * 4 + [True] * 4 and masks[1][0].tolist() == [False] * 6 + [True] * 2
+    assert int(sum((~mask).sum() for mask in masks)) == 13, "every real token once, in one rank's statistics"
+    assert all(mask[2].all() for mask in masks), "a padded row holds no real token"
 
 
 def test_routing_replay_on_a_dense_model_is_refused() -> None:
