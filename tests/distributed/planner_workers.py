@@ -5,6 +5,7 @@ and how many parameters each rank of a layout holds."""
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig
@@ -22,8 +23,8 @@ VARIANTS = {  # the model changes of the variants measured beside MODEL
     "llama": {},
     "qwen3": {"qk_layernorm": True},  # QK layernorm before RoPE
     "gpt2": {"normalization": "LayerNorm", "activation": "gelu", "position_embedding_type": "learned_absolute",
-             "add_bias_linear": True, "ffn_hidden_size": 256},  # fmt: skip
-}
+             "add_bias_linear": True, "ffn_hidden_size": 256},
+}  # fmt: skip
 ROWS, WIDTH = 4, 64  # padded: 4 rows of 64 tokens
 LENGTHS = [64, 40, 90, 62]  # packed: one pack of 256 tokens, sequences of even lengths (no padding at TP 2 + SP)
 RECOMPUTE = {
@@ -91,8 +92,11 @@ def measure(rank: int, world_size: int) -> dict[str, dict]:
                     dataclasses.replace(MODEL, **VARIANTS[variant]), base, packed=False
                 )
     parameters: dict[tuple, int] = {}
-    stages = {"tp2": MegatronConfig(tensor_model_parallel_size=2), "pp2": MegatronConfig(pipeline_model_parallel_size=2),
-              "pp2-vpp2": MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)}  # fmt: skip
+    stages = {
+        "tp2": MegatronConfig(tensor_model_parallel_size=2),
+        "pp2": MegatronConfig(pipeline_model_parallel_size=2),
+        "pp2-vpp2": MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+    }
     four_layers = dataclasses.replace(MODEL, num_layers=4)
     for name, layout in stages.items():
         init_distributed(layout, seed=1, device="cpu")

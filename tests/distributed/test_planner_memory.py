@@ -18,7 +18,7 @@ from tests.distributed.planner_workers import LENGTHS, MODEL, RECOMPUTE, ROWS, V
 
 LAYOUTS = {"tp2": MegatronConfig(tensor_model_parallel_size=2),
            "tp2-sp": MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True)}  # fmt: skip
-CASES = [("llama", layout, recompute, packed) for layout in LAYOUTS for recompute in RECOMPUTE for packed in (False, True)]
+CASES = [("llama", name, recompute, packed) for name in LAYOUTS for recompute in RECOMPUTE for packed in (False, True)]
 CASES += [(variant, "tp2-sp", None, False) for variant in ("qwen3", "gpt2")]
 
 
