@@ -165,56 +165,63 @@ def layer_activation_bytes(
     model: ModelConfig, layout: MegatronConfig, tokens: int, rows: int, *, cpu: bool, packed: bool
 ) -> float:
     """Bytes one transformer layer keeps for its backward on one GPU, for a micro-batch of `tokens` tokens (this CP
-    rank's) in `rows` rows (1 for a pack), each saved tensor counted once (views and parameters are no
-    activations). e = bytes per element (2 bf16, 4 fp32); h hidden, a heads, g query groups, d head size,
-    f FFN size, t = TP; per token:
+    rank's) in `rows` rows (1 for a pack), each saved tensor counted once (a saved view holds its base; parameters
+    are no activations). Per token, e bytes per element (2 bf16, 4 fp32), h hidden, f FFN size, and per TP rank
+    a = heads / TP, g = max(1, query groups / TP), d head size, f_t = f / TP:
 
-        norms    4h·e + 8             two norms' inputs (the residual stream) and outputs (the next GEMM's input),
-                                      fp32 1/rms: ÷ t with sequence parallelism only (LayerNorm: + 8, its mean)
-        split    ((a + 2g)·d + a·d + g·d + a·d)·e       the fused QKV output (V is a view of it), Q and K after
-                                      RoPE, the attention output (= the projection's input; flash/fused attention
-                                      keeps no s × s scores)
-                 + (2f + f)·e (SwiGLU: FC1's gate/up output, FC2's input; GeLU 2f·e)
-                 + 4a                 the softmax's fp32 log-sum-exp (not with selective recompute: the core
-                                      attention is recomputed from Q, K, V)
-                 + a·d·e + 4(a + g)   QK layernorm (Qwen3): the query copy its norm saves, 1/rms per head
-                 ÷ t
-        full recompute: h·e (÷ t with sequence parallelism), each layer's input only.
+        norms   4h·e + 8      both norms' inputs (the residual stream) and outputs (the next GEMM's input), their
+                              fp32 1/rms (LayerNorm + 8: the means); ÷ TP with sequence parallelism only
+        QKV     (a + 2g)·d·e  the fused QKV output (V, and K without RoPE, are views of it)
+                + (a + g)·d·e Q and K after RoPE (without RoPE the query: a copy, a·d·e, when a rank holds more
+                              than one group, else a view)
+                + a·d·e       the attention output (= the projection's input); flash / fused attention keeps no
+                              s × s scores, only its fp32 log-sum-exp, + 4a (not with selective recompute: the core
+                              attention is recomputed from Q, K, V)
+                + 4(a + g)    QK layernorm (Qwen3): 1/rms per head, and the query copy its norm saves (a·d·e)
+        MLP     3·f_t·e       SwiGLU: FC1's gate/up output and FC2's input (GeLU 2·f_t·e; MoE: module docstring)
+    and with full recompute h·e (÷ TP with sequence parallelism), each layer's input only.
 
-    Measured on the CPU (tests/distributed/test_planner_memory.py, `torch.autograd.graph.saved_tensors_hooks` on
-    our GPTModel): equal to the byte at TP 1 and 2, with and without sequence parallelism, packed and padded, for no
-    / selective / full recompute. That count is Megatron-LM's theoretical_memory_usage.py form
-    s·b·h·(18 + 4·f/h) (Korthikanti et al. 2022, Table 2) taken term by term for a Llama/Qwen layer: no dropout
-    masks, GQA's smaller K and V, SwiGLU's FC1 output of 2f, no s × s term with flash attention; at Qwen2.5-32B's
-    shape it is 47.6·s·b·h bytes where Megatron-LM's form gives 39.6 and the 34 planned before, both short.
+    Checked on the CPU (tests/distributed/test_planner_memory.py: `torch.autograd.graph.saved_tensors_hooks` on our
+    GPTModel, the layer's saves to the byte at TP 2 with and without sequence parallelism, packed and padded, no /
+    selective / full recompute). It is Megatron-LM's theoretical_memory_usage.py form s·b·h·(18 + 4·f/h)
+    (Korthikanti et al. 2022, Table 2) taken term by term for a Llama/Qwen layer: no dropout masks, GQA's smaller
+    K and V, SwiGLU's FC1 output of 2f (Megatron-LM's 4·f/h counts a GeLU MLP's f), no s × s term with flash
+    attention. At Qwen2.5-32B's shape (bf16, sequence parallel) it is 47.6·s·b·h / TP bytes, where Megatron-LM's
+    form gives 39.6 and the 34 planned before: both short.
 
-    `cpu`: plan the CPU path (Megatron's local spec with its fusions off, where the measurement runs); otherwise
-    the CUDA path (Transformer Engine's spec), where it saves less: TE's norm (and fused layernorm-linear) saves
-    x, its output and 1/rms, where torch's RMSNorm on the CPU also keeps x/rms (+ h·e per norm, + a·d + g·d with
-    QK layernorm); Megatron's fused SwiGLU saves FC1's output only, where the unfused one also keeps silu(gate)
-    and a copy of up (+ 2f·e); the fused RoPE saves its frequencies, the unfused one cos and sin for Q and K
-    (+ 4·d·e per position); and our SDPA's per-sequence pack path (`models.attention`) copies Q, K, V contiguous
-    and the output back (− (a·d + g·d)·e without recompute) where TE's THD attention takes them as they are."""
-    h, a, ffn = model.hidden_size, model.num_attention_heads, model.ffn_hidden_size or 4 * model.hidden_size
-    g = model.num_query_groups or a
-    d = model.kv_channels or h // a
+    `cpu`: the CPU path, where the check runs (Megatron's local spec with every fusion off); otherwise the CUDA path
+    (Transformer Engine's spec), which saves less, and is what a GPU recipe plans: TE's norm and fused
+    layernorm-linear save x, their output and 1/rms, where torch's RMSNorm on the CPU also keeps x/rms (+ h·e per
+    norm; QK layernorm + (a + g)·d·e); Megatron's fused SwiGLU saves FC1's output only, where the unfused one also
+    keeps silu(gate) and a copy of up (+ 2·f_t·e); the fused RoPE saves its frequencies, the unfused one cos and sin
+    for Q and K (+ 4·d·e per position, not per row); and our SDPA's per-sequence pack path (`models.attention`)
+    saves contiguous copies of Q, K, V, its outputs and their copy back (3a·d + 2g·d in place of the QKV terms)
+    where TE's THD attention takes Q, K, V as they are. TE may also copy a strided V; not counted."""
+    h, ffn = model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size
+    heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
+    d = model.kv_channels or h // heads
     t, sp = layout.tensor_model_parallel_size, layout.sequence_parallel
+    a, g = heads // t, max(1, groups // t)
     e = 4 if model.params_dtype == "fp32" else 2
     if layout.recompute_granularity == "full":
         return tokens * h * e / (t if sp else 1)
-    rmsnorm = model.normalization == "RMSNorm"
+    rmsnorm, rope = model.normalization == "RMSNorm", model.position_embedding_type == "rope"
     norms = 4 * h * e + (8 if rmsnorm else 16) + (2 * h * e if cpu and rmsnorm else 0)
-    gated = model.activation == "swiglu"
-    attention = ((a + 2 * g) * d + a * d + g * d + a * d) * e
-    if layout.recompute_granularity != "selective":
-        attention += 4 * a - ((a * d + g * d) * e if cpu and packed else 0)
+    query_copy = a * d if g > 1 else 0  # Megatron's reshape of a rank's grouped query heads copies them
+    qkv = (a + 2 * g) * d + (a * d + g * d if rope else query_copy) + a * d
+    selective = layout.recompute_granularity == "selective"
+    if cpu and packed and not selective:  # Q, K, V copied contiguous, the outputs per sequence and their copy back
+        qkv = 3 * a * d + 2 * g * d + ((a + 2 * g) * d if model.qk_layernorm else 0)
+    attention = qkv * e + (0 if selective else 4 * a)
     if model.qk_layernorm:
-        attention += a * d * e + 4 * (a + g) + ((a * d + g * d) * e if cpu and rmsnorm else 0)
-    mlp = (model.num_experts_per_tok * (h + 3 * model.moe_intermediate_size) if model.num_experts else
-           ((3 if gated else 2) + (2 if cpu and gated else 0)) * ffn) * e  # fmt: skip
-    split = attention + mlp
-    rope = 4 * d * e / rows if cpu and model.position_embedding_type == "rope" else 0  # per position, not per row
-    return tokens * (norms / (t if sp else 1) + split / t + rope)
+        attention += query_copy * e + 4 * (a + g) + ((a + g) * d * e if cpu and rmsnorm else 0)
+    if model.num_experts:
+        mlp = model.num_experts_per_tok * (h + 3 * model.moe_intermediate_size) * e / t
+    else:
+        gated = model.activation == "swiglu"
+        mlp = ((3 if gated else 2) + (2 if cpu and gated else 0)) * ffn * e / t
+    positions = 4 * d * e / rows if cpu and rope else 0  # cos and sin of Q and K, per position of a row
+    return tokens * (norms / (t if sp else 1) + attention + mlp + positions)
 
 
 def _activations_gib(config: PPOConfig, role: str, train: bool) -> float:
