@@ -29,7 +29,9 @@ def measured() -> list[dict]:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(part) for part in c))
 def test_a_layer_saves_what_the_planner_counts(measured: list[dict], case: tuple) -> None:
-    """Within 15 % on every rank (the count is exact here: equal to the byte)."""
+    """Within 1 % on every rank, well inside the issue's 15 %: the count is exact (to the byte without recompute or
+    with full recompute, 4 bytes short with selective), and at these shapes a wrong term of one FFN width (f·e)
+    is 11 % of a layer's bytes, which 15 % would let through."""
     variant, layout_name, recompute, packed = case
     model = dataclasses.replace(MODEL, **VARIANTS[variant])
     layout = dataclasses.replace(LAYOUTS[layout_name], **RECOMPUTE[recompute])
@@ -37,7 +39,7 @@ def test_a_layer_saves_what_the_planner_counts(measured: list[dict], case: tuple
     planned = layer_activation_bytes(model, layout, tokens, rows, cpu=True, packed=packed)
     for rank, result in enumerate(measured):
         saved = result["activations"][case]
-        assert saved == pytest.approx(planned, rel=0.15), f"rank {rank}: saved {saved} B, planned {planned:.0f} B"
+        assert saved == pytest.approx(planned, rel=0.01), f"rank {rank}: saved {saved} B, planned {planned:.0f} B"
 
 
 @pytest.mark.parametrize(("layout_name", "role", "embeddings"), [
