@@ -89,6 +89,7 @@ class RolePlan:
     layout: MegatronConfig  # its offload switches
     active_params: int = 0  # per token (mixture of experts: the top-k experts only)
     expert_params_per_gpu: int = 0
+    stage: int = 0  # the most loaded pipeline stage (0-based), whose parameters params_per_gpu counts
 
 
 @dataclass
@@ -296,7 +297,9 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
     dp = max(1, data_parallel_size(config, layout))
     _, _, expert_dp = expert_layout(config, layout)
     # the most loaded pipeline stage (Megatron-LM's "most loaded shard"): the last, by its output layer and norm
-    dense_per_gpu, experts_per_gpu = max(stage_parameters(m, layout, role), key=sum)
+    stages = stage_parameters(m, layout, role)
+    stage = max(range(len(stages)), key=lambda i: sum(stages[i]))
+    dense_per_gpu, experts_per_gpu = stages[stage]
     per_gpu = dense_per_gpu + experts_per_gpu
     weight_bytes = 4 if config.model.params_dtype == "fp32" else 2
     trained = role != "ref"
@@ -316,6 +319,7 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
         layout=layout,
         active_params=active_parameter_count(m) - head_swap,
         expert_params_per_gpu=experts_per_gpu,
+        stage=stage,
     )
 
 
@@ -509,6 +513,11 @@ def format_plan(result: Plan, config: PPOConfig) -> str:
             f"{r.role:<8}{r.params / 1e9:>9.2f}B{r.params_per_gpu / 1e9:>9.2f}B{r.weights_gib:>8.1f}Gi"
             f"{r.grads_gib:>7.1f}Gi{r.optimizer_gib:>7.1f}Gi{r.activations_gib:>7.1f}Gi  {_offload_text(r)}"
         )
+    pp = config.actor.megatron.pipeline_model_parallel_size
+    if pp > 1:
+        stages = ", ".join(f"{r.role} {r.stage + 1}" for r in result.roles.values())
+        lines.append(f"  per GPU: the most loaded of the {pp} pipeline stages ({stages}; the first holds the "
+                     "embedding, the last the output layer)")  # fmt: skip
     lines += _moe_lines(result, config)
     for phase, gib in result.phases_gib.items():
         lines.append(f"  phase {phase:<14} {gib:7.1f} GiB per GPU (incl. {RESERVED_GIB:.0f} GiB reserved)")
