@@ -8,7 +8,9 @@ layouts with it, the planner sizes memory and time with it, the trainer checks i
 
 from __future__ import annotations
 
-from megatron_ppo.config.schema import MegatronConfig, PPOConfig
+import math
+
+from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
 
 
 def world_size(c: PPOConfig) -> int:
@@ -35,3 +37,10 @@ def expert_layout(c: PPOConfig, megatron: MegatronConfig) -> tuple[int, int, int
 def divisors(n: int) -> list[int]:
     """The sizes that split `n` evenly (what a layout problem suggests instead)."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def padded_vocab_size(model: ModelConfig, tensor_parallel_size: int) -> int:
+    """Vocabulary rounded up to a multiple of lcm(make_vocab_size_divisible_by, TP): each TP rank holds an equal
+    slice, and with the default of 128 the padded size — so the checkpoint — is the same for every TP in 1..128."""
+    multiple = math.lcm(model.make_vocab_size_divisible_by, tensor_parallel_size)
+    return math.ceil(model.vocab_size / multiple) * multiple

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
+from megatron_ppo.config.layout import padded_vocab_size  # noqa: F401  (re-exported: the models' vocabulary)
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig
 from megatron_ppo.models.dtypes import DTYPES
 from megatron_ppo.models.kernels import fusion_flags, uses_transformer_engine
 from megatron_ppo.parallel.device import on_cuda
-
-
-def padded_vocab_size(model: ModelConfig, tensor_parallel_size: int) -> int:
-    """Vocabulary rounded up to a multiple of lcm(make_vocab_size_divisible_by, TP): each TP rank holds an equal
-    slice, and with the default of 128 the padded size — so the checkpoint — is the same for every TP in 1..128."""
-    multiple = math.lcm(model.make_vocab_size_divisible_by, tensor_parallel_size)
-    return math.ceil(model.vocab_size / multiple) * multiple
 
 
 def moe_settings(model: ModelConfig, layout: MegatronConfig, with_aux_loss: bool) -> dict[str, Any]:

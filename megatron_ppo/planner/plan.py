@@ -1,16 +1,21 @@
 """Plan a recipe on its cluster before any job: parameter counts, per-GPU memory per role and phase, pipeline
 bubble, whether it fits, the nearest layout that does, and a FLOP-based step-time estimate.
 
-Memory model (bytes per parameter on a GPU holding N / (TP·PP) of them; see docs/planner.md for the sources):
-    weights      2 (bf16/fp16) or 4 (fp32)
+Memory model (per GPU; see docs/planner.md for the sources):
+    weights      2 bytes per parameter (bf16/fp16) or 4 (fp32), of the most loaded pipeline stage
+                 (`stage_parameters`: its L/PP layers split by TP, the norms replicated, plus the first stage's
+                 input embedding and the last stage's output layer and final norm, the vocabulary padded as Megatron
+                 pads it: Megatron-LM's "most loaded shard", `theoretical_memory_usage.py`)
     gradients    4 (Megatron DDP reduces gradients in fp32)
     optimizer    12 (fp32 master weights + Adam m and v; 8 when the weights are fp32 already), divided by DP with
                  the distributed optimizer
-    activations  per layer s·b·h·(34 + 5·a·s/h) / TP bytes (Korthikanti et al. 2022, sequence parallel),
-                 34·s·b·h / TP with selective recompute, 2·s·b·h with full recompute; the first pipeline stage
-                 keeps min(PP, micro-batches) micro-batches in flight (1F1B); plus fp32 log-probs of the output;
-                 b = a micro-batch's rows at full length (`micro_batch_rows`: with use_dynamic_bsz, as many as the
-                 token budget holds)
+    activations  what each transformer layer saves for its backward, counted tensor by tensor
+                 (`layer_activation_bytes`, measured with saved-tensor hooks on the real model), times the layers a
+                 stage keeps (all of them; with full recompute each layer's input, plus one layer's set while it is
+                 recomputed) and the micro-batches in flight on the first stage (1F1B: min(PP, micro-batches);
+                 interleaved: Megatron-LM's penalty 1 + (PP − 1)/(PP·VPP)); plus fp32 log-probs of the output;
+                 per micro-batch of `micro_batch_tokens` tokens: with `model.pack_sequences` one pack of the token
+                 budget, else rows × padded width (`micro_batch_rows` full-length rows)
     reserved     3 GiB per GPU (CUDA context, NCCL buffers, allocator fragmentation)
     KV cache     of an evaluation's greedy answers (`models.generation`, data.val_files): keys and values of the
                  rank's layers, 2 · L/PP · B · (prompt + response) · groups/TP · head_dim weight-size values for a
@@ -26,8 +31,9 @@ and the rest waits in host memory (`resident_kinds`). The peak is the largest ph
 Mixture of experts (`model.num_experts` > 0): the routed experts' weights, gradients and optimizer states are split
 by EP × expert-TP × PP (the optimizer further by the expert-data-parallel size world / (ETP·EP·PP)); everything
 else by TP × PP as above. FLOPs count the active parameters (top-k experts per token). The expert MLP's activations
-are k·(2 + 6·f/h)·s·b·h / TP bytes per layer (each token's k copies of its input, the gate/up output and the SwiGLU
-output, in bf16, with balanced routing) in place of the 19·s·b·h of a dense 4h MLP. The token all-to-all's time is
+are k·(h + 3·f)·e / TP bytes per token and layer (each token's k copies of its input, the gate/up output and the
+SwiGLU output, e bytes each, with balanced routing; not measured) in place of the dense MLP's FC1 output and FC2
+input. The token all-to-all's time is
 added to the step, not overlapped (`all_to_all_estimate`, its bandwidths an assumption).
 """
 
@@ -41,7 +47,7 @@ from dataclasses import dataclass
 
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.gpus import gpu_spec
-from megatron_ppo.config.layout import data_parallel_size, expert_layout, world_size
+from megatron_ppo.config.layout import data_parallel_size, expert_layout, padded_vocab_size, world_size
 from megatron_ppo.config.schema import ROLES, ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate
 from megatron_ppo.planner.flops import (
@@ -83,6 +89,7 @@ class RolePlan:
     layout: MegatronConfig  # its offload switches
     active_params: int = 0  # per token (mixture of experts: the top-k experts only)
     expert_params_per_gpu: int = 0
+    stage: int = 0  # the most loaded pipeline stage (0-based), whose parameters params_per_gpu counts
 
 
 @dataclass
@@ -124,43 +131,161 @@ def micro_batch_rows(config: PPOConfig, role: str, train: bool) -> int:
     return size or 1
 
 
-def _activations_gib(config: PPOConfig, layout: MegatronConfig, micro_batch: int, train: bool) -> float:
-    m = config.model
-    s, h, tp, pp = config.data.max_length, m.hidden_size, \
-        layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size  # fmt: skip
-    s_local = s / layout.context_parallel_size
-    layers = m.num_layers / pp
-    if not train:  # forward only: one layer's working set and the output
-        per_layer, layers_kept = s_local * micro_batch * h * 34 / tp, 1
-    elif layout.recompute_granularity == "full":
-        per_layer, layers_kept = 2 * s_local * micro_batch * h, layers
-    elif layout.recompute_granularity == "selective":
-        per_layer, layers_kept = 34 * s_local * micro_batch * h / tp, layers
+def micro_batch_tokens(config: PPOConfig, role: str, train: bool) -> tuple[int, int]:
+    """(tokens, rows) of the largest micro-batch `role`'s pass enters the model with, per CP rank. Packed
+    (`model.pack_sequences`) under a token budget (`use_dynamic_bsz`): one `[1, T]` pack, T = the budget
+    (packs hold whole sequences of at most that many tokens, `data.batching.packed_micro_batches`), rounded up to
+    the pack's step; otherwise rows × padded width: `micro_batch_rows` full-length rows (each sequence padded to the
+    layout's multiple; a fixed-size group packed is that many tokens at most). The step: TP with sequence
+    parallelism, 2·CP·TP with CP, and `make_sequence_length_divisible_by` where set (`models.widths`; its CUDA
+    default of 128 is left out: < 1 % at these widths, and the recipes' budgets are multiples of it)."""
+    layout: MegatronConfig = getattr(config, role).megatron
+    tp, cp = layout.tensor_model_parallel_size, layout.context_parallel_size
+    step = math.lcm((2 * cp if cp > 1 else 1) * (tp if layout.sequence_parallel else 1),
+                    layout.make_sequence_length_divisible_by or 1)  # fmt: skip
+    owner = config.critic if role == "critic" else config.actor
+    if config.model.pack_sequences and owner.use_dynamic_bsz:
+        tokens, rows = owner.ppo_max_token_len_per_gpu, 1
     else:
-        per_layer = s_local * micro_batch * h * (34 + 5 * m.num_attention_heads * s_local / h) / tp
-        layers_kept = layers
-    if not train or layout.recompute_granularity != "full":
-        per_layer += _moe_mlp_activation_delta(m) * s_local * micro_batch * h / tp
-    in_flight = min(pp, max(1, config.actor.ppo_mini_batch_size // max(1, micro_batch))) if train else 1
-    logits = 2 * 4 * s_local * micro_batch * m.vocab_size / tp  # fp32 log p and its gradient
-    return (per_layer * layers_kept * in_flight + logits) / GIB
+        rows = micro_batch_rows(config, role, train)
+        tokens = rows * -(-config.data.max_length // step) * step
+    return -(-tokens // step) * step // cp, rows
 
 
-def _moe_mlp_activation_delta(model: ModelConfig) -> float:
-    """Bytes per s·b·h that a layer's routed experts keep beyond a dense 4h MLP's 19 (Korthikanti et al.): each of
-    the k copies of a token holds its bf16 input (2h), gate/up output (2·2f) and SwiGLU output (2f), f = f_moe;
-    0 for a dense model."""
-    if not model.num_experts:
-        return 0.0
-    return model.num_experts_per_tok * (2 + 6 * model.moe_intermediate_size / model.hidden_size) - 19
+def micro_batches_per_mini_batch(config: PPOConfig, role: str) -> int:
+    """Micro-batches of `role`'s update in one mini-batch on one data-parallel replica, at full-length rows:
+    ppo_mini_batch_size / DP rows of (prompt + response) tokens over `micro_batch_tokens`."""
+    owner = config.critic if role == "critic" else config.actor
+    dp = max(1, data_parallel_size(config, owner.megatron))
+    tokens, _ = micro_batch_tokens(config, role, train=True)
+    cp = owner.megatron.context_parallel_size
+    return max(1, math.ceil(owner.ppo_mini_batch_size / dp * config.data.max_length / cp / tokens))
 
 
-def _expert_shards(config: PPOConfig, layout: MegatronConfig) -> tuple[int, float]:
-    """(expert parameters per GPU, their optimizer-sharded count): split by EP × ETP × PP, the distributed
-    optimizer's share further by expert DP."""
-    ep, etp, expert_dp = expert_layout(config, layout)
-    per_gpu = math.ceil(expert_parameter_count(config.model) / (ep * etp * layout.pipeline_model_parallel_size))
-    return per_gpu, per_gpu / (expert_dp if layout.use_distributed_optimizer else 1)
+def layer_activation_bytes(
+    model: ModelConfig, layout: MegatronConfig, tokens: int, rows: int, *, cpu: bool, packed: bool
+) -> float:
+    """Bytes one transformer layer keeps for its backward on one GPU, for a micro-batch of `tokens` tokens (this CP
+    rank's) in `rows` rows (1 for a pack), each saved tensor counted once (a saved view holds its base; parameters
+    are no activations). Per token, e bytes per element (2 bf16, 4 fp32), h hidden, f FFN size, and per TP rank
+    a = heads / TP, g = max(1, query groups / TP), d head size, f_t = f / TP:
+
+        norms   4h·e + 8      both norms' inputs (the residual stream) and outputs (the next GEMM's input), their
+                              fp32 1/rms (LayerNorm + 8: the means); ÷ TP with sequence parallelism only
+        QKV     (a + 2g)·d·e  the fused QKV output (V, and K without RoPE, are views of it)
+                + (a + g)·d·e Q and K after RoPE (without RoPE the query: a copy, a·d·e, when a rank holds more
+                              than one group, else a view)
+                + a·d·e       the attention output (= the projection's input); flash / fused attention keeps no
+                              s × s scores, only its fp32 log-sum-exp, + 4a (not with selective recompute: the core
+                              attention is recomputed from Q, K, V)
+                + 4(a + g)    QK layernorm (Qwen3): 1/rms per head, and the query copy its norm saves (a·d·e)
+        MLP     3·f_t·e       SwiGLU: FC1's gate/up output and FC2's input (GeLU 2·f_t·e; MoE: module docstring)
+    and with full recompute h·e (÷ TP with sequence parallelism), each layer's input only.
+
+    Checked on the CPU (tests/distributed/test_planner_memory.py: `torch.autograd.graph.saved_tensors_hooks` on our
+    GPTModel, the layer's saves to the byte at TP 2 with and without sequence parallelism, packed and padded, no /
+    selective / full recompute). It is Megatron-LM's theoretical_memory_usage.py form s·b·h·(18 + 4·f/h)
+    (Korthikanti et al. 2022, Table 2) taken term by term for a Llama/Qwen layer: no dropout masks, GQA's smaller
+    K and V, SwiGLU's FC1 output of 2f (Megatron-LM's 4·f/h counts a GeLU MLP's f), no s × s term with flash
+    attention. At Qwen2.5-32B's shape (bf16, sequence parallel) it is 47.6·s·b·h / TP bytes, where Megatron-LM's
+    form gives 39.6 and the 34 planned before: both short.
+
+    `cpu`: the CPU path, where the check runs (Megatron's local spec with every fusion off); otherwise the CUDA path
+    (Transformer Engine's spec), which saves less, and is what a GPU recipe plans: TE's norm and fused
+    layernorm-linear save x, their output and 1/rms, where torch's RMSNorm on the CPU also keeps x/rms (+ h·e per
+    norm; QK layernorm + (a + g)·d·e); Megatron's fused SwiGLU saves FC1's output only, where the unfused one also
+    keeps silu(gate) and a copy of up (+ 2·f_t·e); the fused RoPE saves its frequencies, the unfused one cos and sin
+    for Q and K (+ 4·d·e per position, not per row); and our SDPA's per-sequence pack path (`models.attention`)
+    saves contiguous copies of Q, K, V, its outputs and their copy back (3a·d + 2g·d in place of the QKV terms)
+    where TE's THD attention takes Q, K, V as they are. TE may also copy a strided V; not counted."""
+    h, ffn = model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size
+    heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
+    d = model.kv_channels or h // heads
+    t, sp = layout.tensor_model_parallel_size, layout.sequence_parallel
+    a, g = heads // t, max(1, groups // t)
+    e = 4 if model.params_dtype == "fp32" else 2
+    if layout.recompute_granularity == "full":
+        return tokens * h * e / (t if sp else 1)
+    rmsnorm, rope = model.normalization == "RMSNorm", model.position_embedding_type == "rope"
+    norms = 4 * h * e + (8 if rmsnorm else 16) + (2 * h * e if cpu and rmsnorm else 0)
+    query_copy = a * d if g > 1 else 0  # Megatron's reshape of a rank's grouped query heads copies them
+    qkv = (a + 2 * g) * d + (a * d + g * d if rope else query_copy) + a * d
+    selective = layout.recompute_granularity == "selective"
+    if cpu and packed and not selective:  # Q, K, V copied contiguous, the outputs per sequence and their copy back
+        qkv = 3 * a * d + 2 * g * d + ((a + 2 * g) * d if model.qk_layernorm else 0)
+    attention = qkv * e + (0 if selective else 4 * a)
+    if model.qk_layernorm:
+        attention += query_copy * e + 4 * (a + g) + ((a + g) * d * e if cpu and rmsnorm else 0)
+    if model.num_experts:
+        mlp = model.num_experts_per_tok * (h + 3 * model.moe_intermediate_size) * e / t
+    else:
+        gated = model.activation == "swiglu"
+        mlp = ((3 if gated else 2) + (2 if cpu and gated else 0)) * ffn * e / t
+    positions = 4 * d * e / rows if cpu and rope else 0  # cos and sin of Q and K, per position of a row
+    return tokens * (norms / (t if sp else 1) + attention + mlp + positions)
+
+
+def _activations_gib(config: PPOConfig, role: str, train: bool) -> float:
+    """GiB of `role`'s activations at the peak of its pass on the first pipeline stage (module docstring): a
+    training pass keeps each of its layers' saved tensors (`layer_activation_bytes`; with full recompute each
+    layer's input, plus one recompute group's whole set while it runs again) for every micro-batch in flight; a
+    forward keeps one layer's working set, bounded by what a layer saves. Plus the fp32 log-probs and their gradient
+    over the vocabulary slice."""
+    m, layout = config.model, getattr(config, role).megatron
+    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    tokens, rows = micro_batch_tokens(config, role, train)
+    cpu, packed = config.cluster.device == "cpu", m.pack_sequences
+    no_recompute = dataclasses.replace(layout, recompute_granularity=None)
+    working = layer_activation_bytes(m, no_recompute, tokens, rows, cpu=cpu, packed=packed)
+    layers, group = m.num_layers / pp, layout.recompute_num_layers or 1
+    if not train:
+        per_micro_batch = working
+    elif layout.recompute_granularity == "full" and layout.recompute_method == "block":  # the first `group` only
+        per_micro_batch = group * layer_activation_bytes(m, layout, tokens, rows, cpu=cpu, packed=packed)
+        per_micro_batch += (layers - group) * working
+    else:
+        per_micro_batch = layers * layer_activation_bytes(m, layout, tokens, rows, cpu=cpu, packed=packed)
+    in_flight = 1.0
+    if train:
+        in_flight = min(pp, micro_batches_per_mini_batch(config, role))
+        if vpp and in_flight == pp:  # Megatron-LM's interleaved-schedule penalty (theoretical_memory_usage.py)
+            in_flight *= 1 + (pp - 1) / (pp * vpp)
+    total = per_micro_batch * in_flight
+    if train and layout.recompute_granularity == "full":
+        total += working * group
+    logits = 2 * 4 * tokens * m.vocab_size / layout.tensor_model_parallel_size  # fp32 log p and its gradient
+    return (total + logits) / GIB
+
+
+def stage_parameters(model: ModelConfig, layout: MegatronConfig, role: str) -> list[tuple[int, int]]:
+    """(dense, expert) parameters on one GPU of each pipeline stage, first to last: the stage's L/PP layers —
+    their matrices (and QKV bias) split by TP, their norms (and MoE router) replicated, the routed experts split
+    by EP × expert-TP — plus on the first stage the input embedding, on the last the final norm and the output
+    layer (untied, or with PP > 1 the tied embedding's copy Megatron keeps there; the critic's value head h + 1),
+    the vocabulary padded to lcm(make_vocab_size_divisible_by, TP) (`padded_vocab_size`). With virtual stages a
+    GPU holds its chunks' layers, L/PP in all, and the embedding / output layer where chunk 0 / the last chunk is."""
+    h, a = model.hidden_size, model.num_attention_heads
+    g, d = model.num_query_groups or a, model.kv_channels or h // a
+    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    ep = layout.expert_model_parallel_size
+    etp = layout.expert_tensor_parallel_size or tp
+    ffn = model.ffn_hidden_size or 4 * h
+    split = 2 * h * a * d + 2 * h * g * d + ((a + 2 * g) * d if model.add_qkv_bias else 0)
+    replicated = 2 * h + (2 * d if model.qk_layernorm else 0)
+    if model.num_experts:
+        replicated += model.num_experts * h  # the router
+    else:
+        split += (3 if model.activation == "swiglu" else 2) * h * ffn
+    layers = model.num_layers // pp
+    dense = layers * (split // tp + replicated)
+    experts = expert_parameter_count(model) // (pp * ep * etp)
+    vocab = padded_vocab_size(model, tp) * h // tp
+    head = h + 1 if role in ("critic", "reward_model") else vocab
+    tied_single = pp == 1 and not model.untie_embeddings_and_output_weights and head == vocab
+    first, last = vocab, h + (0 if tied_single else head)
+    if pp == 1:
+        return [(dense + first + last, experts)]
+    return [(dense + first, experts), *[(dense, experts)] * (pp - 2), (dense + last, experts)]
 
 
 def plan_role(config: PPOConfig, role: str) -> RolePlan:
@@ -169,19 +294,20 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
     # the critic: a value head instead of the vocabulary output layer
     head_swap = m.vocab_size * m.hidden_size - m.hidden_size - 1 if role == "critic" else 0
     params = parameter_count(m) - head_swap
-    model_parallel = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
     dp = max(1, data_parallel_size(config, layout))
-    experts_per_gpu, experts_optimizer = _expert_shards(config, layout)
-    dense_per_gpu = math.ceil((params - expert_parameter_count(config.model)) / model_parallel)
+    _, _, expert_dp = expert_layout(config, layout)
+    # the most loaded pipeline stage (Megatron-LM's "most loaded shard"): the last, by its output layer and norm
+    stages = stage_parameters(m, layout, role)
+    stage = max(range(len(stages)), key=lambda i: sum(stages[i]))
+    dense_per_gpu, experts_per_gpu = stages[stage]
     per_gpu = dense_per_gpu + experts_per_gpu
     weight_bytes = 4 if config.model.params_dtype == "fp32" else 2
     trained = role != "ref"
     grads = 4 * per_gpu if trained else 0
     # Adam m and v in fp32, plus fp32 main weights unless the weights are fp32 already (then they are the main ones)
     optimizer_bytes = 8 if config.model.params_dtype == "fp32" else 12
-    optimizer = optimizer_bytes * (dense_per_gpu / (dp if layout.use_distributed_optimizer else 1) + experts_optimizer)
-    optimizer = optimizer if trained else 0
-    micro = micro_batch_rows(config, role, train=trained)
+    shards = (dp, expert_dp) if layout.use_distributed_optimizer else (1, 1)
+    optimizer = optimizer_bytes * (dense_per_gpu / shards[0] + experts_per_gpu / shards[1]) if trained else 0
     return RolePlan(
         role=role,
         params=params,
@@ -189,10 +315,11 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
         weights_gib=weight_bytes * per_gpu / GIB,
         grads_gib=grads / GIB,
         optimizer_gib=optimizer / GIB,
-        activations_gib=_activations_gib(config, layout, micro, train=trained),
+        activations_gib=_activations_gib(config, role, train=trained),
         layout=layout,
         active_params=active_parameter_count(m) - head_swap,
         expert_params_per_gpu=experts_per_gpu,
+        stage=stage,
     )
 
 
@@ -206,10 +333,7 @@ def phase_gib(config: PPOConfig, roles: dict[str, RolePlan]) -> dict[str, float]
     """Per-GPU GiB of each phase: the resident state of every role, the activations of the phase's computation
     (the largest forward of the three roles, each at its micro-batch (`micro_batch_rows`), in the experience; the
     trained role's in its update; none between iterations) and the reserved GiB."""
-    forward = max(
-        _activations_gib(config, getattr(config, r).megatron, micro_batch_rows(config, r, train=False), train=False)
-        for r in roles
-    )
+    forward = max(_activations_gib(config, r, train=False) for r in roles)
     activations = {Phase.EXPERIENCE: forward, Phase.UPDATE_CRITIC: roles["critic"].activations_gib,
                    Phase.UPDATE_ACTOR: roles["actor"].activations_gib, Phase.BETWEEN_ITERATIONS: 0.0}  # fmt: skip
     return {
@@ -238,7 +362,7 @@ def plan(config: PPOConfig, recipe: str = "") -> Plan:
     layout = config.actor.megatron
     pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size or 1
     dp = max(1, data_parallel_size(config, layout))
-    micro_batches = max(1, config.actor.ppo_mini_batch_size // dp // micro_batch_rows(config, "actor", train=True))
+    micro_batches = micro_batches_per_mini_batch(config, "actor")
     bubble = (pp - 1) / (vpp * micro_batches + pp - 1)
     all_to_all_gb, all_to_all_s = all_to_all_estimate(config)
     step_time, tokens_per_gpu = step_time_estimate(config, roles, bubble, all_to_all_s)
@@ -389,6 +513,11 @@ def format_plan(result: Plan, config: PPOConfig) -> str:
             f"{r.role:<8}{r.params / 1e9:>9.2f}B{r.params_per_gpu / 1e9:>9.2f}B{r.weights_gib:>8.1f}Gi"
             f"{r.grads_gib:>7.1f}Gi{r.optimizer_gib:>7.1f}Gi{r.activations_gib:>7.1f}Gi  {_offload_text(r)}"
         )
+    pp = config.actor.megatron.pipeline_model_parallel_size
+    if pp > 1:
+        stages = ", ".join(f"{r.role} {r.stage + 1}" for r in result.roles.values())
+        lines.append(f"  per GPU: the most loaded of the {pp} pipeline stages ({stages}; the first holds the "
+                     "embedding, the last the output layer)")  # fmt: skip
     lines += _moe_lines(result, config)
     for phase, gib in result.phases_gib.items():
         lines.append(f"  phase {phase:<14} {gib:7.1f} GiB per GPU (incl. {RESERVED_GIB:.0f} GiB reserved)")

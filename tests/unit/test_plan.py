@@ -267,3 +267,64 @@ def test_each_phase_counts_what_the_offload_switches_leave_on_the_gpu() -> None:
     grads = critic.grads_gib
     expected = {"experience": grads, "critic update": 0.0, "actor update": grads, "between iterations": grads}
     assert added == pytest.approx(expected)
+
+
+def test_packed_micro_batches_are_counted_by_the_token_budget_padded_ones_by_rows_times_width() -> None:
+    """qwen2.5-7b: a 16384-token budget packs one [1, 16384] pack; padded, it holds 5 full rows of 3072 tokens
+    (15360): the activations (layers and log-probs, TP 4 on one pipeline stage) scale with those tokens."""
+    from megatron_ppo.planner.plan import micro_batch_tokens
+
+    recipe = REPO / "recipes" / "qwen2.5-7b.yaml"
+    packed, padded = load_config(recipe), load_config(recipe, ["model.pack_sequences=false"])
+    assert packed.model.pack_sequences and packed.actor.ppo_max_token_len_per_gpu == 16384
+    assert micro_batch_tokens(packed, "actor", train=True) == (16384, 1)
+    assert micro_batch_tokens(padded, "actor", train=True) == (5 * 3072, 5)
+    ratio = plan(packed).roles["actor"].activations_gib / plan(padded).roles["actor"].activations_gib
+    assert ratio == pytest.approx(16384 / 15360, rel=1e-12)
+
+
+def _megatron_most_loaded_shard_bytes(config, dp: int) -> float:
+    """Megatron-LM's megatron/training/theoretical_memory_usage.py, `compute_weight_and_optimizer_memory`, for an
+    untied RMSNorm GPT without MoE at PP > 1: (the block / PP + one V·h embedding) / TP parameters on the most
+    loaded shard, 6 + 12/DP bytes each with the distributed optimizer (bf16 weight, fp32 gradient, Adam's share)."""
+    m, layout = config.model, config.actor.megatron
+    h, a, g = m.hidden_size, m.num_attention_heads, m.num_query_groups
+    d = m.kv_channels or h // a
+    attention = 2 * h * h * ((1 + g / a) * (a * d / h))
+    layer = 2 * h * (m.ffn_hidden_size * 3 / 2 + 1) + attention
+    block = m.num_layers * layer + h
+    shard = (block / layout.pipeline_model_parallel_size + h * m.vocab_size) / layout.tensor_model_parallel_size
+    return shard * (6 + 12 / dp)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-32b", "qwen3-32b", "qwen2.5-72b"])
+def test_pp4_recipes_plan_the_most_loaded_stage_as_megatron_lm_counts_it(name: str) -> None:
+    """The actor's weights + gradients + optimizer states are its last stage's (16 or 20 layers, the output layer
+    and the final norm), equal within 0.1 % to Megatron-LM's closed form (which splits the norms by TP and leaves
+    Qwen's QKV bias and QK norms out); an even split over TP·PP was 3.3–4.5 % under it."""
+    from megatron_ppo.config.layout import data_parallel_size
+
+    config = load_config(REPO / "recipes" / f"{name}.yaml")
+    assert config.actor.megatron.pipeline_model_parallel_size == 4
+    actor = plan(config).roles["actor"]
+    planned = (actor.weights_gib + actor.grads_gib + actor.optimizer_gib) * 2**30
+    expected = _megatron_most_loaded_shard_bytes(config, data_parallel_size(config, config.actor.megatron))
+    assert planned == pytest.approx(expected, rel=1e-3)
+    even = parameter_count(config.model) / (4 * config.actor.megatron.tensor_model_parallel_size)
+    assert 0.03 < 1 - even * (6 + 12 / data_parallel_size(config, config.actor.megatron)) / expected < 0.05
+
+
+def test_the_interleaved_schedule_adds_megatron_lms_in_flight_penalty() -> None:
+    """llama3.1-70b (PP 4, 12 micro-batches of 16384 tokens a mini-batch, full recompute): with 5 virtual stages the
+    first stage keeps 4 · (1 + 3/20) micro-batches of its 20 layers' inputs (Megatron-LM's interleaved penalty),
+    without them 4; the recomputed layer's working set and the log-probs are the same."""
+    from megatron_ppo.planner.plan import layer_activation_bytes
+
+    recipe = REPO / "recipes" / "llama3.1-70b.yaml"
+    config = load_config(recipe)
+    plain = load_config(recipe, [f"{role}.megatron.virtual_pipeline_model_parallel_size=null" for role in
+                                 ("actor", "critic", "ref")])  # fmt: skip
+    layer = layer_activation_bytes(config.model, config.actor.megatron, 16384, 1, cpu=False, packed=True)
+    assert layer == 16384 * 8192 * 2 / 8  # each layer's bf16 input, split by TP 8 under sequence parallelism
+    added = (plan(config).roles["actor"].activations_gib - plan(plain).roles["actor"].activations_gib) * 2**30
+    assert added == pytest.approx(layer * 20 * 4 * 3 / 20)

@@ -51,8 +51,6 @@ WRITEUPS: dict[str, tuple[object, str]] = {
 # (recipe, key) → the value its header gives, with `make plan`'s peak at the write-up's value
 EXCEPTIONS: dict[tuple[str, str], object] = {
     **{("qwen3-8b", f"{role}.ppo_max_token_len_per_gpu"): 12288 for role in ("actor", "critic")},
-    **{("llama3.1-70b", f"{role}.ppo_max_token_len_per_gpu"): 9216 for role in ("actor", "critic")},
-    **{("qwen2.5-72b", f"{role}.ppo_max_token_len_per_gpu"): 9216 for role in ("actor", "critic")},
 }
 STAGED_TARGETS = [None, 0.008, 0.012, 0.015]  # A's early / mid / late, after the warm-up
 
