@@ -433,6 +433,7 @@ class PPOTrainer:
         self.keeper.wait()  # the last save (or a pending one, such as a best evaluation's) is published
 
     def close(self) -> None:
+        self.keeper.close()  # a save still pending is published if every rank can agree to (`CheckpointKeeper.close`)
         self.profiler.close()
         self.logger.close()
 
