@@ -181,6 +181,9 @@ def keeper_waits_for_pending_saves(rank: int, world_size: int, root: str) -> dic
     report["stop"] = keeper.leave_for_stop()
     report["after_stop"] = (sorted(p.name for _, p in directory.step_directories(root)),
                             directory.named_by_latest(root).name, keeper.saves.pending)  # fmt: skip
+    keeper.save(6, models, optimizers, {"step": 6})
+    keeper.close()  # the trainer's close, step 6 still being written: every rank (the one) agrees to publish it
+    report["after_close"] = (directory.named_by_latest(root).name, keeper.saves.pending)
     return report
 
 

@@ -58,6 +58,7 @@ def test_the_next_save_a_rollback_and_a_stop_wait_for_the_pending_save_and_pruni
     assert report["while_5_pending"] == [".tmp_step_5", "step_3", "step_4"]
     assert report["stop"].startswith(f"the good checkpoint left is {tmp_path}/step_5"), report["stop"]
     assert report["after_stop"] == (["step_4", "step_5"], "step_5", None)
+    assert report["after_close"] == ("step_6", None)  # the trainer's close publishes a pending save
 
 
 def test_a_job_killed_mid_write_resumes_from_the_previous_published_checkpoint(tmp_path) -> None:
