@@ -13,8 +13,9 @@ writer. A synchronous save adds the write itself, which at the tiny recipe's siz
 those. `--hidden-size H` widens the model (and narrows the batch to keep iterations short) to show the two apart
 at a checkpoint whose write takes seconds.
 
-Measured (2 CPU processes, a shared 2-core machine, medians of 5 saves each; README "Asynchronous saves"):
-tiny ≈ 0.5–0.65, `--hidden-size 1024` ≈ 0.1–0.15 (see the README for the runs).
+Measured (2 CPU processes on a shared, loaded 2-core machine, medians of 5 saves each; the runs are in the README,
+"Saves that do not stop training"): tiny 0.25–0.34 (before the cached plans and the writer-side small files: 0.64),
+`--hidden-size 1024` (578 MiB per checkpoint) 0.13–0.20.
 
 Run: torchrun --nproc_per_node 2 -m bench.bench_async_save [--smallest] [--hidden-size H]   (or `make bench`)
 """

@@ -171,7 +171,8 @@ def save_checkpoint(
     for role in stateful:
         sharded[f"{role}_optimizer"] = _optimizer_sharded_state(optimizers[role], sharded[role], role)
     strategy, validate = plans.for_save(sharded) if plans is not None else (None, True)
-    rng = rng_states()
+    # on the host: a process forked from a CUDA one (the asynchronous writer) must not touch the device
+    rng, trainer_state = _on_host(rng_states()), _on_host(trainer_state)
 
     def write_own_files() -> None:
         torch.save(rng, temporary / f"rng_rank{global_rank()}.pt")
@@ -215,6 +216,17 @@ def save_checkpoint(
         request.add_finalize_fn(publish)
         saves.schedule(request, step, final, started)
     return final
+
+
+def _on_host(value: Any) -> Any:
+    """`value` (nested dicts, lists and tuples) with every tensor in host memory (a tensor already there as is)."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {key: _on_host(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_on_host(item) for item in value)
+    return value
 
 
 def _optimizer_sharded_state(optimizer: Any, model_state: dict[str, Any], role: str, loading: bool = False) -> Any:
