@@ -14,8 +14,8 @@ those. `--hidden-size H` widens the model (and narrows the batch to keep iterati
 at a checkpoint whose write takes seconds.
 
 Measured (2 CPU processes on a shared, loaded 2-core machine, medians of 5 saves each; the runs are in the README,
-"Saves that do not stop training"): tiny 0.25–0.34 (before the cached plans and the writer-side small files: 0.64),
-`--hidden-size 1024` (578 MiB per checkpoint) 0.13–0.20.
+"Saves that do not stop training"): tiny 0.19 on a quiet machine, 0.25–0.44 under load (before the cached plans and
+the writer-side small files: 0.35 quiet, 0.64 loaded); `--hidden-size 1024` (578 MiB per checkpoint) 0.13–0.20.
 
 Run: torchrun --nproc_per_node 2 -m bench.bench_async_save [--smallest] [--hidden-size H]   (or `make bench`)
 """
