@@ -124,6 +124,7 @@ bench: setup
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_ppo_step
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_pipeline_shapes
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_async_save
+	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_async_save --hidden-size 1024
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_packing
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_logprob_chunks
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_decode

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -24,8 +24,13 @@ from megatron_ppo.checkpoint.async_save import AsyncSaves
 from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.models import RoleModel, unwrap
 from megatron_ppo.models.gpt import sync_parameters
-from megatron_ppo.parallel.collectives import barrier, global_rank
-from megatron_ppo.parallel.megatron_compat import async_save_request, checkpoint_writes_in_process
+from megatron_ppo.parallel.collectives import any_rank, barrier, global_rank
+from megatron_ppo.parallel.megatron_compat import (
+    async_save_request,
+    checkpoint_writes_in_process,
+    constant_structure_save_strategy,
+    writing_first_in_the_writer,
+)
 
 OPTIMIZERS_SAVED = "checkpoint/optimizers_saved"
 # Transformer Engine modules' FP8 metadata: a local-spec checkpoint (made on CPU, or converted) has none of it
@@ -79,6 +84,45 @@ def _load_sharded(sharded: dict[str, Any], path: Path) -> dict[str, Any]:
     return state
 
 
+class SavePlans:
+    """Megatron's save strategy kept across a run's saves while what they shard stays the same, so that only the
+    first save of a structure pays for Megatron's checks and plan exchange: Megatron-LM's
+    `--ckpt-assume-constant-structure` (a `constant_structure_save_strategy` kept in its checkpointing context, and
+    `validate_access_integrity` only on its first save), with the structure checked here instead of assumed — the
+    actor's optimizer has no state before its first step (the critic's warm-up), and a plan cached for another
+    structure would write the wrong shards. Held by whoever saves repeatedly (`CheckpointKeeper`)."""
+
+    def __init__(self) -> None:
+        self.strategy: Any = None
+        self.structure: int | None = None
+
+    def for_save(self, sharded: dict[str, Any]) -> tuple[Any, bool]:
+        """(the strategy to save `sharded` with, whether Megatron must validate its sharding): a fresh strategy, to
+        validate, when this is the first save or any rank's structure differs from its last save's (collective:
+        one flag all-reduced, so that every rank takes the same path through Megatron's collectives)."""
+        structure = _structure(sharded)
+        changed = any_rank(self.strategy is None or structure != self.structure)
+        if changed:
+            self.strategy, self.structure = constant_structure_save_strategy(), structure
+        return self.strategy, changed
+
+
+# What Megatron plans a save from, of each shard (not its values)
+_PLANNED = ("global_shape", "global_offset", "axis_fragmentations", "replica_id", "dtype", "flattened_range")
+
+
+def _structure(sharded: dict[str, Any]) -> int:
+    """A digest of this rank's shards as Megatron plans them: each one's kind, key, place in its global tensor,
+    replica, dtype and local shape, in order (compared within this process only)."""
+    leaves = []
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedBase):
+            data = getattr(value, "data", None)
+            shape = tuple(data.shape) if isinstance(data, torch.Tensor) else None
+            leaves.append((type(value).__name__, value.key, shape, *(str(getattr(value, n, None)) for n in _PLANNED)))
+    return hash(tuple(leaves))
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -89,6 +133,7 @@ def save_checkpoint(
     keep: int | None = None,
     protect: Sequence[str | Path] | Callable[[], Sequence[str | Path]] = (),
     saves: AsyncSaves | None = None,
+    plans: SavePlans | None = None,
 ) -> Path:
     """Save models (and their optimizers) under their role names, `trainer_state` (plain Python/tensors) and the
     identity of the `run` saving them (None: an initialisation, such as the SFT start, that no run resumes).
@@ -97,11 +142,16 @@ def save_checkpoint(
     those in `protect` (the best evaluation's, which an evaluation-drop rollback returns to, and the good one a guard
     rollback returns to; a callable is asked when the checkpoint is published). Each model's pending
     distributed-optimizer parameter all-gather is finished first (`sync_parameters`), so what is written is the last
-    step's weights on every rank.
+    step's weights on every rank. `plans`: Megatron's save strategy kept from the previous saves (`SavePlans`).
 
     With `saves`, the shards are written in the background (`async_save.py`): this returns once they are handed to
     the writers, and the checkpoint is published (renamed to `step_N`, named in `latest`, older ones pruned) when
-    `saves` finalises it. The returned path is where it will be."""
+    `saves` finalises it. The returned path is where it will be. The small files (this rank's RNG states; rank 0's
+    trainer state and run identity) are then written by the writer too, before its shards.
+
+    A write that fails on any rank ends in the same `CheckpointError` on every rank (`verify.writing`: Megatron's
+    writers' failures are raised on every rank by its finalisation; `verify.writing_on_every_rank` for the files
+    some ranks write alone), so that no rank waits in a collective for one that failed."""
     if keep and run is None:
         raise ValueError("pruning (keep) needs the run identity: only a run's own checkpoints are pruned")
     started = time.perf_counter()
@@ -120,42 +170,63 @@ def save_checkpoint(
     stateful = [role for role in models if role in optimizers and not _stateless(optimizers[role])]
     for role in stateful:
         sharded[f"{role}_optimizer"] = _optimizer_sharded_state(optimizers[role], sharded[role], role)
-    request = None
-    with verify.writing(temporary, step):
-        if saves is None:
-            checkpoint_writes_in_process()
-            dist_checkpointing.save(sharded, str(temporary))
-        else:
-            request = async_save_request(sharded, str(temporary))
-        torch.save(rng_states(), temporary / f"rng_rank{global_rank()}.pt")
+    strategy, validate = plans.for_save(sharded) if plans is not None else (None, True)
+    # on the host: a process forked from a CUDA one (the asynchronous writer) must not touch the device
+    rng, trainer_state = _on_host(rng_states()), _on_host(trainer_state)
+
+    def write_own_files() -> None:
+        torch.save(rng, temporary / f"rng_rank{global_rank()}.pt")
         if global_rank() == 0:
             torch.save({**trainer_state, OPTIMIZERS_SAVED: stateful}, temporary / directory.TRAINER_STATE)
             if run is not None:
                 run.write(temporary)
 
+    request = None
+    with verify.writing(temporary, step):  # Megatron's plan and writers fail on every rank at once
+        if saves is None:
+            checkpoint_writes_in_process()
+            dist_checkpointing.save(sharded, str(temporary), sharded_strategy=strategy,
+                                    validate_access_integrity=validate)  # fmt: skip
+        else:
+            request = async_save_request(sharded, str(temporary), strategy, validate)
+            request = writing_first_in_the_writer(request, write_own_files)
+
     def publish() -> None:
-        barrier()
-        if global_rank() == 0:
-            with verify.writing(temporary, step):
+        # every rank's files are written (the agreement after them, or Megatron's finalisation); the agreement
+        # below is the barrier after rank 0's renames
+        with verify.writing_on_every_rank(temporary, step):
+            if global_rank() == 0:
                 verify.write_manifest(temporary)  # last: every rank's files are written
-            replaced = root / f"{directory.REPLACED_PREFIX}{final.name}"
-            if final.exists():  # `latest` may name it (a step saved again after a rollback): kept until replaced
+                replaced = root / f"{directory.REPLACED_PREFIX}{final.name}"
+                if final.exists():  # `latest` may name it (a step saved again after a rollback): kept until replaced
+                    shutil.rmtree(replaced, ignore_errors=True)
+                    final.rename(replaced)
+                temporary.rename(final)
+                directory.point_latest_at(final)
                 shutil.rmtree(replaced, ignore_errors=True)
-                final.rename(replaced)
-            temporary.rename(final)
-            directory.point_latest_at(final)
-            shutil.rmtree(replaced, ignore_errors=True)
-            if keep:
-                spared = protect() if callable(protect) else protect
-                directory.prune(root, run.run_id, keep, step, [Path(p) for p in spared])
-        barrier()
+                if keep:
+                    spared = protect() if callable(protect) else protect
+                    directory.prune(root, run.run_id, keep, step, [Path(p) for p in spared])
 
     if request is None:
+        with verify.writing_on_every_rank(temporary, step):
+            write_own_files()
         publish()
     else:
         request.add_finalize_fn(publish)
         saves.schedule(request, step, final, started)
     return final
+
+
+def _on_host(value: Any) -> Any:
+    """`value` (nested dicts, lists and tuples) with every tensor in host memory (a tensor already there as is)."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {key: _on_host(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_on_host(item) for item in value)
+    return value
 
 
 def _optimizer_sharded_state(optimizer: Any, model_state: dict[str, Any], role: str, loading: bool = False) -> Any:

@@ -85,28 +85,83 @@ def reading(checkpoint: Path, what: str) -> Iterator[None]:
 @contextmanager
 def writing(temporary: Path, step: int) -> Iterator[None]:
     """Writing a checkpoint into `temporary`. A write the filesystem refuses (a full disk above all, which torch
-    reports as `unexpected pos` or a checkpoint exception without the errno; a read-only or vanished directory)
+    reports as `unexpected pos` or a checkpoint exception without the errno; a read-only or vanished directory), or
+    that Megatron's writer processes report failed (on any rank: Megatron's finalisation raises on every rank),
     removes the partial save and ends in a `CheckpointError` saying so, with the space left and the checkpoint
     `latest` still names. Other failures are not the user's: they propagate as they are."""
     try:
         yield
     except BaseException as error:  # torch's CheckpointException derives from BaseException
-        root = temporary.parent
-        free = shutil.disk_usage(root).free if root.is_dir() else 0
-        code = _errno_in(error)
-        full = code in (errno.ENOSPC, errno.EDQUOT) or free < _FULL_BELOW_BYTES
-        if isinstance(error, KeyboardInterrupt | SystemExit) or not (full or code is not None):
+        message = _write_failure(error, temporary, step)
+        if message is None:
             raise
         shutil.rmtree(temporary, ignore_errors=True)
-        latest = root / "latest"
-        kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no earlier checkpoint"
-        cause = "the disk is full" if full else os.strerror(code)
-        fix = ("free space there, or point trainer.default_local_dir at a larger disk, and resume" if full
-               else "make trainer.default_local_dir writable, and resume")  # fmt: skip
-        raise CheckpointError(
-            f"the checkpoint of step {step} could not be written to {root} ({cause}; {free / 2**20:.1f} MiB free): "
-            f"the partial save was removed and {kept}; {fix}"
-        ) from error
+        raise CheckpointError(message) from error
+
+
+@contextmanager
+def writing_on_every_rank(temporary: Path, step: int) -> Iterator[None]:
+    """`writing`, with the outcome agreed by every rank (one object all-gather, also when nothing failed): files
+    written by some ranks only (rank 0's trainer state, manifest, renames) may fail on one rank, and the others
+    must not wait for it in their next collective. The first failing rank's failure decides: the user's (`writing`)
+    is the same `CheckpointError` on every rank, the partial save removed; a bug is its own traceback on the rank it
+    happened on and a `RuntimeError` naming that rank on the others."""
+    from megatron_ppo.parallel.collectives import first_failure
+
+    failure: BaseException | None = None
+    try:
+        yield
+    except BaseException as error:
+        if isinstance(error, KeyboardInterrupt | SystemExit):
+            raise
+        failure = error
+    message = None if failure is None else _write_failure(failure, temporary, step)
+    first = first_failure(None if failure is None else (message is not None, message or repr(failure)))
+    if first is None:
+        return
+    rank, (users, why) = first
+    if users:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise CheckpointError(why) from failure
+    if failure is not None and message is None:
+        raise failure
+    raise RuntimeError(f"rank {rank} failed while writing the checkpoint of step {step} ({why}): see its traceback")
+
+
+def _write_failure(error: BaseException, temporary: Path, step: int) -> str | None:
+    """The user's message for `error`, raised while writing `temporary`; None when it is not the user's."""
+    if isinstance(error, CheckpointError):
+        return str(error)
+    root = temporary.parent
+    free = shutil.disk_usage(root).free if root.is_dir() else 0
+    code = _errno_in(error)
+    full = code in (errno.ENOSPC, errno.EDQUOT) or free < _FULL_BELOW_BYTES
+    writers = _writer_failures(error)
+    if isinstance(error, KeyboardInterrupt | SystemExit) or not (full or code is not None or writers is not None):
+        return None
+    latest = root / "latest"
+    kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no earlier checkpoint"
+    cause = "the disk is full" if full else os.strerror(code) if code is not None else f"its writer failed: {writers}"
+    fix = ("free space there, or point trainer.default_local_dir at a larger disk, and resume" if full
+           else "make trainer.default_local_dir writable, and resume" if code is not None
+           else "check that trainer.default_local_dir is writable, with space to spare, and resume")  # fmt: skip
+    return (
+        f"the checkpoint of step {step} could not be written to {root} ({cause}; {free / 2**20:.1f} MiB free): "
+        f"the partial save was removed and {kept}; {fix}"
+    )
+
+
+def _writer_failures(error: BaseException) -> str | None:
+    """What Megatron's checkpoint writers reported failed (torch's `CheckpointException`, which Megatron's
+    finalisation raises on every rank once any rank's writer failed; the ranks' errors are on rank 0, the
+    coordinator, alone): None for any other error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(error, CheckpointException) or error.args[:1] != ("write",):
+        return None
+    shown = [f"rank {rank}: {failure[0] if isinstance(failure, tuple) else failure}"
+             for rank, failure in sorted(error.failures.items())]  # fmt: skip
+    return "; ".join(shown) if shown else "reported by the coordinator, rank 0"
 
 
 _FULL_BELOW_BYTES = 16 * 2**20  # a failed write with less free than this: the disk filled up

@@ -101,6 +101,16 @@ def any_rank(flag: bool) -> bool:
     return value.item() > 0
 
 
+def first_failure(failure: Any) -> tuple[int, Any] | None:
+    """(rank, its `failure`) of the lowest rank whose `failure` is not None, on every rank; None when no rank
+    failed (one object all-gather over the whole job)."""
+    failures = [failure]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    return next(((rank, f) for rank, f in enumerate(failures) if f is not None), None)
+
+
 def host_group(timeout_s: float) -> dist.ProcessGroup | None:
     """A gloo group of the whole job whose collectives give up after `timeout_s` (None when not distributed): a
     flag agreed there costs no device synchronisation, and a rank whose peers never arrive — they wait in a

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import megatron.core
@@ -96,15 +97,55 @@ def checkpoint_writes_in_a_forked_process() -> None:
         filesystem_async._results_queue = ForkedWriterResults()
 
 
-def async_save_request(sharded_state_dict: dict[str, Any], checkpoint_dir: str) -> Any:
-    """Start Megatron's asynchronous `dist_checkpointing.save` of `sharded_state_dict` (the plan, exchanged by every
-    rank now) and return the `AsyncRequest` that writes it (`AsyncCallsQueue.schedule_async_request`) and finalises
-    it (the global metadata, `metadata.json`). megatron-core 0.19 has an `async_strategy` argument whose default is
-    NVIDIA Resiliency Extension's writer (`nvrx`, a package we do not require); 0.16.1 has no such argument and only
-    megatron-core's own writer (`mcore`), which every release admitted has: that one is asked for."""
+def async_save_request(
+    sharded_state_dict: dict[str, Any], checkpoint_dir: str, strategy: Any = None, validate: bool = True
+) -> Any:
+    """Start Megatron's asynchronous `dist_checkpointing.save` of `sharded_state_dict` (the plan, made now) and
+    return the `AsyncRequest` that writes it (`AsyncCallsQueue.schedule_async_request`) and finalises it (the global
+    metadata, `metadata.json`). `strategy`: Megatron's save strategy (None: a fresh default one;
+    `constant_structure_save_strategy` keeps its plans across saves); `validate`: check that every shard is saved
+    exactly once (an all-gather of every rank's shard metadata), needed once per sharded structure.
+    megatron-core 0.19 has an `async_strategy` argument whose default is NVIDIA Resiliency Extension's writer
+    (`nvrx`, a package we do not require); 0.16.1 has no such argument and only megatron-core's own writer
+    (`mcore`), which every release admitted has: that one is asked for."""
     from megatron.core import dist_checkpointing
 
     checkpoint_writes_in_a_forked_process()
     takes_strategy = "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
     kwargs = {"async_strategy": "mcore"} if takes_strategy else {}
-    return dist_checkpointing.save(sharded_state_dict, checkpoint_dir, async_sharded_save=True, **kwargs)
+    return dist_checkpointing.save(sharded_state_dict, checkpoint_dir, sharded_strategy=strategy,
+                                   validate_access_integrity=validate, async_sharded_save=True, **kwargs)  # fmt: skip
+
+
+def constant_structure_save_strategy() -> Any:
+    """Megatron's `torch_dist` save strategy with its save plans cached (`cached_metadata`, what Megatron-LM's
+    `--ckpt-assume-constant-structure` sets): kept across saves of one sharded structure, its second save checks
+    that the plan has not changed and from its third on each rank reuses its local plan and rank 0 the global
+    metadata, with no plan exchange between the ranks. A fresh instance, never the registry's shared default
+    (0.16.1's `get_default_save_sharded_strategy` returns that one). Same arguments in every release admitted."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+
+
+def writing_first_in_the_writer(request: Any, write: Callable[[], None]) -> Any:
+    """`request` (an `AsyncRequest`) whose writer process runs `write` (the save's small files) before the shards,
+    so that the trainer does not wait for them: under the fork the writer starts from, they are what the trainer
+    held when it scheduled the save. A failure of `write` is reported as a failed write of the shards would be, and
+    the shards are not written: Megatron's writer function takes (rank, write buckets, results queue) in every
+    release admitted, and an exception put on that queue is raised by Megatron's finalisation on every rank. On a
+    rank with no shards to write (no writer process) `write` runs at once."""
+    shards = request.async_fn
+    if shards is None:
+        write()
+        return request
+
+    def write_then_shards(*args: Any, **kwargs: Any) -> None:
+        try:
+            write()
+        except Exception as error:  # the writer process's own failure, as Megatron's writer reports its own
+            args[2].put(error)
+            return
+        shards(*args, **kwargs)
+
+    return request._replace(async_fn=write_then_shards)

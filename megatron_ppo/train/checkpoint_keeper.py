@@ -32,8 +32,10 @@ from megatron_ppo.checkpoint.async_save import AsyncSaves, SaveTiming
 from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.config.schema import TrainerConfig
 from megatron_ppo.models.gpt import RoleModel, sync_parameters
-from megatron_ppo.parallel.collectives import barrier, global_rank
+from megatron_ppo.parallel.collectives import any_and_every_rank_within, barrier, global_rank, host_group
 from megatron_ppo.train.guards import GuardAction
+
+CLOSE_AGREEMENT_S = 30.0  # how long `close` waits for every rank to agree to publish a pending save
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class CheckpointKeeper:
     ) -> None:
         self.root, self.keep, self.run, self.report = trainer.default_local_dir, trainer.max_ckpt_to_keep, run, report
         self.saves = AsyncSaves(report) if trainer.async_save else None
+        # on a host group of its own, the agreement at `close` gives up after CLOSE_AGREEMENT_S (collective)
+        self.group = host_group(CLOSE_AGREEMENT_S) if trainer.async_save else None
+        self.plans = store.SavePlans()  # Megatron's save strategy, kept while what is saved keeps its structure
         self.saved: tuple[int, Path] | None = None  # (step, path) of the last save
         self.good: str | None = None  # the newest save whose policy passed the next iteration's guards
         self.unconfirmed: str | None = None  # a save the next iteration's guards have not judged yet
@@ -81,7 +86,7 @@ class CheckpointKeeper:
             sync_parameters(model)  # a distributed-optimizer step may still be gathering weights (CUDA overlap)
         path = store.save_checkpoint(
             self.root, step, models, optimizers, trainer_state, run=self.run, keep=self.keep,
-            protect=lambda: [p for p in (self.best, self.good) if p], saves=self.saves,
+            protect=lambda: [p for p in (self.best, self.good) if p], saves=self.saves, plans=self.plans,
         )  # fmt: skip
         blocked = time.perf_counter() - started - (waited.waited_s if waited else 0.0)
         if self.saves is not None:
@@ -99,6 +104,17 @@ class CheckpointKeeper:
     def wait(self) -> SaveTiming | None:
         """Publish the pending save, waiting for its write (collective); before anything reads the directory."""
         return self.saves.wait() if self.saves is not None else None
+
+    def close(self) -> None:
+        """At the trainer's close, after `fit` (whose end published every save) or an exception out of it: a save
+        still pending is published when every rank has one and they all arrive here within `CLOSE_AGREEMENT_S` (an
+        exception every rank raised together); else it is left unpublished — `latest` names the previous
+        checkpoint, as after a kill — rather than waited for in a collective that the other ranks, stopped
+        elsewhere, may never join."""
+        if self.saves is None or self.saves.pending is None:
+            return
+        if any_and_every_rank_within(True, self.group) == (True, True):
+            self.wait()
 
     def resume(self, path: Path, models: dict[str, RoleModel], optimizers: dict[str, Any]) -> dict[str, Any]:
         """Load the checkpoint a run continues from; the next iteration judges it, as if saved just now. Returns

@@ -177,9 +177,9 @@ class PPOTrainer:
 
     def _report_save(self, timing: SaveTiming) -> None:
         """A published save's cost, at its step: `timing/checkpoint_blocked_s`, how long training stopped for it (for
-        an asynchronous save: its start, and any wait for its write), and `timing/checkpoint_write_s`, its whole
-        write (wall-clock metrics, under `timing/` with the phases')."""
-        blocked = timing.blocked_s + timing.waited_s
+        an asynchronous save: its start, any wait for its write, and its finalisation), and
+        `timing/checkpoint_write_s`, its whole write (wall-clock metrics, under `timing/` with the phases')."""
+        blocked = timing.blocked_s + timing.waited_s + timing.finalised_s
         self.logger.log(
             timing.step, {"timing/checkpoint_blocked_s": blocked, "timing/checkpoint_write_s": timing.write_s}
         )
@@ -433,6 +433,7 @@ class PPOTrainer:
         self.keeper.wait()  # the last save (or a pending one, such as a best evaluation's) is published
 
     def close(self) -> None:
+        self.keeper.close()  # a save still pending is published if every rank can agree to (`CheckpointKeeper.close`)
         self.profiler.close()
         self.logger.close()
 

@@ -34,8 +34,8 @@ def slow_writes(seconds: float) -> None:
     (the finalisation cannot start before). Wraps Megatron's write function in the request `store` schedules."""
     original = store.async_save_request
 
-    def slowed(sharded: dict[str, Any], checkpoint_dir: str) -> Any:
-        request = original(sharded, checkpoint_dir)
+    def slowed(*args: Any, **kwargs: Any) -> Any:
+        request = original(*args, **kwargs)
 
         def write_then_sleep(*args: Any, **kwargs: Any) -> None:
             request.async_fn(*args, **kwargs)
@@ -54,26 +54,41 @@ def _build(layout: MegatronConfig):
 
 
 def async_save_resumes_like_a_sync_save(rank: int, world_size: int, root: str, write_s: float) -> dict[str, Any]:
-    """Two updates; an asynchronous save whose write takes ≥ `write_s` (slowed) and, of the same state, a
-    synchronous one; a third update while the asynchronous write is under way; then the asynchronous checkpoint is
-    finalised, and fresh models load each checkpoint and take the third update again."""
+    """Saves sharing one `SavePlans`: one before any update (no optimizer state: another structure), then after
+    two updates two synchronous ones (the strategy's first, validated, and second, its plan checked unchanged) and
+    an asynchronous one whose write takes ≥ `write_s` (slowed; the strategy's third: each rank reuses its cached
+    plan, rank 0 the global metadata); a third update while the asynchronous write is under way; then the
+    asynchronous checkpoint is finalised, and fresh models load the first synchronous checkpoint and the
+    asynchronous one and take the third update again."""
     root = Path(root)
     init_distributed(LAYOUT, seed=SEED)
     config = with_changes(ppo_config(LAYOUT), {"actor.ppo_mini_batch_size": ROWS // 2})
     actor, optimizer, scheduler = _build(LAYOUT)
+    plans, validated = store.SavePlans(), []
+    for_save = plans.for_save
+
+    def recorded(sharded: dict[str, Any]) -> tuple[Any, bool]:
+        strategy, validate = for_save(sharded)
+        validated.append(validate)
+        return strategy, validate
+
+    plans.for_save = recorded
+    save = functools.partial(store.save_checkpoint, models={"actor": actor}, optimizers={"actor": optimizer},
+                             run=RUN, plans=plans)  # fmt: skip
+    save(root / "fresh", 0, trainer_state={"step": 0})
     for seed in (1, 2):
         _one_update(actor, optimizer, scheduler, config, seed)
+    started = time.perf_counter()
+    save(root / "sync", 2, trainer_state={"step": 2})
+    sync_s = time.perf_counter() - started
+    save(root / "again", 2, trainer_state={"step": 2})
     slow_writes(write_s)
     saves = AsyncSaves()
     started = time.perf_counter()
-    pending = store.save_checkpoint(root / "async", 2, {"actor": actor}, {"actor": optimizer}, {"step": 2},
-                                    run=RUN, saves=saves)  # fmt: skip
+    pending = save(root / "async", 2, trainer_state={"step": 2}, saves=saves)
     returned_s = time.perf_counter() - started
     writing = saves.queue.async_calls[0].async_caller.process.is_alive()  # this rank's writer, on return
     saves.returned(returned_s)
-    started = time.perf_counter()
-    store.save_checkpoint(root / "sync", 2, {"actor": actor}, {"actor": optimizer}, {"step": 2}, run=RUN)
-    sync_s = time.perf_counter() - started
     # training goes on while the write runs: the checkpoint must still hold the weights of step 2
     uninterrupted = _one_update(actor, optimizer, scheduler, config, seed=3)
     sync_parameters(actor)
@@ -92,7 +107,49 @@ def async_save_resumes_like_a_sync_save(rank: int, world_size: int, root: str, w
         resumed[kind] = (update, max((after[k] - expected[k]).abs().max().item() for k in expected))
     return {"returned_s": returned_s, "writing_on_return": writing, "sync_s": sync_s, "while_pending": while_pending,
             "timing": timing, "latest": directory.named_by_latest(root / "async"), "uninterrupted": uninterrupted,
-            "resumed": resumed}  # fmt: skip
+            "resumed": resumed, "validated": validated, "failures": failed_writes(root, actor, optimizer)}  # fmt: skip
+
+
+def failed_writes(root: Path, actor: Any, optimizer: Any) -> dict[str, Any]:
+    """Step 3 saved again into both roots, failing on one rank only: asynchronously, rank 1's writer finds the
+    name of its first shard file taken by a directory (Megatron's writer thread fails to open it); synchronously,
+    rank 0's manifest finds its temporary name taken. Each rank's error (None: none raised), whether the partial
+    save is gone, and what `latest` names after it."""
+    original = store.async_save_request
+
+    def shard_name_taken(*args: Any, **kwargs: Any) -> Any:
+        request = original(*args, **kwargs)
+        if torch.distributed.get_rank() != 1:
+            return request
+
+        def obstructed(*write_args: Any, **write_kwargs: Any) -> None:
+            os.mkdir(write_args[1][0][0])  # the first write bucket's file name
+            request.async_fn(*write_args, **write_kwargs)
+
+        return request._replace(async_fn=obstructed)
+
+    manifest = store.verify.write_manifest
+
+    def manifest_name_taken(checkpoint: Path) -> None:
+        (checkpoint / f".{store.verify.MANIFEST}.tmp").mkdir()
+        manifest(checkpoint)
+
+    outcome = {}
+    for kind in ("async", "sync"):
+        saves = AsyncSaves() if kind == "async" else None
+        store.async_save_request, store.verify.write_manifest = shard_name_taken, manifest_name_taken
+        error = None
+        try:
+            store.save_checkpoint(root / kind, 3, {"actor": actor}, {"actor": optimizer}, {"step": 3}, run=RUN,
+                                  saves=saves)  # fmt: skip
+            if saves is not None:
+                saves.wait()
+        except store.verify.CheckpointError as raised:
+            error = str(raised)
+        finally:
+            store.async_save_request, store.verify.write_manifest = original, manifest
+        outcome[kind] = (error, (root / kind / ".tmp_step_3").exists(), directory.named_by_latest(root / kind))
+    return outcome
 
 
 def keeper_waits_for_pending_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -124,6 +181,9 @@ def keeper_waits_for_pending_saves(rank: int, world_size: int, root: str) -> dic
     report["stop"] = keeper.leave_for_stop()
     report["after_stop"] = (sorted(p.name for _, p in directory.step_directories(root)),
                             directory.named_by_latest(root).name, keeper.saves.pending)  # fmt: skip
+    keeper.save(6, models, optimizers, {"step": 6})
+    keeper.close()  # the trainer's close, step 6 still being written: every rank (the one) agrees to publish it
+    report["after_close"] = (directory.named_by_latest(root).name, keeper.saves.pending)
     return report
 
 

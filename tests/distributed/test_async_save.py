@@ -22,9 +22,11 @@ WRITE_S = 2.0  # the slowed writer's extra time: far beyond what planning and fo
 def test_an_async_save_returns_before_its_write_and_resumes_like_a_sync_save(tmp_path) -> None:
     """TP=2 with the distributed optimizer: an update runs while the write is under way, and the published
     checkpoint still holds the state it was taken at — the next update from it equals the uninterrupted one and the
-    synchronous checkpoint's, bit for bit."""
+    synchronous checkpoint's, bit for bit; it is the third save through Megatron's cached plans, whose first save
+    of each structure alone is validated (the one before any update has no optimizer state)."""
     reports = run_distributed(async_save_workers.async_save_resumes_like_a_sync_save, 2, str(tmp_path), WRITE_S)
     for rank, report in enumerate(reports):
+        assert report["validated"] == [True, True, False, False], (rank, report["validated"])
         # returned while this rank's writer was still at work, long before the write was seen done
         assert report["writing_on_return"], rank
         assert report["returned_s"] < report["timing"].write_s - WRITE_S / 2, (rank, report["returned_s"])
@@ -36,6 +38,13 @@ def test_an_async_save_returns_before_its_write_and_resumes_like_a_sync_save(tmp
             update, weight_difference = report["resumed"][kind]
             assert update == report["uninterrupted"], (kind, rank, update, report["uninterrupted"])
             assert weight_difference == 0.0, (kind, rank, weight_difference)
+            # a write failing on one rank (async: rank 1's writer; sync: rank 0's manifest) is one CheckpointError
+            # on every rank (none waits for the failed one), the partial save removed, `latest` where it was
+            error, partial_left, latest = report["failures"][kind]
+            assert error is not None and "could not be written" in error, (kind, rank, error)
+            assert not partial_left and latest == tmp_path / kind / "step_2", (kind, rank, latest)
+        assert "rank 1" in reports[0]["failures"]["async"][0], reports[0]["failures"]["async"][0]
+        assert "Is a directory" in reports[0]["failures"]["sync"][0], reports[0]["failures"]["sync"][0]
 
 
 def test_the_next_save_a_rollback_and_a_stop_wait_for_the_pending_save_and_pruning_spares_it(tmp_path) -> None:
@@ -49,6 +58,7 @@ def test_the_next_save_a_rollback_and_a_stop_wait_for_the_pending_save_and_pruni
     assert report["while_5_pending"] == [".tmp_step_5", "step_3", "step_4"]
     assert report["stop"].startswith(f"the good checkpoint left is {tmp_path}/step_5"), report["stop"]
     assert report["after_stop"] == (["step_4", "step_5"], "step_5", None)
+    assert report["after_close"] == ("step_6", None)  # the trainer's close publishes a pending save
 
 
 def test_a_job_killed_mid_write_resumes_from_the_previous_published_checkpoint(tmp_path) -> None:
