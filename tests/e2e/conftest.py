@@ -11,5 +11,5 @@ import pytest
 def tiny_work(tmp_path_factory) -> Path:
     """The shortened tiny recipe's task cache (tokenizer, SFT policy, offline data: `data.addition.work_dir`), built
     by the first run that uses it and reused by the others — the SFT stage is the slowest part of a short run. Every
-    user passes the same task overrides (`tests.support.tiny.SHORT`), so the cache always matches the run reading it."""
+    user passes the same task overrides (`bench.tiny.SHORT`), so the cache always matches the run reading it."""
     return tmp_path_factory.mktemp("tiny-work")

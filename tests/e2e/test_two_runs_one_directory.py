@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.ports import on_a_free_port
-from tests.support.tiny import RECIPE, REPO
+from bench.ports import on_a_free_port
+from bench.tiny import RECIPE, REPO
 
 QUICK = [
     "data.addition.num_prompts=64", "data.addition.num_heldout=16", "data.addition.samples_per_prompt=2",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.ports import free_port, on_a_free_port, port_taken
 from slurm.local_cluster import LocalSlurm, SlurmUnavailable
-from tests.support.ports import free_port, on_a_free_port, port_taken
 from tests.support.tensorboard import scalars
 
 REPO = Path(__file__).resolve().parents[2]
