@@ -65,9 +65,9 @@ from bench.layout_check import check_layouts, check_tiny_recipe_tp2_sp
 from bench.layout_check import table_lines as layout_table_lines
 from bench.offload_check import check_offload
 from bench.offload_check import table_lines as offload_table_lines
+from bench.ports import free_port
 from bench.resume_check import check_resume
 from bench.resume_check import table_lines as resume_table_lines
-from tests.support.ports import free_port
 
 
 # --- (a) the tiny recipe through the CLI -----------------------------------------------------------------------

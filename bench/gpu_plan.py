@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from tests.support.ports import free_port
-from tests.support.tiny import SHORT
+from bench.ports import free_port
+from bench.tiny import SHORT
 
 GIB = 1024**3
 REPO = Path(__file__).resolve().parents[1]

@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# what `make gpu-check` runs: the check (its parts import tests.support) and the CLI its parts (a) and (h) launch
+# what `make gpu-check` runs: the check (bench.ports and bench.tiny included) and the CLI its parts (a) and (h) launch
 ENTRIES = ("bench.gpu_check", "megatron_ppo.__main__")
-OWN = frozenset({"megatron_ppo", "bench", "tests"})
+OWN = frozenset({"megatron_ppo", "bench"})
 LOCK = REPO / "requirements" / "lock.txt"
 PRESENT = "torch"  # the one distribution a bare GPU machine has, with its own requirements
 

@@ -57,8 +57,8 @@ from typing import Any
 import torch
 
 from bench.gpu_plan import DRY, REAL, REPO, Plan, ppo_config, subprocess_env, synthetic_rows, tiny_recipe
+from bench.ports import free_port
 from megatron_ppo.config.schema import MegatronConfig
-from tests.support.ports import free_port
 
 PROCESSES = 2
 LAYOUTS = {  # name → layout on PROCESSES processes; "tp1", the reference, runs in the check's own process

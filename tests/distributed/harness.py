@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.support.ports import on_a_free_port
+from bench.ports import on_a_free_port
 
 # What the forkserver imports before it forks anything: the heavy libraries and every worker module here.
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron_ppo.train.run", "megatron_ppo.convert.huggingface",

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from bench.bench_ppo_step import synthetic_rows
+from bench.tiny import RECIPE
 from megatron_ppo.config import load_config
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.train import profiling
 from megatron_ppo.train.ppo import PPOTrainer
 from megatron_ppo.train.profiling import TRACES
-from tests.support.tiny import RECIPE
 
 TRAIN_BATCH = 32  # small batches: the profile, not the training, is under test
 

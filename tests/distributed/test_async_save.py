@@ -10,11 +10,11 @@ import sys
 
 import torch
 
+from bench.ports import free_port
+from bench.tiny import REPO
 from megatron_ppo.checkpoint import directory
 from tests.distributed import async_save_workers
 from tests.distributed.harness import run_distributed
-from tests.support.ports import free_port
-from tests.support.tiny import REPO
 
 WRITE_S = 2.0  # the slowed writer's extra time: far beyond what planning and forking cost
 

@@ -24,6 +24,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from bench.tiny import SHORT as TINY_SHORT
 from megatron_ppo.cli import report_guard_stop
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.schema import PPOConfig
@@ -33,7 +34,6 @@ from megatron_ppo.train.guards import GuardStopped
 from megatron_ppo.train.run import distributed_run
 from tests.drill.faults import Injector, install, one_rank_out_of_memory_schedule, schedule, stop_schedule
 from tests.drill.readback import check, check_stop, drill_table
-from tests.support.tiny import SHORT as TINY_SHORT
 
 SCHEDULES = {
     # 30 steps, evaluations every 10, checkpoints every 5: the KL blow-up at 12 (between saves) rolls back to step

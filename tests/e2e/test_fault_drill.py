@@ -16,14 +16,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.ports import on_a_free_port
+from bench.tiny import RECIPE, REPO
 from megatron_ppo.checkpoint.directory import is_complete
 from megatron_ppo.train.guards import GUARD_STOP_EXIT
 from megatron_ppo.train.memory_backoff import OUT_OF_MEMORY_STOP_EXIT
 from tests.drill.__main__ import MIN_GAIN, ONE_RANK_OOM_AT, SCHEDULES, STOP_AT
 from tests.drill.readback import check
-from tests.support.ports import on_a_free_port
 from tests.support.tensorboard import scalars
-from tests.support.tiny import RECIPE, REPO
 
 
 def test_every_guard_fires_at_its_fault_and_the_run_recovers(tiny_work: Path, tmp_path: Path) -> None:

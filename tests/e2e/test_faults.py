@@ -7,17 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.cases import CASES, base_run, run_case
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return base_run(tmp_path_factory.mktemp("faults-base"))
+from tests.faults.cases import CASES, run_case
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.in_tests], ids=lambda c: c.name.replace(" ", "-"))
-def test_fault(case, base: Path, tmp_path: Path) -> None:
-    outcome = run_case(case, base, tmp_path)
+def test_fault(case, quick_run: Path, tmp_path: Path) -> None:
+    outcome = run_case(case, quick_run, tmp_path)
     assert outcome.ok, (
         f"{case.name}: exit {outcome.exit_code}, saw {outcome.saw!r}, kept {outcome.kept}\n" + (outcome.log[-4000:])
     )

@@ -8,12 +8,12 @@ import math
 
 import pytest
 
+from bench.tiny import REPO
 from tests.e2e.tiny_runs import run
 from tests.support.tensorboard import scalars
-from tests.support.tiny import REPO
 
 TINY_MOE = REPO / "recipes" / "tiny-moe-cpu.yaml"
-# The dense test's shortening (tests.support.tiny.SHORT) with micro-batches that fit a mini-batch of 64 over 2
+# The dense test's shortening (bench.tiny.SHORT) with micro-batches that fit a mini-batch of 64 over 2
 # replicas, half the SFT (the start policy then answers ~45 % of the held-out sums; measured 0.46 → 0.70 after 8
 # PPO steps) and 8 PPO steps: ~5.5 min wall on a 2-core machine shared with other jobs, 3.5 CPU-minutes.
 MOE_SHORT = ["actor.ppo_micro_batch_size_per_gpu=32", "critic.ppo_micro_batch_size_per_gpu=32",

@@ -1,11 +1,10 @@
 """The tiny recipe end to end through the real CLI, judged by its TensorBoard logs; resume after SIGKILL and after a
-preemption signal; resume across a change of layout; the same first steps under TP=1, TP=2 and PP=2. Eight launches
-share one task cache, and the first run is the uninterrupted reference of the others."""
+preemption signal, then across a change of layout and back; the same first steps under PP=2 with the CUDA width
+bucket. Six launches share one task cache, and the first run is the uninterrupted reference of the others."""
 
 from __future__ import annotations
 
 import math
-import shutil
 import signal
 from pathlib import Path
 
@@ -88,27 +87,12 @@ def test_the_run_ends_with_the_summary_table(tiny) -> None:
 
 COMPARED = ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "critic/vf_loss", "kl/mean", "kl/coef", "reward/mean",
             "actor/grad_norm")  # fmt: skip
-# A resumed job stops at step 4 (`trainer.exit_interval`): what it must show is in its first steps.
-UNTIL_4 = "trainer.exit_interval=4"
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny) -> dict[str, dict[int, float]]:
     """The reference: the tiny run, never stopped."""
     return tiny["scalars"]
-
-
-@pytest.fixture(scope="module")
-def killed_at_step_2(tiny, tmp_path_factory) -> tuple[Path, int]:
-    """The same run at TP=2, SIGKILLed (workers included) as soon as `latest` names `step_2` (or, on a machine too
-    loaded to look in between, a later save): its checkpoint folder, which each test that resumes it copies first,
-    and the step it holds."""
-    directory = tmp_path_factory.mktemp("killed")
-    step = run_and_kill_after_checkpoint(2, [*tiny["common"], f"trainer.default_local_dir={directory}/ckpt",
-                                             f"trainer.log_dir={directory}/tb"], directory / "ckpt", 2,
-                                         directory / "killed.log")  # fmt: skip
-    assert step < LAST_STEP, f"the kill came after the run's last save (step_{step})"
-    return directory / "ckpt", step
 
 
 def _assert_same_after(resumed, uninterrupted, steps, tags=COMPARED, rel_tol=1e-6, abs_tol=1e-6) -> None:
@@ -122,33 +106,6 @@ def _assert_same_after(resumed, uninterrupted, steps, tags=COMPARED, rel_tol=1e-
 def until(step: int) -> list[str]:
     """A job that stops after `step` (`trainer.exit_interval`), or at the run's end."""
     return [f"trainer.exit_interval={step}"] if step < LAST_STEP else []
-
-
-def test_resume_after_sigkill_then_a_preemption_signal_reproduces_the_uninterrupted_run(
-    tiny, uninterrupted, killed_at_step_2, tmp_path: Path
-) -> None:
-    """One run in three jobs: killed after its step-2 checkpoint; resumed, then preempted (SIGUSR1 to the training
-    processes, as Slurm sends it) once the step after it is logged, with the regular saves off, so the checkpoint it
-    leaves is the preemption's own (at the step the signal lands after, by the machine's load) and the job exits 75
-    for the requeue; resumed again for two steps (its job budget). Same layout and processes as the uninterrupted
-    run, so every step after each resume equals it to float precision."""
-    killed, killed_step = killed_at_step_2
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(killed, ckpt)
-    common = [*tiny["common"], f"trainer.default_local_dir={ckpt}"]
-    status = run_and_signal_after_step(2, [*common, "trainer.save_freq=0", f"trainer.log_dir={tmp_path}/tb1"],
-                                       killed_step + 1, signal.SIGUSR1, tmp_path / "b.log")  # fmt: skip
-    log = (tmp_path / "b.log").read_text()
-    assert "resumed from" in log and f"step_{killed_step}" in log, log[-3000:]
-    assert status != 0 and "exiting with 75" in log, f"exit {status}; log tail:\n{log[-3000:]}"
-    saved_step = int((ckpt / "latest").read_text().strip().removeprefix("step_"))
-    assert killed_step < saved_step < LAST_STEP, f"the preemption checkpoint is at step {saved_step}"
-    resumed_once = scalars(tmp_path / "tb1")
-    _assert_same_after(resumed_once, uninterrupted, steps=range(killed_step + 1, saved_step + 1))
-    end = min(saved_step + 2, LAST_STEP)
-    run(2, [*common, *until(end), f"trainer.log_dir={tmp_path}/tb2"], tmp_path / "c.log")
-    assert f"step_{saved_step}" in (tmp_path / "c.log").read_text()
-    _assert_same_after(scalars(tmp_path / "tb2"), uninterrupted, steps=range(saved_step + 1, end + 1))
 
 
 TP1 = [f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")]
@@ -171,38 +128,50 @@ def _assert_same_step_across_layouts(ours, reference, steps) -> None:
     _assert_same_after(ours, reference, steps=steps, tags=("actor/pg_clipfrac",), rel_tol=0, abs_tol=2e-3)
 
 
-def test_resume_at_tp1_from_a_tp2_checkpoint_continues_the_run(tiny, uninterrupted, killed_at_step_2, tmp_path) -> None:
-    """Saved at TP=2 on 2 processes, resumed at TP=1 on 1 process, optimizer states included: Megatron reshards the
-    checkpoint; the first step after it equals the uninterrupted TP=2 run's, and the run goes on."""
-    killed, step = killed_at_step_2
+def test_a_run_killed_preempted_and_resumed_at_tp1_and_back_at_tp2_reproduces_the_uninterrupted_run(
+    tiny, uninterrupted, tmp_path: Path
+) -> None:
+    """One run in four jobs, each compared with the uninterrupted run:
+    1. at TP=2, SIGKILLed (workers included) as soon as `latest` names step_2 (or, on a machine too loaded to look in
+       between, a later save);
+    2. resumed, then preempted (SIGUSR1 to the training processes, as Slurm sends it) once the step after it is
+       logged, with the regular saves off, so the checkpoint it leaves is the preemption's own (at the step the signal
+       lands after, by the machine's load) and the job exits 75 for the requeue. Same layout and processes: its steps
+       equal the run's to float precision;
+    3. the preemption's checkpoint resumed at TP=1 on 1 process for one step, optimizer states included: Megatron
+       reshards it, and that step equals the TP=2 run's across layouts (measured 3e-6 relative);
+    4. that job's checkpoint (saved at its end) resumed at TP=2 on 2 processes for one step: resharded back, the run
+       follows the TP=2 run (measured 4e-6 relative, one step after the TP=1 one).
+    The first steps of a fresh run at TP=1, TP=2 and PP=2 agree in tests/distributed/test_parallel_parity.py."""
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(killed, ckpt)
-    run(1, [*tiny["common"], *TP1, *until(step + 2), f"trainer.default_local_dir={ckpt}",
-            f"trainer.log_dir={tmp_path}/tb"], tmp_path / "b.log")  # fmt: skip
-    assert "resumed from" in (tmp_path / "b.log").read_text()
-    resumed = scalars(tmp_path / "tb")
-    _assert_same_step_across_layouts(resumed, uninterrupted, steps=[step + 1])
-    assert sorted(resumed["actor/pg_loss"]) == list(range(step + 1, min(step + 2, LAST_STEP) + 1))
+    common = [*tiny["common"], f"trainer.default_local_dir={ckpt}"]
+    killed_step = run_and_kill_after_checkpoint(2, [*common, f"trainer.log_dir={tmp_path}/tb0"], ckpt, 2,
+                                                tmp_path / "a.log")  # fmt: skip
+    assert killed_step < LAST_STEP - 3, f"the kill came too late in the run (step_{killed_step})"
 
+    status = run_and_signal_after_step(2, [*common, "trainer.save_freq=0", f"trainer.log_dir={tmp_path}/tb1"],
+                                       killed_step + 1, signal.SIGUSR1, tmp_path / "b.log")  # fmt: skip
+    log = (tmp_path / "b.log").read_text()
+    assert "resumed from" in log and f"step_{killed_step}" in log, log[-3000:]
+    assert status != 0 and "exiting with 75" in log, f"exit {status}; log tail:\n{log[-3000:]}"
+    saved_step = int((ckpt / "latest").read_text().strip().removeprefix("step_"))
+    assert killed_step < saved_step < LAST_STEP - 1, f"the preemption checkpoint is at step {saved_step}"
+    _assert_same_after(scalars(tmp_path / "tb1"), uninterrupted, steps=range(killed_step + 1, saved_step + 1))
 
-def test_tp1_first_steps_then_a_resume_at_tp2_follow_the_tp2_run(tiny, uninterrupted, tmp_path: Path) -> None:
-    """Two steps at TP=1 on 1 process (the job stops at trainer.exit_interval=2) agree with the TP=2 run's first two
-    steps; the run resumed at TP=2 on 2 processes then agrees with it at its first step."""
-    common = [*tiny["common"], f"trainer.default_local_dir={tmp_path}/ckpt"]
-    run(1, [*common, *TP1, "trainer.exit_interval=2", f"trainer.log_dir={tmp_path}/tb0"], tmp_path / "a.log")
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_2"
-    _assert_same_step_across_layouts(scalars(tmp_path / "tb0"), uninterrupted, steps=[1, 2])
-    run(2, [*common, UNTIL_4, f"trainer.log_dir={tmp_path}/tb1"], tmp_path / "b.log")
-    assert "resumed from" in (tmp_path / "b.log").read_text()
-    resumed = scalars(tmp_path / "tb1")
-    _assert_same_step_across_layouts(resumed, uninterrupted, steps=[3])
-    assert sorted(resumed["actor/pg_loss"]) == [3, 4]
+    run(1, [*common, *TP1, *until(saved_step + 1), f"trainer.log_dir={tmp_path}/tb2"], tmp_path / "c.log")
+    log = (tmp_path / "c.log").read_text()
+    assert "resumed from" in log and f"step_{saved_step}" in log, log[-3000:]
+    at_tp1 = scalars(tmp_path / "tb2")
+    assert sorted(at_tp1["actor/pg_loss"]) == [saved_step + 1]
+    _assert_same_step_across_layouts(at_tp1, uninterrupted, steps=[saved_step + 1])
+    assert (ckpt / "latest").read_text().strip() == f"step_{saved_step + 1}", "a job's end saves where it stops"
 
-
-def test_pp2_first_steps_agree_with_the_tp2_run(tiny, uninterrupted, tmp_path: Path) -> None:
-    run(2, [*tiny["common"], *PP2, "trainer.exit_interval=2", f"trainer.default_local_dir={tmp_path}/ckpt",
-            f"trainer.log_dir={tmp_path}/tb"], tmp_path / "train.log")  # fmt: skip
-    _assert_same_step_across_layouts(scalars(tmp_path / "tb"), uninterrupted, steps=[1, 2])
+    run(2, [*common, *until(saved_step + 2), f"trainer.log_dir={tmp_path}/tb3"], tmp_path / "d.log")
+    log = (tmp_path / "d.log").read_text()
+    assert "resumed from" in log and f"step_{saved_step + 1}" in log, log[-3000:]
+    back_at_tp2 = scalars(tmp_path / "tb3")
+    assert sorted(back_at_tp2["actor/pg_loss"]) == [saved_step + 2]
+    _assert_same_step_across_layouts(back_at_tp2, uninterrupted, steps=[saved_step + 2])
 
 
 # The CUDA width bucket forced on the CPU through its setting (`models.widths.width_bucket`): every micro-batch of
@@ -211,11 +180,13 @@ CUDA_BUCKET = [f"{role}.megatron.make_sequence_length_divisible_by={CUDA_WIDTH_B
                for role in ("actor", "ref", "critic")]  # fmt: skip
 
 
-def test_the_cuda_width_bucket_changes_no_step(tiny, uninterrupted, tmp_path: Path) -> None:
-    """Experience, updates and evaluation with every width rounded up to 128 (as on CUDA) give the first steps of
-    the run without the bucket: the padding enters no loss, no metric and no log-prob."""
-    run(2, [*tiny["common"], *CUDA_BUCKET, "trainer.exit_interval=2", f"trainer.default_local_dir={tmp_path}/ckpt",
-            f"trainer.log_dir={tmp_path}/tb"], tmp_path / "train.log")  # fmt: skip
+def test_pp2_under_the_cuda_width_bucket_gives_the_tp2_runs_first_steps(tiny, uninterrupted, tmp_path: Path) -> None:
+    """Two changes the first steps must not see, in one launch: PP=2 (TP=1), which changes only the order of the
+    reductions, and every width of experience, updates and evaluation rounded up to 128 as on CUDA, whose padding
+    enters no loss, no metric and no log-prob."""
+    overrides = [*tiny["common"], *PP2, *CUDA_BUCKET, "trainer.exit_interval=2",
+                 f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/tb"]  # fmt: skip
+    run(2, overrides, tmp_path / "train.log")
     logged = scalars(tmp_path / "tb")
     assert logged["perf/padded_over_real_tokens"][1] > 8, "the bucket was not in force"
     _assert_same_step_across_layouts(logged, uninterrupted, steps=[1, 2])

@@ -18,17 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.ports import on_a_free_port
-from tests.support.tiny import RECIPE, REPO
-
-QUICK = [
-    "data.addition.num_prompts=64", "data.addition.num_heldout=16", "data.addition.samples_per_prompt=2",
-    "data.addition.sft_steps=20", "data.addition.sft_batch_size=32", "data.train_batch_size=32",
-    *(f"{role}.{key}=16" for role in ("actor", "critic")
-      for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu")),
-    *(f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")),
-    "cluster.gpus_per_node=1", "trainer.test_freq=0", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=2",
-]  # fmt: skip
+from bench.ports import on_a_free_port
+from bench.tiny import RECIPE, REPO
+from tests.faults.cases import QUICK
 
 
 def train(directory: Path, overrides: list[str], log: Path, subcommand: str = "train") -> int:
@@ -52,20 +44,12 @@ def run_id(checkpoint: Path) -> str:
     return json.loads((checkpoint / "run.json").read_text())["run_id"]
 
 
-@pytest.fixture(scope="module")
-def run_a(tmp_path_factory) -> Path:
-    """Run A: 6 steps, a checkpoint every 2, the last 2 kept. Never changed: each test works on its own copy."""
-    directory = tmp_path_factory.mktemp("two-runs")
-    status = train(directory, ["trainer.total_training_steps=6", "trainer.resume_mode=disable"], directory / "a.log")
-    assert status == 0, (directory / "a.log").read_text()[-3000:]
-    return directory
-
-
 @pytest.fixture
-def first_run(run_a: Path, tmp_path: Path) -> Path:
-    """This test's copy of run A's directory (task cache, checkpoints, TensorBoard folder), so that what one test
-    does there (a second run moving run A aside) is not another's start, in any order."""
-    return Path(shutil.copytree(run_a, tmp_path / "two-runs"))
+def first_run(quick_run: Path, tmp_path: Path) -> Path:
+    """This test's copy of run A's directory (the quick run: 6 steps, a checkpoint every 2, the last 3 kept; its
+    task cache, checkpoints, TensorBoard folder), so that what one test does there (a second run moving run A aside)
+    is not another's start, in any order."""
+    return Path(shutil.copytree(quick_run, tmp_path / "two-runs"))
 
 
 @pytest.mark.floor
@@ -88,13 +72,14 @@ def test_overwrite_moves_the_first_run_aside_and_the_second_never_loads_it(first
     ckpt = first_run / "ckpt"
     first_id = run_id(ckpt / "step_6")
     overrides = ["trainer.total_training_steps=3", "trainer.resume_mode=disable", "trainer.overwrite=true",
-                 "guards.kl_explosion_threshold=1e-9", "trainer.critic_warmup=2", "trainer.save_freq=1"]  # fmt: skip
+                 "guards.kl_explosion_threshold=1e-9", "trainer.critic_warmup=2", "trainer.save_freq=1",
+                 "trainer.max_ckpt_to_keep=2"]  # fmt: skip
     status = train(first_run, overrides, first_run / "b.log")
     log = (first_run / "b.log").read_text()
     assert status == 0, log[-3000:]
     (moved,) = (ckpt / "moved-aside").iterdir()
-    assert sorted(p.name for p in moved.iterdir()) == ["latest", "step_4", "step_6"], "run A is kept, moved aside"
-    assert {run_id(moved / "step_4"), run_id(moved / "step_6")} == {first_id}
+    assert sorted(p.name for p in moved.iterdir()) == ["latest", "step_2", "step_4", "step_6"], "run A, moved aside"
+    assert {run_id(moved / f"step_{step}") for step in (2, 4, 6)} == {first_id}
     assert (ckpt / "latest").read_text() == "step_3", "latest names run B's last checkpoint"
     # the newest two, and step_1: the good checkpoint the rollbacks load, never pruned
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_1", "step_2", "step_3"]

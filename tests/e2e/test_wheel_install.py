@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.tiny import REPO
+from bench.tiny import REPO
 
 
 def test_the_installed_wheel_validates_a_recipe_from_another_directory(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Running the real CLI (`torchrun -m megatron_ppo train recipes/tiny-cpu.yaml ...`, shortened as
-`tests.support.tiny.SHORT`) in tests: to completion, killed after a checkpoint, or signalled after a step."""
+`bench.tiny.SHORT`) in tests: to completion, killed after a checkpoint, or signalled after a step."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.support.tiny import RECIPE, REPO, SHORT
+from bench.tiny import RECIPE, REPO, SHORT
 
 
 def command(nproc: int, overrides: list[str], recipe: Path = RECIPE) -> list[str]:

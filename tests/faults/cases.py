@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.ports import free_port
-from tests.support.tiny import RECIPE, REPO
+from bench.ports import free_port
+from bench.tiny import RECIPE, REPO
 
 # One process, a quick SFT start: what is tested is what a fault does to the run's files, not how well it learns
 QUICK = [

@@ -1,7 +1,7 @@
 """The launch path against a real Slurm (munge, slurmctld and two slurmds, two nodes on this host, started for this
-module by `slurm/local_cluster.py`): `make submit` of the tiny recipe on two tasks, the same across two nodes, a
-failing job, preemption → requeue → resume, and a chain of two jobs. Skipped, with the reason, only where Slurm is
-not installed (`.ci/run` installs it; by hand: `sudo python3 slurm/local_cluster.py install`)."""
+module by `slurm/local_cluster.py`): `make submit` of the tiny recipe across two nodes (a task each), a failing job,
+preemption → requeue → resume, and a chain of two jobs of two tasks on one node. Skipped, with the reason, only
+where Slurm is not installed (`.ci/run` installs it; by hand: `sudo python3 slurm/local_cluster.py install`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.ports import free_port, on_a_free_port, port_taken
 from slurm.local_cluster import LocalSlurm, SlurmUnavailable
-from tests.support.ports import free_port, on_a_free_port, port_taken
 from tests.support.tensorboard import scalars
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,10 +94,11 @@ def until_done(cluster: LocalSlurm, logs: Path, submit_one: Callable[[int], str]
 
 @pytest.fixture(scope="module")
 def first_job(cluster: LocalSlurm, runs: Path) -> dict:
-    """`make submit` of the shortened tiny recipe (it also prepares the task data the later jobs reuse)."""
+    """`make submit NODES=2` of the shortened tiny recipe, one task per node (it also prepares the task data the
+    later jobs reuse)."""
     logs, overrides = runs / "logs", [f"data.addition.work_dir={runs}/work", *_outputs(runs / "first")]
-    overrides += ["trainer.total_training_steps=4", "trainer.save_freq=2"]
-    make = ["make", "--no-print-directory", "submit", f"RECIPE={RECIPE}", f"LOG_DIR={logs}",
+    overrides += ["trainer.total_training_steps=4", "trainer.save_freq=2", "cluster.gpus_per_node=1"]
+    make = ["make", "--no-print-directory", "submit", f"RECIPE={RECIPE}", f"LOG_DIR={logs}", "NODES=2",
             f"OVERRIDES={' '.join([*SHORT, *overrides])}"]  # fmt: skip
 
     def submit_one(port: int) -> str:
@@ -114,11 +115,15 @@ def _outputs(root: Path) -> list[str]:
     return [f"trainer.default_local_dir={root}/ckpt", f"trainer.log_dir={root}/tb"]
 
 
-def test_make_submit_trains_the_tiny_recipe_on_two_tasks(first_job: dict) -> None:
-    log = first_job["log"]
-    assert first_job["job"]["JobState"] == "COMPLETED" and first_job["job"]["ExitCode"] == "0:0", log[-3000:]
-    assert re.search(r"^0: rank 0/2 \(local 0\) on ", log, re.M), log[-3000:]
-    assert re.search(r"^1: rank 1/2 \(local 1\) on ", log, re.M), log[-3000:]
+def test_make_submit_trains_the_tiny_recipe_across_two_nodes(cluster: LocalSlurm, first_job: dict) -> None:
+    """The node arithmetic: --nodes=2 --ntasks-per-node=1 from cluster.nodes=2 × gpus_per_node=1; each rank's local
+    rank is 0 on its own node, the tensor-parallel pair spans the two, and the rendezvous is on one of them."""
+    log, job = first_job["log"], first_job["job"]
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0" and job["NumNodes"] == "2", (job, log[-3000:])
+    first, second = cluster.nodes
+    hosts = {re.search(rf"^{rank}: rank {rank}/2 \(local 0\) on (\S+):", log, re.M)[1] for rank in (0, 1)}
+    assert hosts == {first, second}, log[-3000:]
+    assert re.search(r"^rendezvous (\S+):", log, re.M)[1] in {first, second}
     assert "trainer exited with status 0" in log
     assert (first_job["out"] / "ckpt" / "latest").read_text().strip() == "step_4"
     logged = scalars(first_job["out"] / "tb")
@@ -169,26 +174,11 @@ def test_a_chain_of_two_jobs_continues_where_the_first_stopped(cluster: LocalSlu
     jobs = [cluster.wait_for(job_id, DONE, timeout_s=300) for job_id in (first, second)]
     logs_text = [job_log(logs, job_id) for job_id in (first, second)]
     assert [job["JobState"] for job in jobs] == ["COMPLETED", "COMPLETED"], logs_text[1][-3000:]
+    for rank in (0, 1):  # two tasks on one node: local ranks 0 and 1
+        assert re.search(rf"^{rank}: rank {rank}/2 \(local {rank}\) on ", logs_text[0], re.M), logs_text[0][-3000:]
     assert "exiting with 0, the next job resumes" in logs_text[0]
     assert logged_steps(logs_text[0]) == [1, 2, 3] and logged_steps(logs_text[1]) == [4, 5, 6]
     assert "resumed from" in logs_text[1]
     assert jobs[1]["StartTime"] >= jobs[0]["EndTime"]
     assert (out / "ckpt" / "latest").read_text().strip() == "step_6"
     assert sorted(scalars(out / "tb")["actor/pg_loss"]) == list(range(1, 7))
-
-
-def test_two_nodes_one_task_each_rendezvous_on_the_first(cluster: LocalSlurm, runs: Path, first_job) -> None:
-    """The node arithmetic: --nodes=2 --ntasks-per-node=1 from cluster.nodes=2 × gpus_per_node=1; each rank's local
-    rank is 0 on its own node, and the tensor-parallel pair spans the two."""
-    logs, out = runs / "logs", runs / "two-nodes"
-    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=2",
-                 "cluster.gpus_per_node=1"]  # fmt: skip
-    job_id, job = until_done(cluster, logs, lambda port: submit(cluster, logs, overrides, "--nodes", "2", port=port)[0],
-                             timeout_s=300)  # fmt: skip
-    log = job_log(logs, job_id)
-    assert job["JobState"] == "COMPLETED" and job["NumNodes"] == "2", (job, log[-3000:])
-    first, second = cluster.nodes
-    hosts = {re.search(rf"^{rank}: rank {rank}/2 \(local 0\) on (\S+):", log, re.M)[1] for rank in (0, 1)}
-    assert hosts == {first, second}, log[-3000:]
-    assert re.search(r"^rendezvous (\S+):", log, re.M)[1] in {first, second}
-    assert (out / "ckpt" / "latest").read_text().strip() == "step_2"

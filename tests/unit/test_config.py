@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
 
+from megatron_ppo.cli import main
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.compose import CONFIG_DIR
 from megatron_ppo.config.frozen import with_changes
@@ -223,20 +222,24 @@ def test_controller_drives_only_the_terms_listed_in_apply_to() -> None:
     assert {t: c.kind for t, c in coefficients.items()} == {"loss": "fixed", "reward": "adaptive"}
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_ppo", *args], capture_output=True, text=True, cwd=REPO)
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`megatron_ppo.cli.main` in this process (the command line's own entry, its error contract included): (exit
+    status, stdout, stderr)."""
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
-def test_cli_validate_prints_the_resolved_config() -> None:
-    result = _cli("validate", str(TINY), "actor.clip_ratio=0.3")
-    assert result.returncode == 0, result.stderr
-    assert "clip_ratio_low: 0.3" in result.stdout
+def test_cli_validate_prints_the_resolved_config(capsys) -> None:
+    status, out, err = _cli(capsys, "validate", str(TINY), "actor.clip_ratio=0.3")
+    assert status == 0, err
+    assert "clip_ratio_low: 0.3" in out
 
 
-def test_cli_validate_exits_2_with_the_message_and_no_traceback() -> None:
-    result = _cli("validate", str(TINY), "algorithm.lam=3")
-    assert result.returncode == 2
-    assert "algorithm.lam=3" in result.stderr and "Traceback" not in result.stderr
+def test_cli_validate_exits_2_with_the_message_and_no_traceback(capsys) -> None:
+    status, _, err = _cli(capsys, "validate", str(TINY), "algorithm.lam=3")
+    assert status == 2
+    assert "algorithm.lam=3" in err and "Traceback" not in err
 
 
 def test_loss_scale_factor_is_a_constant_by_default_as_in_verl() -> None:
@@ -253,15 +256,15 @@ def test_each_role_has_its_own_experience_micro_batch_size() -> None:
     assert config.critic.forward_micro_batch_size_per_gpu == 64
 
 
-def test_a_dataset_run_without_initial_weights_is_refused_before_any_model_is_built(tmp_path: Path) -> None:
+def test_a_dataset_run_without_initial_weights_is_refused_before_any_model_is_built(tmp_path: Path, capsys) -> None:
     data = tmp_path / "rows.jsonl"
     data.write_text('{"prompt": "1+1=", "response": "2", "reward": 1.0}\n')
     one_process = [f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")]
-    result = _cli("train", str(TINY), "data.task=null", f"data.train_files=[{data}]", "model.tokenizer=any.model",
-                  "cluster.gpus_per_node=1", *one_process)  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    assert "no initial weights" in result.stderr and "model.allow_random_init=true" in result.stderr
-    assert "Traceback" not in result.stderr
+    status, _, err = _cli(capsys, "train", str(TINY), "data.task=null", f"data.train_files=[{data}]",
+                          "model.tokenizer=any.model", "cluster.gpus_per_node=1", *one_process)  # fmt: skip
+    assert status == 2, err
+    assert "no initial weights" in err and "model.allow_random_init=true" in err
+    assert "Traceback" not in err
 
 
 def test_keys_that_do_not_apply_are_refused() -> None:

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 import megatron_ppo
+from bench.tiny import RECIPE
 from megatron_ppo.cli import BUG, main, run_reporting_errors
 from megatron_ppo.config.errors import ConfigError, UserError
 from megatron_ppo.data.tokenizer import train_char_tokenizer
-from tests.support.tiny import RECIPE
 
 # Exceptions of the package that are not the user's to fix: signals between its own parts, caught before the CLI
 INTERNAL = {

@@ -30,7 +30,7 @@ class Bare:
         self.inner = inner
 
     def find_spec(self, name, path=None, target=None):
-        dists = providers.get(name) if "." not in name and name not in ("megatron_ppo", "bench", "tests") else None
+        dists = providers.get(name) if "." not in name and name not in ("megatron_ppo", "bench") else None
         if dists and not any(re.sub(r"[-_.]+", "-", d).lower() in allowed for d in dists):
             return None
         return self.inner.find_spec(name, path, target)

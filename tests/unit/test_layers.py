@@ -207,3 +207,17 @@ def test_no_two_modules_import_each_other() -> None:
     a fact sits in the wrong one; the fact moves below both."""
     assert _cycles(_module_graph()) == []
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_neither_the_package_nor_the_benchmarks_import_the_tests() -> None:
+    """The tests use the package and the benchmarks (`make bench`, `make gpu-check`), never the other way: a bench
+    that needs a helper of the tests' has it moved into bench/ (as `bench.ports` and `bench.tiny` were)."""
+    repo = PACKAGE.parent
+    importers = sorted(
+        f"{path.relative_to(repo)}:{line}"
+        for folder in (PACKAGE, repo / "bench")
+        for path in folder.rglob("*.py")
+        for line, module in _imports(path, ".".join(path.relative_to(repo).with_suffix("").parts))
+        if module.split(".")[0] == "tests"
+    )
+    assert importers == [], f"these import the tests: {importers}"

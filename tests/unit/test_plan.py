@@ -5,12 +5,11 @@ config.json, the experts sharded by EP, the all-to-all in the step time, and a f
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_ppo.cli import main
 from megatron_ppo.config import load_config
 from megatron_ppo.config.gpus import GPU_SPECS
 from megatron_ppo.planner.flops import active_parameter_count, expert_parameter_count, parameter_count
@@ -75,14 +74,12 @@ def test_more_memory_per_parameter_with_a_replicated_optimizer() -> None:
     assert replicated.roles["actor"].optimizer_gib == pytest.approx(2 * sharded.roles["actor"].optimizer_gib)
 
 
-def test_plan_cli_json_for_scripts(tmp_path: Path) -> None:
+def test_plan_cli_json_for_scripts(tmp_path: Path, capsys) -> None:
     """The JSON report's parameter count is transformers' own for the model's published config.json."""
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_ppo", "plan", "recipes/qwen3-32b.yaml", "--json"],
-        capture_output=True, text=True, cwd=REPO, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    status = main(["plan", str(REPO / "recipes" / "qwen3-32b.yaml"), "--json"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    report = json.loads(out)
     total, _ = transformers_counts(QWEN3_32B_CONFIG_JSON, tmp_path)
     assert report["fits"] and report["roles"]["actor"]["params"] == total
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.ports import on_a_free_port
+from bench.ports import on_a_free_port
 
 TAKEN = "The server socket has failed to listen on any local network address. port: 1, code: -98, name: EADDRINUSE"
 

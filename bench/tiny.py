@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
 SHORT = [
     "data.addition.num_prompts=1000", "data.addition.num_heldout=200",
