@@ -7,28 +7,32 @@
    batch (the sampler is rewound), under the same token budget, at the CPU's widths and with CUDA's 128-token
    bucket forced (`model.width_multiple`, what a GPU pads to): time per real token (each round's packed / padded
    wall-clock and CPU seconds, and their medians) and the trainer's own `perf/padded_over_real_tokens`;
-3. our SDPA attention on a pack: one call per sequence against one call with a block-diagonal causal mask.
+3. our SDPA attention on a pack (`SDPAttention`, one call per sequence) against one call with a block-diagonal causal
+   mask.
 
 Run: torchrun --nproc_per_node 2 -m bench.bench_packing   (or `make bench`); `--smallest` for a seconds-long smoke.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
 
 from bench.common import scratch_overrides
 from bench.common import smallest as at_smallest
 from megatron_ppo.config import load_config
 from megatron_ppo.data.batching import dynamic_micro_batches, packed_micro_batches
 from megatron_ppo.data.rows import Row
-from megatron_ppo.models.packing import packed_width
+from megatron_ppo.models.attention import SDPAttention
+from megatron_ppo.models.packing import build_pack, packed_width
 from megatron_ppo.models.widths import padded_width
 from megatron_ppo.parallel import destroy_distributed, init_distributed
 from megatron_ppo.train.ppo import PPOTrainer
@@ -116,22 +120,26 @@ def ppo_iterations(smallest: bool) -> dict[int, dict[str, list[float] | float]]:
 
 
 def attention_times(smallest: bool) -> dict[str, float]:
-    """Forward + backward seconds of one pack's causal attention: per sequence, and with a block-diagonal mask."""
+    """Forward + backward seconds of one pack's causal attention: our `SDPAttention` on the pack (one SDPA call per
+    sequence, `models.attention`), and one SDPA call with a block-diagonal causal mask."""
     lengths = [64] * 4 if smallest else [512, 256, 128, 64, 32, 16, 8, 8] * 2
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length)
-    total = bounds[-1]
-    q, k, v = (torch.randn(1, 4, total, 32, requires_grad=True) for _ in range(3))
+    heads, head_dim = 4, 32
+    pack = build_pack(lengths, row_width=max(lengths), multiple=1)
+    total = pack.width
+    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                               attention_dropout=0.0, params_dtype=torch.float32)  # fmt: skip
+    attention = SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(
+        tp=SimpleNamespace(size=lambda: 1)))  # fmt: skip
+    q, k, v = (torch.randn(total, heads, head_dim, requires_grad=True) for _ in range(3))  # THD [t, heads, hn]
     segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     allowed = (segment[:, None] == segment[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
 
     def per_sequence():
-        return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
-                          for a, b in itertools.pairwise(bounds)], dim=2)  # fmt: skip
+        return attention(q, k, v, None, packed_seq_params=pack.params)
 
     def block_mask():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        out = F.scaled_dot_product_attention(*(t.permute(1, 0, 2)[None] for t in (q, k, v)), attn_mask=allowed)
+        return out[0].permute(1, 0, 2).reshape(total, -1)
 
     torch.testing.assert_close(per_sequence(), block_mask(), rtol=1e-5, atol=1e-5)
     out = {}

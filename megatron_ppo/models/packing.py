@@ -10,7 +10,9 @@ TP ranks needs T % TP = 0; 1 otherwise — verl's `preprocess_packed_seqs` and N
 does not serve yet). The tail (T rounded up to the pass's shape: the CUDA width bucket, one shape per pipeline
 pass, the expert-parallel group's largest) is absorbed into the last segment, so the segments tile `[0, T)`.
 Megatron's `PackedSeqParams(qkv_format="thd")` carries cu_seqlens_q = cu_seqlens_kv = [0, l_0, l_0 + l_1, …] (real
-tokens) and cu_seqlens_*_padded = [0, p_0, p_0 + p_1, …, T]; max_seqlen_* = max_i p_i. Attention is causal inside
+tokens) and cu_seqlens_*_padded = [0, p_0, p_0 + p_1, …, T] — the same tensor as cu_seqlens_* when the pack holds
+no padding at all, and `pad_between_seqs` set from the host otherwise (`build_pack`); max_seqlen_* = max_i p_i, and
+a host copy of the padded bounds (`HostPackedSeqParams.segment_bounds`) for our SDPA. Attention is causal inside
 each segment (`models.attention.SDPAttention`, Transformer Engine's THD kernels on GPU), RoPE restarts at every
 segment start (Megatron's `_apply_rotary_pos_emb_thd` cuts by cu_seqlens_q_padded), and the position ids (read by
 learned absolute embeddings) restart too. A segment's padding comes after its real tokens, so under causal
