@@ -158,7 +158,7 @@ def check_ppo_iteration(plan: Plan, seq: int, work: Path) -> dict[str, Any]:
         "mfu_iteration": iteration["perf/tflops_per_gpu"] / peak, "mfu_bare": bare["perf/tflops_per_gpu"] / peak,
         "iteration_over_bare": iteration_s / bare_s, "planned_peak_gib": planner.plan(config).peak_gib,
         "actor_parameters": sum(p.numel() for c in trainer.actor.chunks for p in c.parameters()),
-        "packed": True, "pass_notes": packed_passes,
+        "pass_notes": packed_passes,
         "computed_over_real": metrics["perf/padded_over_real_tokens"],
         "padded_iteration_s": padded_s, "packed_over_padded": iteration_s / padded_s,
         "padded_computed_over_real": padded_metrics.get("perf/padded_over_real_tokens", float("nan")),
