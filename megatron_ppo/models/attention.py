@@ -113,7 +113,7 @@ class SDPAttention(MegatronModule):
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> torch.Tensor:
         """Packed sequences (THD, `models.packing`): `query [t, np, hn]`, `key/value [t, ng, hn]`; causal attention
         inside each segment [cu_seqlens_q_padded[i], cu_seqlens_q_padded[i + 1]) of the pack, one SDPA call per
-        segment (its flash path, `is_causal`): on CPU 3–7× faster, forward and backward, than one call with a
+        segment (its flash path, `is_causal`): on CPU 3–4× faster, forward and backward, than one call with a
         block-diagonal causal mask over the whole pack (16 sequences of 8–512 tokens, bench/bench_packing.py
         measures both), which computes all t² scores. Returns `[t, np·hn]`.
 
