@@ -140,7 +140,7 @@ class SDPAttention(MegatronModule):
                     out.append(F.scaled_dot_product_attention(
                         *(t.permute(1, 0, 2)[None] for t in (q, k, v)), dropout_p=dropout, is_causal=q.shape[0] > 1,
                         scale=self.softmax_scale, enable_gqa=grouped,
-                    )[0].permute(1, 0, 2))  # fmt: skip
+                    ).squeeze(0).permute(1, 0, 2))  # a view: `[0]` would copy its gradient into zeros  # fmt: skip
         return torch.cat(out).reshape(query.shape[0], -1)
 
 
