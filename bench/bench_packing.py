@@ -3,31 +3,36 @@
 1. computed / real tokens of token-budget micro-batches on a skewed length mix (90 % of 15–40 tokens, 10 % of
    400–600) and a spread one (uniform 16–600), padded (rows × the longest row) and packed (Σ lengths), each on CPU
    (no width bucket) and with CUDA's 128-token bucket (`models.widths.width_bucket`);
-2. a PPO iteration of the tiny recipe's model at those lengths, packed and padded alternately on the same batches
-   (the sampler is rewound), under the same token budget: time per real token and the trainer's own
-   `perf/padded_over_real_tokens`;
-3. our SDPA attention on a pack: one call per sequence against one call with a block-diagonal causal mask.
+2. a PPO iteration of the tiny recipe's model at the spread lengths, packed and padded back to back on the same
+   batch (the sampler is rewound), under the same token budget, at the CPU's widths and with CUDA's 128-token
+   bucket forced (`model.width_multiple`, what a GPU pads to): time per real token (each round's packed / padded
+   wall-clock and CPU seconds, and their medians) and the trainer's own `perf/padded_over_real_tokens`;
+3. our SDPA attention on a pack (`SDPAttention`, one call per sequence) against one call with a block-diagonal causal
+   mask.
 
 Run: torchrun --nproc_per_node 2 -m bench.bench_packing   (or `make bench`); `--smallest` for a seconds-long smoke.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
 
 from bench.common import scratch_overrides
 from bench.common import smallest as at_smallest
 from megatron_ppo.config import load_config
 from megatron_ppo.data.batching import dynamic_micro_batches, packed_micro_batches
 from megatron_ppo.data.rows import Row
-from megatron_ppo.models.packing import packed_width
+from megatron_ppo.models.attention import SDPAttention
+from megatron_ppo.models.packing import build_pack, packed_width
 from megatron_ppo.models.widths import padded_width
 from megatron_ppo.parallel import destroy_distributed, init_distributed
 from megatron_ppo.train.ppo import PPOTrainer
@@ -65,59 +70,76 @@ def rows_of(lengths: list[int], vocab: int, seed: int) -> list[Row]:
     return rows
 
 
-def ppo_iterations(smallest: bool) -> dict[str, dict[str, float]]:
-    """Median seconds per iteration and computed / real tokens, packed and padded, on the same batches."""
-    count, rounds, longest = (16, 1, 64) if smallest else (128, 3, 1200)
+def ppo_iterations(smallest: bool) -> dict[int, dict[str, list[float] | float]]:
+    """Per width bucket (1: the CPU's widths; 128: CUDA's bucket, `model.width_multiple` forced), each round's
+    seconds and CPU seconds (summed over the ranks) of one iteration packed and one padded on the same batch, and
+    computed / real tokens. A round runs packed and padded back to back (ABBA order over the rounds), so the ratio
+    of a round's two times compares them under the same machine load: on a shared machine the load moves by tens
+    of percent from one minute to the next, far more than what packing changes here."""
+    count, rounds, longest = (16, 1, 256) if smallest else (128, 4, 1200)  # positions ≥ CUDA's bucket
     config = load_config("recipes/tiny-cpu.yaml", [
         *scratch_overrides("packing"), f"data.train_batch_size={count}", f"model.max_position_embeddings={longest}",
-        f"data.max_prompt_length={longest // 2}", f"data.max_response_length={longest // 2}",
+        f"data.max_prompt_length={longest // 2}", f"data.max_response_length={longest // 2}", "trainer.save_freq=0",
+        "trainer.test_freq=0",
         *(f"{role}.{key}={value}" for role in ("actor", "critic")
           for key, value in (("ppo_mini_batch_size", count), ("ppo_epochs", 1), ("use_dynamic_bsz", True),
                              ("ppo_max_token_len_per_gpu", BUDGET if not smallest else 256))),
     ])  # fmt: skip
     init_distributed(config.actor.megatron, seed=0)
     rng = random.Random(0)  # prompt ≤ a quarter, response the rest: within the data limits of half the table each
-    lengths = [rng.randint(16, longest // 2) if smallest else length for length in length_mix("spread", 4 * count)]
+    lengths = [rng.randint(16, 48) if smallest else length for length in length_mix("spread", 4 * count)]
     trainer = PPOTrainer(config, rows_of(lengths, config.model.vocab_size, seed=0), pad_id=0)
     models = [model for model in (trainer.actor, trainer.ref, trainer.critic) if model is not None]
-    seconds: dict[str, list[float]] = {"packed": [], "padded": []}
-    ratio: dict[str, float] = {}
-    for name in ("packed", "padded"):  # warm-up: each path's first call (kernels, allocations) outside the timing
+
+    def iteration(name: str, bucket: int) -> tuple[float, float, float]:
         for model in models:
-            model.pack_sequences = name == "packed"
-        trainer.iteration()
-    for _ in range(rounds):
-        state = trainer.sampler.state_dict()
-        for name in ("packed", "padded"):
-            trainer.sampler.load_state_dict(state)  # the same batch for both
-            for model in models:
-                model.pack_sequences = name == "packed"
-            start = time.perf_counter()
-            metrics = trainer.iteration()
-            seconds[name].append(time.perf_counter() - start)
-            ratio[name] = metrics["perf/padded_over_real_tokens"]
+            model.pack_sequences, model.width_multiple = name == "packed", bucket
+        start, cpu = time.perf_counter(), time.process_time()
+        metrics = trainer.iteration()
+        seconds = time.perf_counter() - start
+        cpu_seconds = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
+        torch.distributed.all_reduce(cpu_seconds)
+        return seconds, float(cpu_seconds), metrics["perf/padded_over_real_tokens"]
+
+    for name in ("packed", "padded"):  # warm-up: each path's first call (allocations) outside the timing
+        iteration(name, 1)
+    out: dict[int, dict[str, list[float] | float]] = {}
+    for bucket in (1, 128):
+        result: dict[str, list[float] | float] = {"packed": [], "padded": [], "packed_cpu": [], "padded_cpu": []}
+        for round_ in range(rounds):
+            state = trainer.sampler.state_dict()
+            for name in ("packed", "padded") if round_ % 2 == 0 else ("padded", "packed"):
+                trainer.sampler.load_state_dict(state)  # the same batch for both
+                seconds, cpu_seconds, result[f"{name}_ratio"] = iteration(name, bucket)
+                result[name].append(seconds)  # type: ignore[union-attr]
+                result[f"{name}_cpu"].append(cpu_seconds)  # type: ignore[union-attr]
+        out[bucket] = result
     trainer.close()
     destroy_distributed()
-    return {name: {"seconds": statistics.median(seconds[name]), "ratio": ratio[name]} for name in seconds}
+    return out
 
 
 def attention_times(smallest: bool) -> dict[str, float]:
-    """Forward + backward seconds of one pack's causal attention: per sequence, and with a block-diagonal mask."""
+    """Forward + backward seconds of one pack's causal attention: our `SDPAttention` on the pack (one SDPA call per
+    sequence, `models.attention`), and one SDPA call with a block-diagonal causal mask."""
     lengths = [64] * 4 if smallest else [512, 256, 128, 64, 32, 16, 8, 8] * 2
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length)
-    total = bounds[-1]
-    q, k, v = (torch.randn(1, 4, total, 32, requires_grad=True) for _ in range(3))
+    heads, head_dim = 4, 32
+    pack = build_pack(lengths, row_width=max(lengths), multiple=1)
+    total = pack.width
+    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                               attention_dropout=0.0, params_dtype=torch.float32)  # fmt: skip
+    attention = SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(
+        tp=SimpleNamespace(size=lambda: 1)))  # fmt: skip
+    q, k, v = (torch.randn(total, heads, head_dim, requires_grad=True) for _ in range(3))  # THD [t, heads, hn]
     segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     allowed = (segment[:, None] == segment[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
 
     def per_sequence():
-        return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
-                          for a, b in itertools.pairwise(bounds)], dim=2)  # fmt: skip
+        return attention(q, k, v, None, packed_seq_params=pack.params)
 
     def block_mask():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        out = F.scaled_dot_product_attention(*(t.permute(1, 0, 2)[None] for t in (q, k, v)), attn_mask=allowed)
+        return out[0].permute(1, 0, 2).reshape(total, -1)
 
     torch.testing.assert_close(per_sequence(), block_mask(), rtol=1e-5, atol=1e-5)
     out = {}
@@ -144,11 +166,18 @@ def main(argv: list[str] | None = None) -> None:
         for bucket, where in ((1, "CPU"), (128, "CUDA bucket 128")):
             padded, packed = (computed_over_real(lengths, flag, bucket) for flag in (False, True))
             print(f"  {kind:6s} {where:16s}: padded {padded:.3f}   packed {packed:.3f}")
-    padded, packed = iterations["padded"], iterations["packed"]
-    print("PPO iteration (tiny recipe's model, TP 2, spread lengths, the same batches and token budget)")
-    for name, result in (("padded", padded), ("packed", packed)):
-        print(f"  {name:6s}: {result['seconds'] * 1e3:8.1f} ms   computed / real tokens {result['ratio']:.3f}")
-    print(f"  time per real token, packed / padded: {packed['seconds'] / padded['seconds']:.3f}")
+    print("PPO iteration (tiny recipe's model, TP 2, spread lengths 16–600, the same batches and token budget);")
+    print("  packed / padded per round (back to back, ABBA), wall-clock and CPU seconds of both ranks")
+    for bucket, result in iterations.items():
+        where = "CPU widths" if bucket == 1 else "CUDA bucket 128"
+        walls = [a / b for a, b in zip(result["packed"], result["padded"], strict=True)]  # type: ignore[arg-type]
+        cpus = [a / b for a, b in zip(result["packed_cpu"], result["padded_cpu"], strict=True)]  # type: ignore[arg-type]
+        print(f"  {where:16s}: computed / real tokens padded {result['padded_ratio']:.3f} packed "
+              f"{result['packed_ratio']:.3f}; padded {statistics.median(result['padded']) * 1e3:.0f} ms, packed "  # type: ignore[arg-type]
+              f"{statistics.median(result['packed']) * 1e3:.0f} ms (medians)")  # type: ignore[arg-type]  # fmt: skip
+        print(f"  {'':16s}  time per real token, packed / padded: median {statistics.median(walls):.3f} "
+              f"(rounds {' '.join(f'{r:.2f}' for r in walls)}); CPU seconds {statistics.median(cpus):.3f} "
+              f"(rounds {' '.join(f'{r:.2f}' for r in cpus)})")  # fmt: skip
     attention = attention_times(smallest)
     print("SDPA on one pack (forward + backward), CPU")
     for name, value in attention.items():

@@ -3,8 +3,11 @@
     (a) the tiny recipe end to end on CUDA through the real CLI (TP=1, bf16): exit 0, held-out accuracy rises;
     (b) a Qwen2.5-1.5B-shaped PPO iteration (28 layers, hidden 1536, 12 heads / 2 query groups, FFN 8960,
         vocabulary 151,936, bf16; 64 rows × 1024 and × 4096 tokens, micro-batch 4, one epoch of actor and critic)
-        through the trainer's own `PPOTrainer.iteration()`: tokens/s, MFU of the iteration and of its bare
-        forward/backward passes, their ratio, peak memory beside the planner's prediction;
+        through the trainer's own `PPOTrainer.iteration()`, packed as every GPU recipe runs (`model.pack_sequences`:
+        each micro-batch one `[1, 4·seq]` THD pack, Transformer Engine's THD attention): tokens/s, MFU of the
+        iteration and of its bare (packed) forward/backward passes, their ratio, computed / real tokens, peak memory
+        beside the planner's prediction, and (at the first length) the same batch's iteration padded against it
+        (rows of one length: no padding to remove, so this ratio is what the THD path itself costs);
     (c) log-probs of the same weights, GPU bf16 against CPU fp32 (a subprocess with the GPUs hidden);
     (d) the (b) iteration at its first length with host offload off and on: peak memory beside the planner's
         (`bench/offload_check.py`);
@@ -81,25 +84,27 @@ def bare_passes(trainer, plan: Plan, seq: int) -> None:
     """What the iteration must compute, nothing else: forwards of actor, reference (log-probs) and critic (values),
     then one forward+backward epoch of actor and critic over the same micro-batches (no optimizer step)."""
     from megatron_ppo.models import run_micro_batches, vocab_parallel_log_probs
+    from megatron_ppo.models.packing import labels_of, per_row
 
     gen = torch.Generator().manual_seed(0)
     micro = []
     for _ in range(plan.rows // plan.micro_batch):
         ids = torch.randint(1, plan.shape.vocab, (plan.micro_batch, seq), generator=gen)
-        micro.append({"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)})
+        lengths = torch.full((plan.micro_batch,), seq)  # packed like the iteration's when the models pack
+        micro.append({"input_ids": ids, "labels": torch.roll(ids, -1, dims=1), "lengths": lengths})
 
     def log_probs(model):
         def fn(batch, logits):
             lp, _ = vocab_parallel_log_probs(
-                logits, batch["labels"], vocab_size=model.vocab_size, with_entropy=model.is_trained,
+                logits, labels_of(batch), vocab_size=model.vocab_size, with_entropy=model.is_trained,
                 chunk_tokens=model.logprob_chunk_tokens,
             )  # fmt: skip
-            return -lp.mean(), {}
+            return -per_row(batch, lp).mean(), {}
 
         return fn
 
     def values(batch, output):
-        return output.float().square().mean(), {}
+        return per_row(batch, output.float()).square().mean(), {}
 
     for model in (trainer.actor, trainer.ref):
         run_micro_batches(model, micro, log_probs(model), forward_only=True)
@@ -116,18 +121,30 @@ def check_ppo_iteration(plan: Plan, seq: int, work: Path) -> dict[str, Any]:
     from megatron_ppo.train.ppo import PPOTrainer
     from megatron_ppo.train.throughput import throughput_metrics
 
-    config = ppo_config(plan, seq, work / f"ppo{seq}")
+    config = ppo_config(plan, seq, work / f"ppo{seq}", pack_sequences=True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     trainer = PPOTrainer(config, synthetic_rows(plan, seq, seed=seq), pad_id=0)
     build_s = time.perf_counter() - started
+    models = [model for model in (trainer.actor, trainer.ref, trainer.critic) if model is not None]
     try:
         warmup_s = timed(trainer.iteration)  # kernels chosen, allocator warmed, optimizer states created
-        iteration_s = timed(trainer.iteration)
+        state = trainer.sampler.state_dict()
+        metrics: dict[str, float] = {}
+        iteration_s = timed(lambda: metrics.update(trainer.iteration()))
+        packed_passes = sorted(note for model in models for note in model.pass_notes)
         bare_passes(trainer, plan, seq)  # warm
         bare_s = timed(lambda: bare_passes(trainer, plan, seq))
+        padded_metrics: dict[str, float] = {}
+        padded_s = float("nan")
+        if seq == plan.seq_lengths[0]:  # the same batch again padded (warmed first): what packing costs here
+            for model in models:
+                model.pack_sequences = False
+            trainer.iteration()
+            trainer.sampler.load_state_dict(state)
+            padded_s = timed(lambda: padded_metrics.update(trainer.iteration()))
     finally:
         trainer.close()
     lengths = [seq] * plan.rows
@@ -141,6 +158,10 @@ def check_ppo_iteration(plan: Plan, seq: int, work: Path) -> dict[str, Any]:
         "mfu_iteration": iteration["perf/tflops_per_gpu"] / peak, "mfu_bare": bare["perf/tflops_per_gpu"] / peak,
         "iteration_over_bare": iteration_s / bare_s, "planned_peak_gib": planner.plan(config).peak_gib,
         "actor_parameters": sum(p.numel() for c in trainer.actor.chunks for p in c.parameters()),
+        "pass_notes": packed_passes,
+        "computed_over_real": metrics["perf/padded_over_real_tokens"],
+        "padded_iteration_s": padded_s, "packed_over_padded": iteration_s / padded_s,
+        "padded_computed_over_real": padded_metrics.get("perf/padded_over_real_tokens", float("nan")),
     }  # fmt: skip
     if torch.cuda.is_available():
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
@@ -257,7 +278,7 @@ def table(results: dict[str, Any]) -> str:
     detail = f"accuracy {a['accuracy_before']:.3f} → {a['accuracy_after']:.3f}" if "accuracy_after" in a else ""
     lines.append(f"(a) tiny recipe via the CLI          {verdict}  {detail}  ({a['wall_s']:.0f} s)")
     lines.append(f"(b) PPO iteration, {results['shape']:<18}tokens  iter s  tokens/s  MFU iter  MFU bare  iter/bare  "
-                 "peak GiB  planned GiB")  # fmt: skip
+                 "peak GiB  planned GiB  computed/real  padded s  packed/padded")  # fmt: skip
     for b in results["b_ppo_iteration"]:
         if not b.get("ok"):
             lines.append(f"    FAILED {b.get('error', '')[:300]}")
@@ -266,7 +287,8 @@ def table(results: dict[str, Any]) -> str:
             f"    {b['rows']} rows × {b['seq']:<5}                {b['rows'] * b['seq']:>7} {b['iteration_s']:7.2f} "
             f"{b['tokens_per_s']:9,.0f} {b['mfu_iteration']:8.1%} {b['mfu_bare']:9.1%} "
             f"{b['iteration_over_bare']:10.2f} "
-            f"{b.get('peak_allocated_gib', float('nan')):9.1f} {b['planned_peak_gib']:12.1f}"
+            f"{b.get('peak_allocated_gib', float('nan')):9.1f} {b['planned_peak_gib']:12.1f} "
+            f"{b['computed_over_real']:14.3f} {b['padded_iteration_s']:9.2f} {b['packed_over_padded']:14.3f}"
         )  # fmt: skip
     c = results["c_logprobs"]
     if "mean_relative_diff" in c:
@@ -295,7 +317,7 @@ def run(plan: Plan, out_path: Path, work: Path) -> int:
     results: dict[str, Any] = {"dry_run": plan is DRY, "dtype": plan.dtype, "shape": shape}
     _part(results, "a_tiny_recipe", lambda: check_tiny_recipe(plan, work))
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    config = ppo_config(plan, plan.seq_lengths[0], work)
+    config = ppo_config(plan, plan.seq_lengths[0], work, pack_sequences=True)  # (b)'s, for the kernels line
     init_distributed(config.actor.megatron, seed=0, device=plan.device)
     results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     results["torch"] = torch.__version__

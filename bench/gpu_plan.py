@@ -66,8 +66,10 @@ def gpu_type_and_memory() -> tuple[str, float]:
     return gpu_type_named(torch.cuda.get_device_name()), memory
 
 
-def ppo_config(plan: Plan, seq: int, work: Path):
-    """The PPO config of (b): GAE with a KL loss (actor, reference and critic), one epoch, one mini-batch."""
+def ppo_config(plan: Plan, seq: int, work: Path, pack_sequences: bool = False):
+    """The PPO config of (b): GAE with a KL loss (actor, reference and critic), one epoch, one mini-batch;
+    `pack_sequences` (`model.pack_sequences`, what every GPU recipe sets): each micro-batch enters as one THD pack
+    (Transformer Engine's THD attention where TE is present)."""
     from megatron_ppo.config.schema import ClusterConfig, ModelConfig, PPOConfig
     from megatron_ppo.config.validate import resolve, validate
 
@@ -76,7 +78,7 @@ def ppo_config(plan: Plan, seq: int, work: Path):
         model=ModelConfig(
             name="qwen2.5-1.5b-shape", num_layers=s.num_layers, hidden_size=s.hidden, num_attention_heads=s.heads,
             num_query_groups=s.groups, ffn_hidden_size=s.ffn, vocab_size=s.vocab, max_position_embeddings=32768,
-            rotary_base=1_000_000.0, add_qkv_bias=True, params_dtype=plan.dtype,
+            rotary_base=1_000_000.0, add_qkv_bias=True, params_dtype=plan.dtype, pack_sequences=pack_sequences,
         ),
     )  # fmt: skip
     gpu_type, memory = gpu_type_and_memory()

@@ -113,27 +113,35 @@ class SDPAttention(MegatronModule):
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> torch.Tensor:
         """Packed sequences (THD, `models.packing`): `query [t, np, hn]`, `key/value [t, ng, hn]`; causal attention
         inside each segment [cu_seqlens_q_padded[i], cu_seqlens_q_padded[i + 1]) of the pack, one SDPA call per
-        segment (its flash path, `is_causal`, on contiguous heads): on CPU 6–7× faster, forward and backward, than
-        one call with a block-diagonal causal mask over the whole pack (16 sequences of 8–512 tokens,
-        bench/bench_packing.py measures both), which computes all t² scores. Returns `[t, np·hn]`."""
+        segment (its flash path, `is_causal`): on CPU 3–4× faster, forward and backward, than one call with a
+        block-diagonal causal mask over the whole pack (16 sequences of 8–512 tokens, bench/bench_packing.py
+        measures both), which computes all t² scores. Returns `[t, np·hn]`.
+
+        The segments are `torch.split` views of the token dimension (each `[p_i, heads, hn]` contiguous, seen as
+        `[1, heads, p_i, hn]` by SDPA, as the padded path's permuted rows are): the backward concatenates their
+        gradients once per tensor, where slicing each segment out would cost a zeroed full-pack gradient per
+        segment and a sum of them (O(segments · t) per layer). The bounds come from the host
+        (`HostPackedSeqParams.segment_bounds`) when the pack has them, else from cu_seqlens (a device read)."""
         if params.qkv_format != "thd":
             raise ValueError(f"SDPA core attention takes packed sequences in the thd format, not {params.qkv_format}")
-        bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        bounds = bounds.tolist()
+        bounds = getattr(params, "segment_bounds", ())
+        if not bounds:
+            cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+            bounds = cu.tolist()
         if bounds[-1] != query.shape[0]:
             raise ValueError(f"the pack's segments cover {bounds[-1]} tokens, the query holds {query.shape[0]}")
-        q, k, v = (t.permute(1, 0, 2).contiguous() for t in (query, key, value))  # [heads, t, hn]
+        sizes = [end - start for start, end in itertools.pairwise(bounds)]
         dropout = self.dropout if self.training else 0.0
         grouped = self.heads_per_partition != self.groups_per_partition
         out = []
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext():
-            for start, end in itertools.pairwise(bounds):
-                if end > start:
+            for q, k, v in zip(*(t.split(sizes) for t in (query, key, value)), strict=True):
+                if q.shape[0]:
                     out.append(F.scaled_dot_product_attention(
-                        q[None, :, start:end], k[None, :, start:end], v[None, :, start:end], dropout_p=dropout,
-                        is_causal=end - start > 1, scale=self.softmax_scale, enable_gqa=grouped,
-                    )[0])  # fmt: skip
-        return torch.cat(out, dim=1).permute(1, 0, 2).reshape(query.shape[0], -1)
+                        *(t.permute(1, 0, 2)[None] for t in (q, k, v)), dropout_p=dropout, is_causal=q.shape[0] > 1,
+                        scale=self.softmax_scale, enable_gqa=grouped,
+                    ).squeeze(0).permute(1, 0, 2))  # a view: `[0]` would copy its gradient into zeros  # fmt: skip
+        return torch.cat(out).reshape(query.shape[0], -1)
 
 
 def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:

@@ -150,7 +150,8 @@ def transformer_engine_attention() -> str:
 
 def describe_kernels(config: PPOConfig) -> str:
     """One line for the start of a run: layer spec, attention kernel (the backend SDPA really picks), fusions on
-    (those compiled with torch.compile marked), optimizer, dtype."""
+    (those compiled with torch.compile marked), optimizer, dtype, and how sequences enter the model (packed THD
+    with `model.pack_sequences`, else padded rows)."""
     te = uses_transformer_engine(config.model)
     if te:
         spec, attention = "Transformer Engine", transformer_engine_attention()
@@ -168,5 +169,11 @@ def describe_kernels(config: PPOConfig) -> str:
     device = f"cuda ({torch.cuda.get_device_name()})" if on_cuda() else "cpu"
     return (
         f"kernels: device {device}; spec {spec}; attention {attention}; fusions {', '.join(fused) or 'none'}; "
-        f"optimizer {optimizer_implementation()}; dtype {config.model.params_dtype}"
+        f"optimizer {optimizer_implementation()}; dtype {config.model.params_dtype}; {_sequence_layout(config, te)}"
     )
+
+
+def _sequence_layout(config: PPOConfig, te: bool) -> str:
+    if not config.model.pack_sequences:
+        return "sequences as padded rows"
+    return f"sequences packed (THD, {'TE THD attention' if te else 'one SDPA call per sequence'})"

@@ -10,7 +10,9 @@ TP ranks needs T % TP = 0; 1 otherwise — verl's `preprocess_packed_seqs` and N
 does not serve yet). The tail (T rounded up to the pass's shape: the CUDA width bucket, one shape per pipeline
 pass, the expert-parallel group's largest) is absorbed into the last segment, so the segments tile `[0, T)`.
 Megatron's `PackedSeqParams(qkv_format="thd")` carries cu_seqlens_q = cu_seqlens_kv = [0, l_0, l_0 + l_1, …] (real
-tokens) and cu_seqlens_*_padded = [0, p_0, p_0 + p_1, …, T]; max_seqlen_* = max_i p_i. Attention is causal inside
+tokens) and cu_seqlens_*_padded = [0, p_0, p_0 + p_1, …, T] — the same tensor as cu_seqlens_* when the pack holds
+no padding at all, and `pad_between_seqs` set from the host otherwise (`build_pack`); max_seqlen_* = max_i p_i, and
+a host copy of the padded bounds (`HostPackedSeqParams.segment_bounds`) for our SDPA. Attention is causal inside
 each segment (`models.attention.SDPAttention`, Transformer Engine's THD kernels on GPU), RoPE restarts at every
 segment start (Megatron's `_apply_rotary_pos_emb_thd` cuts by cu_seqlens_q_padded), and the position ids (read by
 learned absolute embeddings) restart too. A segment's padding comes after its real tokens, so under causal
@@ -31,6 +33,8 @@ from itertools import accumulate
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_ppo.parallel.megatron_compat import packed_seq_fields
+
 PACK = "pack"  # the micro-batch key the schedule hands `loss_fn` a packed micro-batch's `Pack` under
 
 
@@ -48,32 +52,45 @@ def segment_lengths(lengths: Sequence[int], multiple: int) -> list[int]:
 
 
 @dataclass
+class HostPackedSeqParams(PackedSeqParams):
+    """Megatron's `PackedSeqParams` with a host copy of `cu_seqlens_q_padded`, `segment_bounds`, so that our SDPA
+    attention cuts the pack without reading the device (a sync per layer on a GPU). Not one of Megatron's fields:
+    Transformer Engine's wrapper forwards only those (`dataclasses.fields(PackedSeqParams)`)."""
+
+    segment_bounds: tuple[int, ...] = ()
+
+
+@dataclass
 class Pack:
     """Where each row of a micro-batch lies in its `[1, width]` pack, and the model inputs that says.
 
     `index` `[b, s]` long: the pack position of row r's token t (0 where t ≥ l_r, masked by `real`); `real`
-    `[b, s]` bool: t < l_r; `token_is_real` `[1, width]` bool; `position_ids` `[1, width]`: restart at each
-    segment; `params`: Megatron's THD description (tensors on the pack's device)."""
+    `[b, s]` bool: t < l_r; `source` `[width]` long: the flat row position r·s + t each pack position holds (0 at
+    padding, masked by `token_is_real`); `token_is_real` `[1, width]` bool; `position_ids` `[1, width]`: restart at
+    each segment; `params`: Megatron's THD description (tensors on the pack's device). Both directions are gathers
+    by these precomputed indices (`index_select`, whose backward is an `index_add`): no boolean indexing, so no
+    device read on a GPU."""
 
     lengths: list[int]
     segments: list[int]  # p_i, the last one with the tail: Σ = width
     width: int
     index: torch.Tensor
     real: torch.Tensor
+    source: torch.Tensor
     token_is_real: torch.Tensor
     position_ids: torch.Tensor
-    params: PackedSeqParams
+    params: HostPackedSeqParams
 
     def pack(self, tensor: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
         """Per-row `[b, s, …]` → packed `[1, width, …]` (padding positions `fill`)."""
-        out = tensor.new_full((self.width, *tensor.shape[2:]), fill)
-        out[self.index[self.real]] = tensor[self.real]
-        return out.unsqueeze(0)
+        out = tensor.flatten(0, 1).index_select(0, self.source)
+        mask = self.token_is_real[0].reshape(-1, *([1] * (out.dim() - 1)))
+        return torch.where(mask, out, torch.full((), fill, dtype=out.dtype, device=out.device)).unsqueeze(0)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """Packed `[1, width, …]` → per-row `[b, s, …]`: zeros beyond each row's length (differentiable: the
         gradient of each real token goes back to its pack position, padding positions get none)."""
-        rows = packed[0][self.index]
+        rows = packed[0].index_select(0, self.index.flatten()).view(*self.index.shape, *packed.shape[2:])
         mask = self.real.reshape(*self.real.shape, *([1] * (rows.dim() - 2)))
         return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
@@ -97,19 +114,28 @@ def build_pack(lengths: Sequence[int], row_width: int, multiple: int, width: int
     index = torch.where(real, offsets[:, None] + steps[None, :], 0)
     token_is_real = torch.zeros(width, dtype=torch.bool)
     token_is_real[index[real]] = True
+    source = torch.zeros(width, dtype=torch.long)
+    source[index[real]] = torch.arange(real.numel()).view_as(real)[real]
     segment_of = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(segments))
     position_ids = torch.arange(width) - offsets[segment_of]
-    cu_real = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)
-    cu_padded = torch.tensor(starts, dtype=torch.int32)
     on = dict(device=device, non_blocking=True)
-    params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu_real.to(**on), cu_seqlens_kv=cu_real.to(**on),
-        cu_seqlens_q_padded=cu_padded.to(**on), cu_seqlens_kv_padded=cu_padded.to(**on),
-        max_seqlen_q=max(segments), max_seqlen_kv=max(segments),
+    cu_padded = torch.tensor(starts, dtype=torch.int32).to(**on)
+    # No padding anywhere (every p_i = l_i, no tail): the padded cu_seqlens are the real ones, the same tensor, which
+    # Transformer Engine reads as "no padding between sequences" (its FlashAttention stays eligible). Else they
+    # differ and TE is told so (`pad_between_seqs`, where this Megatron has the field: no device read to infer
+    # it); its fused (cuDNN) THD attention then leaves every segment's padding out.
+    padded = starts[-1] != sum(lengths) or any(p != length for p, length in zip(segments, lengths, strict=True))
+    cu_real = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32).to(**on) if padded else cu_padded
+    extra = {"pad_between_seqs": padded} if "pad_between_seqs" in packed_seq_fields() else {}
+    params = HostPackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real, cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(segments), max_seqlen_kv=max(segments),
+        segment_bounds=tuple(starts), **extra,
     )  # fmt: skip
     return Pack(
         lengths=lengths, segments=segments, width=width, index=index.to(**on), real=real.to(**on),
-        token_is_real=token_is_real[None].to(**on), position_ids=position_ids[None].to(**on), params=params,
+        source=source.to(**on), token_is_real=token_is_real[None].to(**on), position_ids=position_ids[None].to(**on),
+        params=params,
     )  # fmt: skip
 
 

@@ -32,6 +32,17 @@ def bind_missing_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def packed_seq_fields() -> frozenset[str]:
+    """The fields of Megatron's `PackedSeqParams` in this release: megatron-core 0.19 added `pad_between_seqs`,
+    which it hands Transformer Engine ≥ 2.2 (`TEDotProductAttention`); without it TE infers the flag with a
+    `torch.equal` of the device's cu_seqlens in every attention layer (a host sync each, TE 2.8–2.12)."""
+    import dataclasses
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return frozenset(field.name for field in dataclasses.fields(PackedSeqParams))
+
+
 def get_batch_on_this_cp_rank(batch: dict[str, Any], cp_group: Any) -> dict[str, Any]:
     """Megatron's load-balanced context-parallel slice of `batch`. megatron-core 0.18 added a positional
     `is_hybrid_cp` (before `cp_group`); plain context parallelism passes False."""

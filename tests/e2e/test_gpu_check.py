@@ -36,6 +36,14 @@ def test_gpu_check_dry_run_runs_every_part_and_writes_its_table(tmp_path: Path) 
     assert offload["on"]["planned_peak_gib"] < offload["off"]["planned_peak_gib"]
     assert [b["seq"] for b in report["b_ppo_iteration"]] == [32, 64]
     assert all(b["mfu_iteration"] > 0 and b["iteration_over_bare"] > 0 for b in report["b_ppo_iteration"])
+    # (b) ran packed (THD) in every pass of every role, rows of one length: nothing computed but the real tokens
+    for b in report["b_ppo_iteration"]:
+        assert b["computed_over_real"] == 1.0, b
+        assert {note.split(":")[0] for note in b["pass_notes"] if "packed sequences" in note} == {
+            "actor passes", "ref passes", "critic passes"}, b["pass_notes"]  # fmt: skip
+    first = report["b_ppo_iteration"][0]
+    assert first["padded_iteration_s"] > 0 and first["padded_computed_over_real"] == 1.0, first
+    assert "sequences packed (THD" in report["kernels"]
     assert "scaled_dot_product_attention" in report["kernels"], "the table must say which attention path ran"
     assert "(b) PPO iteration" in result.stdout and "(c) log-probs bf16 vs CPU fp32" in result.stdout
     assert "(d) host offload" in result.stdout

@@ -108,8 +108,10 @@ def test_the_start_line_names_spec_attention_fusions_optimizer_and_dtype() -> No
     config = PPOConfig(model=ModelConfig(params_dtype="fp32"))
     line = describe_kernels(config)
     for part in ("device cpu", "spec Megatron local", "scaled_dot_product_attention (flash, CPU kernel",
-                 "fusions none", "optimizer torch AdamW", "dtype fp32"):  # fmt: skip
+                 "fusions none", "optimizer torch AdamW", "dtype fp32", "sequences as padded rows"):  # fmt: skip
         assert part in line, f"{part!r} missing from {line!r}"
+    config.model.pack_sequences = True
+    assert "sequences packed (THD, one SDPA call per sequence)" in describe_kernels(config)
 
 
 def kernel_sdpa_runs(model: ModelConfig) -> str:

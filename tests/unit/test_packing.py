@@ -14,7 +14,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_ppo.data.batching import packed_micro_batches
 from megatron_ppo.models.attention import SDPAttention
-from megatron_ppo.models.packing import PACK, build_pack, labels_of, packed_width, per_row
+from megatron_ppo.models.packing import PACK, HostPackedSeqParams, build_pack, labels_of, packed_width, per_row
 
 
 def test_a_pack_holds_whole_sequences_each_padded_to_the_multiple() -> None:
@@ -27,6 +27,23 @@ def test_a_pack_holds_whole_sequences_each_padded_to_the_multiple() -> None:
     assert pack.params.max_seqlen_q == pack.params.max_seqlen_kv == 10
     assert pack.position_ids[0].tolist() == [*range(6), *range(2), *range(10)]
     assert pack.token_is_real[0].tolist() == [True] * 5 + [False] + [True] * 2 + [True] * 7 + [False] * 3
+    assert pack.params.segment_bounds == (0, 6, 8, 18)  # the host copy our SDPA cuts by (no device read)
+    # Transformer Engine: padding between sequences is said (no torch.equal of device tensors to infer it) ...
+    assert getattr(pack.params, "pad_between_seqs", True) is True
+    # ... and a pack without any is described by one cu_seqlens tensor, which TE reads as "no padding"
+    tight = build_pack([5, 2, 7], row_width=7, multiple=1)
+    assert tight.params.cu_seqlens_q_padded is tight.params.cu_seqlens_q is tight.params.cu_seqlens_kv_padded
+    assert (
+        tight.params.cu_seqlens_q.tolist() == [0, 5, 7, 14]
+        and getattr(tight.params, "pad_between_seqs", False) is False
+    )
+    tail = build_pack([5, 2, 7], row_width=7, multiple=1, width=16)  # the pass's shape adds a tail: padding
+    assert tail.params.cu_seqlens_q.tolist() == [0, 5, 7, 14] and tail.params.cu_seqlens_q_padded.tolist() == [
+        0,
+        5,
+        7,
+        16,
+    ]
     with pytest.raises(ValueError, match="cannot fill"):
         build_pack([5, 2, 7], row_width=7, multiple=2, width=17)
     assert packed_width([5, 2, 7], multiple=2, bucket=4) == 16
@@ -75,6 +92,8 @@ def test_sdpa_attends_within_each_packed_sequence_as_it_does_per_row(groups: int
     k, v = (torch.randn(20, groups, head_dim, generator=gen, requires_grad=True) for _ in range(2))
     out = attention(q, k, v, None, packed_seq_params=pack.params)
     assert out.shape == (20, heads * head_dim)
+    host_only = HostPackedSeqParams(qkv_format="thd", segment_bounds=pack.params.segment_bounds)  # no device tensors
+    assert torch.equal(attention(q, k, v, None, packed_seq_params=host_only), out)
     weights = torch.randn(out.shape, generator=gen) * pack.token_is_real[0, :, None]
     (out * weights).sum().backward()
     starts = pack.params.cu_seqlens_q_padded.tolist()
