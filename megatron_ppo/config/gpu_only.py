@@ -92,7 +92,8 @@ CUDA_BRANCHES: tuple[CudaBranch, ...] = (
         "models/widths.py width_bucket: every width rounded up to 128, padding at position 0 (models/moe.py)",
         BUCKET,
         "tests/distributed/test_update_path.py::test_sft_under_the_cuda_width_bucket_equals_sft_without_it"
-        " (learned positions and RoPE); tests/e2e/test_tiny_recipe.py::test_the_cuda_width_bucket_changes_no_step",
+        " (learned positions and RoPE); "
+        "tests/e2e/test_tiny_recipe.py::test_pp2_under_the_cuda_width_bucket_gives_the_tp2_runs_first_steps",
     ),
     CudaBranch(
         "models/gpt.py logits_cut: logits of the real tokens only under the bucket (in-place gradient)",
