@@ -1,6 +1,7 @@
 """Every config key is read by code: a key that nothing reads promises what the trainer does not do.
 
-A leaf counts as read where the package outside `config/` (or `slurm/`) reads it as an attribute of a config object
+A leaf counts as read where the package outside `config/` (or `slurm/`, or `config/layout.py`, the layout arithmetic
+the trainer and the planner compute with, not a validation) reads it as an attribute of a config object
 of its own section class — `trainer.save_freq`, `mg.sequence_parallel` after `mg = config.actor.megatron` or with
 `mg: MegatronConfig`, `stage.end` in `for stage in kl_ctrl.stages`, `self.config.max_consecutive_skips` after
 `self.config = config` with `config: GuardsConfig` — or names it as a string (`getattr(c, "x")`, a dotted key
@@ -152,7 +153,7 @@ def _leaves(schema: type, prefix: str = "") -> Iterator[tuple[str, str, str]]:
 
 def _sources() -> list[Path]:
     package = [p for p in (REPO / "megatron_ppo").rglob("*.py") if "config" not in p.relative_to(REPO).parts]
-    return package + sorted((REPO / "slurm").glob("*.py"))
+    return [*package, REPO / "megatron_ppo" / "config" / "layout.py", *sorted((REPO / "slurm").glob("*.py"))]
 
 
 def _named(tree: ast.Module) -> set[str]:
