@@ -195,9 +195,10 @@ def layer_activation_bytes(
     layernorm-linear save x, their output and 1/rms, where torch's RMSNorm on the CPU also keeps x/rms (+ h·e per
     norm; QK layernorm + (a + g)·d·e); Megatron's fused SwiGLU saves FC1's output only, where the unfused one also
     keeps silu(gate) and a copy of up (+ 2·f_t·e); the fused RoPE saves its frequencies, the unfused one cos and sin
-    for Q and K (+ 4·d·e per position, not per row); and our SDPA's per-sequence pack path (`models.attention`)
-    saves contiguous copies of Q, K, V, its outputs and their copy back (3a·d + 2g·d in place of the QKV terms)
-    where TE's THD attention takes Q, K, V as they are. TE may also copy a strided V; not counted."""
+    for Q and K (+ 4·d·e per position, not per row); and our SDPA's per-sequence pack path (`models.attention`:
+    one call per sequence on views of Q, K, V) saves each sequence's output beside their concatenation, the
+    attention output (+ a·d·e), where TE's THD attention writes one output. TE may also copy a strided V; not
+    counted."""
     h, ffn = model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size
     heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
     d = model.kv_channels or h // heads
@@ -211,8 +212,8 @@ def layer_activation_bytes(
     query_copy = a * d if g > 1 else 0  # Megatron's reshape of a rank's grouped query heads copies them
     qkv = (a + 2 * g) * d + (a * d + g * d if rope else query_copy) + a * d
     selective = layout.recompute_granularity == "selective"
-    if cpu and packed and not selective:  # Q, K, V copied contiguous, the outputs per sequence and their copy back
-        qkv = 3 * a * d + 2 * g * d + ((a + 2 * g) * d if model.qk_layernorm else 0)
+    if cpu and packed and not selective:  # the per-sequence outputs, saved beside their concatenation
+        qkv += a * d
     attention = qkv * e + (0 if selective else 4 * a)
     if model.qk_layernorm:
         attention += query_copy * e + 4 * (a + g) + ((a + g) * d * e if cpu and rmsnorm else 0)
