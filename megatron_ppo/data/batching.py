@@ -9,7 +9,7 @@ and the padding fraction of a split is 1 − Σ lengths / Σ padded sizes.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,15 +39,23 @@ def dynamic_micro_batches(lengths: Sequence[int], max_tokens: int, count: int | 
     micro_batches = _packed(lengths, max_tokens)
     if count is None:
         return micro_batches
-    if not len(micro_batches) <= count <= len(lengths):
+    return _halved_to(micro_batches, count, len(lengths), max_tokens, "micro-batches",
+                      size=lambda mb: len(mb) * lengths[mb[0]])  # fmt: skip
+
+
+def _halved_to(micro_batches: list[list[int]], count: int, rows: int, max_tokens: int, kind: str,
+               size: Callable[[list[int]], int]) -> list[list[int]]:  # fmt: skip
+    """`micro_batches` cut into exactly `count`, by halving the one of largest `size` (of those with two rows or
+    more; the first on a tie) until there are that many: each half stays within the budget the whole kept."""
+    if not len(micro_batches) <= count <= rows:
         raise ValueError(
-            f"cannot cut {len(lengths)} rows into {count} micro-batches within max_tokens={max_tokens} (the budget "
-            f"packs them into {len(micro_batches)}); the count is the largest on any data-parallel rank, a multiple "
-            "of PP with virtual stages: give each rank more rows (ppo_mini_batch_size) or use fewer pipeline stages"
+            f"cannot cut {rows} rows into {count} {kind} within max_tokens={max_tokens} (the budget packs them into "
+            f"{len(micro_batches)}); the count is the largest on any data-parallel rank, a multiple of PP with "
+            "virtual stages: give each rank more rows (ppo_mini_batch_size) or use fewer pipeline stages"
         )
     while len(micro_batches) < count:
-        padded = [len(mb) * lengths[mb[0]] if len(mb) > 1 else -1 for mb in micro_batches]
-        widest = padded.index(max(padded))
+        sizes = [size(mb) if len(mb) > 1 else -1 for mb in micro_batches]
+        widest = sizes.index(max(sizes))
         half = len(micro_batches[widest]) // 2
         micro_batches[widest : widest + 1] = [micro_batches[widest][:half], micro_batches[widest][half:]]
     return micro_batches
@@ -99,19 +107,8 @@ def packed_micro_batches(lengths: Sequence[int], max_tokens: int, count: int | N
             loads[fits] += lengths[i]
     if count is None:
         return micro_batches
-    if not len(micro_batches) <= count <= len(lengths):
-        raise ValueError(
-            f"cannot cut {len(lengths)} rows into {count} packed micro-batches within max_tokens={max_tokens} (the "
-            f"budget packs them into {len(micro_batches)}); the count is the largest on any data-parallel rank, a "
-            "multiple of PP with virtual stages: give each rank more rows (ppo_mini_batch_size) or use fewer "
-            "pipeline stages"
-        )
-    while len(micro_batches) < count:
-        tokens = [sum(lengths[i] for i in mb) if len(mb) > 1 else -1 for mb in micro_batches]
-        widest = tokens.index(max(tokens))
-        half = len(micro_batches[widest]) // 2
-        micro_batches[widest : widest + 1] = [micro_batches[widest][:half], micro_batches[widest][half:]]
-    return micro_batches
+    return _halved_to(micro_batches, count, len(lengths), max_tokens, "packed micro-batches",
+                      size=lambda mb: sum(lengths[i] for i in mb))  # fmt: skip
 
 
 def padding_fraction(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]]) -> float:
