@@ -33,8 +33,8 @@ def test_a_skipped_sft_step_holds_the_learning_rate_schedule() -> None:
     assert report["lr"] == 0.0, "warm-up starts at 0 and must stay there while steps are skipped"
 
 
-def test_grpo_through_the_trainer_keeps_groups_whole_with_zero_mean_advantages() -> None:
-    report = run_distributed(update_workers.grpo_through_the_trainer, 2)[0]  # TP 2, as the tiny recipe
+def test_grpo_through_the_trainer_keeps_groups_whole_with_zero_mean_advantages(tmp_path) -> None:
+    report = run_distributed(update_workers.grpo_through_the_trainer, 2, str(tmp_path))[0]  # TP 2, as the tiny recipe
     assert report["ref_equals_actor"], "with allow_random_init the reference must start as a copy of the actor"
     assert not report["critic"], "GRPO needs no critic"
     assert report["group_counts"] == [4] * 8, f"a batch of 32 rows must hold 8 whole groups of 4: {report}"

@@ -105,7 +105,7 @@ def grpo_rows(prompts: int, per_prompt: int, seed: int) -> list[Row]:
     return out
 
 
-def grpo_through_the_trainer(rank: int, world_size: int) -> dict[str, Any]:
+def grpo_through_the_trainer(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """The tiny recipe's model under GRPO on grouped rows: batches of whole groups, zero-mean advantages per group,
     two finite iterations with sequence-level importance weights against the rows' behaviour log-probs; the
     reference starts as a copy of the (random) actor."""
@@ -119,6 +119,7 @@ def grpo_through_the_trainer(rank: int, world_size: int) -> dict[str, Any]:
         "data.train_batch_size=32", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8",
         "critic.ppo_mini_batch_size=16", "critic.ppo_micro_batch_size_per_gpu=8", "trainer.total_training_steps=2",
         f"cluster.gpus_per_node={world_size}", "algorithm.rollout_correction.rollout_is=sequence",
+        f"trainer.default_local_dir={root}/checkpoints", f"trainer.log_dir={root}/tensorboard",  # never the recipe's
     ])  # fmt: skip
     init_distributed(config.actor.megatron, seed=0)
     rows = grpo_rows(prompts=24, per_prompt=4, seed=5)
