@@ -25,6 +25,7 @@ from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.models import RoleModel, unwrap
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel.collectives import any_rank, barrier, global_rank
+from megatron_ppo.parallel.cpu_compat import without_device_mode
 from megatron_ppo.parallel.megatron_compat import (
     async_save_request,
     checkpoint_writes_in_process,
@@ -99,7 +100,8 @@ class SavePlans:
     def for_save(self, sharded: dict[str, Any]) -> tuple[Any, bool]:
         """(the strategy to save `sharded` with, whether Megatron must validate its sharding): a fresh strategy, to
         validate, when this is the first save or any rank's structure differs from its last save's (collective:
-        one flag all-reduced, so that every rank takes the same path through Megatron's collectives)."""
+        one flag all-reduced, so that every rank takes the same path through Megatron's collectives; it is also
+        the barrier after which the ranks write into the directory rank 0 made)."""
         structure = _structure(sharded)
         changed = any_rank(self.strategy is None or structure != self.structure)
         if changed:
@@ -157,20 +159,21 @@ def save_checkpoint(
     started = time.perf_counter()
     root = Path(root)
     final, temporary = root / f"step_{step}", root / f".tmp_step_{step}"
-    if global_rank() == 0:
+    if global_rank() == 0:  # the other ranks write into it after the next collective (`plans`' or a barrier)
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir(parents=True)
-    barrier()
-    sharded: dict[str, Any] = {}
-    for role, model in models.items():
+    for model in models.values():
         sync_parameters(model)
-        sharded[role] = model_sharded_state(model, f"{role}.")
     # An optimizer that has not stepped yet (the actor during critic warm-up) has no state: it is recorded as
     # fresh and left fresh on load.
     stateful = [role for role in models if role in optimizers and not _stateless(optimizers[role])]
-    for role in stateful:
-        sharded[f"{role}_optimizer"] = _optimizer_sharded_state(optimizers[role], sharded[role], role)
-    strategy, validate = plans.for_save(sharded) if plans is not None else (None, True)
+    with without_device_mode():  # (on CPU processes) nothing in the build names a CUDA device
+        sharded = _sharded_state(models, optimizers, stateful)
+    if plans is not None:
+        strategy, validate = plans.for_save(sharded)
+    else:
+        barrier()
+        strategy, validate = None, True
     # on the host: a process forked from a CUDA one (the asynchronous writer) must not touch the device
     rng, trainer_state = _on_host(rng_states()), _on_host(trainer_state)
 
@@ -188,7 +191,8 @@ def save_checkpoint(
             dist_checkpointing.save(sharded, str(temporary), sharded_strategy=strategy,
                                     validate_access_integrity=validate)  # fmt: skip
         else:
-            request = async_save_request(sharded, str(temporary), strategy, validate)
+            with without_device_mode():  # Megatron's asynchronous plan names no CUDA device either
+                request = async_save_request(sharded, str(temporary), strategy, validate)
             request = writing_first_in_the_writer(request, write_own_files)
 
     def publish() -> None:
@@ -216,6 +220,14 @@ def save_checkpoint(
         request.add_finalize_fn(publish)
         saves.schedule(request, step, final, started)
     return final
+
+
+def _sharded_state(models: dict[str, RoleModel], optimizers: dict[str, Any], stateful: list[str]) -> dict[str, Any]:
+    """The models' sharded state dicts under their roles, and the `stateful` roles' optimizers' beside them."""
+    sharded: dict[str, Any] = {role: model_sharded_state(model, f"{role}.") for role, model in models.items()}
+    for role in stateful:
+        sharded[f"{role}_optimizer"] = _optimizer_sharded_state(optimizers[role], sharded[role], role)
+    return sharded
 
 
 def _on_host(value: Any) -> Any:

@@ -101,7 +101,8 @@ def writing(temporary: Path, step: int) -> Iterator[None]:
 
 @contextmanager
 def writing_on_every_rank(temporary: Path, step: int) -> Iterator[None]:
-    """`writing`, with the outcome agreed by every rank (one object all-gather, also when nothing failed): files
+    """`writing`, with the outcome agreed by every rank (a flag all-reduce; an object all-gather when some rank
+    failed, `first_failure`): files
     written by some ranks only (rank 0's trainer state, manifest, renames) may fail on one rank, and the others
     must not wait for it in their next collective. The first failing rank's failure decides: the user's (`writing`)
     is the same `CheckpointError` on every rank, the partial save removed; a bug is its own traceback on the rank it

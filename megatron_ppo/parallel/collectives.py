@@ -103,9 +103,11 @@ def any_rank(flag: bool) -> bool:
 
 def first_failure(failure: Any) -> tuple[int, Any] | None:
     """(rank, its `failure`) of the lowest rank whose `failure` is not None, on every rank; None when no rank
-    failed (one object all-gather over the whole job)."""
+    failed (a flag all-reduce over the whole job, and only when some rank failed an object all-gather)."""
     failures = [failure]
     if dist.is_initialized() and dist.get_world_size() > 1:
+        if not any_rank(failure is not None):
+            return None
         failures = [None] * dist.get_world_size()
         dist.all_gather_object(failures, failure)
     return next(((rank, f) for rank, f in enumerate(failures) if f is not None), None)

@@ -139,19 +139,24 @@ def constant_structure_save_strategy() -> Any:
     return TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
 
 
+# The writer process's niceness: where it shares the training ranks' cores (the CPU runs), the training goes first
+WRITER_NICENESS = 10
+
+
 def writing_first_in_the_writer(request: Any, write: Callable[[], None]) -> Any:
     """`request` (an `AsyncRequest`) whose writer process runs `write` (the save's small files) before the shards,
     so that the trainer does not wait for them: under the fork the writer starts from, they are what the trainer
     held when it scheduled the save. A failure of `write` is reported as a failed write of the shards would be, and
     the shards are not written: Megatron's writer function takes (rank, write buckets, results queue) in every
     release admitted, and an exception put on that queue is raised by Megatron's finalisation on every rank. On a
-    rank with no shards to write (no writer process) `write` runs at once."""
+    rank with no shards to write (no writer process) `write` runs at once. The writer runs at `WRITER_NICENESS`."""
     shards = request.async_fn
     if shards is None:
         write()
         return request
 
     def write_then_shards(*args: Any, **kwargs: Any) -> None:
+        os.nice(WRITER_NICENESS)
         try:
             write()
         except Exception as error:  # the writer process's own failure, as Megatron's writer reports its own

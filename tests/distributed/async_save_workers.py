@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megatron_ppo.checkpoint import directory, store
 from megatron_ppo.checkpoint.async_save import AsyncSaves
@@ -21,6 +22,7 @@ from megatron_ppo.models import build_role_model
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.parallel.collectives import barrier
+from megatron_ppo.parallel.cpu_compat import without_device_mode
 from megatron_ppo.train.checkpoint_keeper import CheckpointKeeper
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from tests.distributed.checkpoint_workers import RUN, _one_update
@@ -185,6 +187,39 @@ def keeper_waits_for_pending_saves(rank: int, world_size: int, root: str) -> dic
     keeper.close()  # the trainer's close, step 6 still being written: every rank (the one) agrees to publish it
     report["after_close"] = (directory.named_by_latest(root).name, keeper.saves.pending)
     return report
+
+
+def device_mode_left_out(rank: int, world_size: int) -> dict[str, str]:
+    """Where a tensor asked for on CUDA lands on a CPU process: outside `without_device_mode`, inside it, after it,
+    and inside it under another torch-function mode (which it leaves alone)."""
+    init_distributed(MegatronConfig(), seed=SEED)
+
+    def placed() -> str:
+        try:
+            return torch.zeros(1, device="cuda").device.type
+        except RuntimeError:
+            return "refused"
+
+    report = {"outside": placed()}
+    with without_device_mode():
+        report["inside"] = placed()
+    report["after"] = placed()
+    with _PassingOn() as other, without_device_mode():
+        report["under_another_mode"] = placed()
+    report["the_other_mode_saw"] = other.seen[0]
+    return report
+
+
+class _PassingOn(TorchFunctionMode):
+    """A torch-function mode that changes nothing (a profiler's, say); it notes what it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def killed_mid_write(root: str) -> None:

@@ -81,3 +81,12 @@ def test_a_job_killed_mid_write_resumes_from_the_previous_published_checkpoint(t
     assert directory.named_by_latest(tmp_path) == tmp_path / "step_1"
     assert directory.find_resumable(tmp_path) == tmp_path / "step_1"
     assert torch.load(tmp_path / "step_1" / directory.TRAINER_STATE, weights_only=True)["step"] == 1
+
+
+def test_the_save_plan_leaves_out_the_cpu_device_mode_and_only_it(tmp_path) -> None:
+    """`without_device_mode` (an asynchronous save's build and plan, `store.save_checkpoint`): inside it a CUDA
+    placement fails as on any machine without CUDA, instead of being moved to the CPU; the mode is back after it,
+    and under another torch-function mode it leaves both in place."""
+    report = run_distributed(async_save_workers.device_mode_left_out, 1)[0]
+    assert report == {"outside": "cpu", "inside": "refused", "after": "cpu", "under_another_mode": "cpu",
+                      "the_other_mode_saw": "zeros"}, report  # fmt: skip
