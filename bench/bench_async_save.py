@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     keepers[True].wait()
     if dist.get_rank() == 0:
         report(blocked, published, saves, config.model.hidden_size)
+    for keeper in keepers.values():
+        keeper.close()  # deletes the checkpoints the asynchronous keeper's last publications set aside
     trainer.close()
     destroy_distributed()
 

@@ -1,20 +1,20 @@
 """Checkpoint writes that do not stop training: Megatron-Core's asynchronous `dist_checkpointing` save, driven the
 way Megatron-LM's `--async-save` drives it (`schedule_async_save`, `maybe_finalize_async_save`).
 
-A save (`store.save_checkpoint(..., saves=...)`) builds the sharded state dicts, plans its shards (through the
-save strategy the keeper keeps across saves of one structure, `store.SavePlans`: validated and exchanged between
-the ranks once per structure, reused after), and hands them to Megatron's `AsyncCallsQueue`: each rank forks a
-writer process (`TemporalAsyncCaller`; on CUDA the shards are first copied to host memory, on the CPU the fork's
-copy-on-write pages are the snapshot), which writes the small files (`trainer_state.pt`, the RNG states,
-`run.json`) into `.tmp_step_N` and then the shards, and training goes on. `poll()`, at each iteration's end, asks
-every rank at once (one integer all-reduce) whether all writers have exited; once they have, the finalisation runs
-on every rank: Megatron's (the global metadata, `metadata.json`), then the save's own (`.tmp_step_N` → `step_N`,
-`latest`, pruning). `wait()` finalises the pending save, blocking until its writers are done: the trainer calls it
-before a rollback, the next save, a preemption or job-budget exit, a guard stop and the end. A write that fails in
-any rank's writer is raised by Megatron's finalisation on every rank, and ends here in one `CheckpointError` on
-every rank (`verify.writing`). Nothing is named in `latest` before its finalisation, so a job killed mid-write
-resumes from the previous finalised checkpoint (`directory.find_resumable` skips `.tmp_step_N`), and pruning,
-which reads only complete `step_N` directories, never sees a pending one.
+A save (`store.save_checkpoint(..., saves=...)`) builds the sharded state dicts, plans its shards (through the save
+strategy the keeper keeps across saves of one structure, `store.SavePlans`: validated and exchanged between the
+ranks once per structure, reused after), and hands them to Megatron's `AsyncCallsQueue`: each rank forks a writer
+process (`TemporalAsyncCaller`; on CUDA the shards are first copied to host memory, on the CPU the fork's
+copy-on-write pages are the snapshot), which writes the small files (`trainer_state.pt`, the RNG states, `run.json`)
+into `.tmp_step_N` and then the shards, and training goes on. `poll()`, at each iteration's end, asks every rank at
+once (one integer all-reduce) whether all writers have exited; once they have, the finalisation runs on every rank:
+Megatron's (the global metadata, `metadata.json`), then the save's own (`.tmp_step_N` → `step_N`, `latest`, pruning,
+which only renames: the next save's writer deletes). `wait()` finalises the pending save, blocking until its writers
+are done: the trainer calls it before a rollback, the next save, a preemption or job-budget exit, a guard stop and
+the end. A write that fails in any rank's writer is raised by Megatron's finalisation on every rank, and ends here
+in one `CheckpointError` on every rank (`verify.writing`). Nothing is named in `latest` before its finalisation, so
+a job killed mid-write resumes from the previous finalised checkpoint (`directory.find_resumable` skips
+`.tmp_step_N`), and pruning, which reads only complete `step_N` directories, never sees a pending one.
 
 Why Megatron's own writer (`async_strategy="mcore"`), not NVIDIA Resiliency Extension's (`nvrx`, which
 megatron-core 0.19 recommends): 0.16.1, the oldest release admitted, has no `async_strategy` and no NVRx path,

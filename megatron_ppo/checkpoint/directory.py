@@ -9,6 +9,11 @@ the manifest the save wrote (`verify.py`); `damage` says why a checkpoint is not
 rollback to it) replaces the old `step_N` by two renames, the old one kept as `.replaced_step_N` until the new one
 is in place; `restore_replaced` undoes a save killed between the two.
 
+A checkpoint is deleted in two steps: renamed to `.discarded_step_N.<id>` (`discard`, atomic), which nothing reads
+as a checkpoint, then deleted (`delete_discarded`) — by an asynchronous save's next writer process or at the end,
+so that the deleting does not stop training. A job killed between the two leaves a `.discarded_*` directory, never
+a half-deleted `step_N`; the next save deletes it.
+
 A training run's checkpoints hold its identity (`run.json`, see `run_identity.py`). Resuming and rolling back
 follow one run only, and pruning removes only that run's older checkpoints, never the one `latest` names (nor those
 the caller protects: the trainer's good checkpoint, which a rollback loads, and its best evaluation's).
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,6 +37,7 @@ logger = logging.getLogger(__name__)
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 REPLACED_PREFIX = ".replaced_"
+DISCARDED_PREFIX = ".discarded_"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -132,8 +139,22 @@ def restore_replaced(root: Path) -> Path | None:
     return named
 
 
+def discard(path: Path) -> None:
+    """Set `path` (a checkpoint, or a replaced one) aside for deletion under a name nothing reads as a checkpoint
+    (`delete_discarded` deletes it); nothing when it does not exist."""
+    if path.exists():
+        path.rename(path.parent / f"{DISCARDED_PREFIX}{path.name}.{time.time_ns()}")
+
+
+def delete_discarded(root: Path) -> None:
+    """Delete what `discard` set aside under `root` (rank 0; not while a publication may be discarding)."""
+    for path in root.glob(f"{DISCARDED_PREFIX}*") if root.is_dir() else []:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def prune(root: Path, run_id: str, keep: int, step: int, protect: Sequence[Path] = ()) -> None:
-    """Delete the complete checkpoints of run `run_id` beyond the `keep` newest of its current line of training.
+    """Set aside for deletion (`discard`; `delete_discarded` deletes them) the complete checkpoints of run `run_id`
+    beyond the `keep` newest of its current line of training.
 
     The line of training is the checkpoints up to `step`, newest first; a checkpoint past `step` (left by a branch
     the run abandoned when it resumed from an older one) counts as older than all of them. The checkpoint just
@@ -145,4 +166,4 @@ def prune(root: Path, run_id: str, keep: int, step: int, protect: Sequence[Path]
     for _, path in own[keep:]:
         if any(path.resolve() == p.resolve() for p in protect):
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        discard(path)

@@ -140,7 +140,8 @@ def save_checkpoint(
     """Save models (and their optimizers) under their role names, `trainer_state` (plain Python/tensors) and the
     identity of the `run` saving them (None: an initialisation, such as the SFT start, that no run resumes).
 
-    With `keep`, the run's own checkpoints beyond the newest `keep` are then deleted (`directory.prune`), except
+    With `keep`, the run's own checkpoints beyond the newest `keep` are then set aside and deleted (`directory.prune`
+    and `delete_discarded`; a step saved again replaces its old checkpoint the same way), except
     those in `protect` (the best evaluation's, which an evaluation-drop rollback returns to, and the good one a guard
     rollback returns to; a callable is asked when the checkpoint is published). Each model's pending
     distributed-optimizer parameter all-gather is finished first (`sync_parameters`), so what is written is the last
@@ -149,7 +150,8 @@ def save_checkpoint(
     With `saves`, the shards are written in the background (`async_save.py`): this returns once they are handed to
     the writers, and the checkpoint is published (renamed to `step_N`, named in `latest`, older ones pruned) when
     `saves` finalises it. The returned path is where it will be. The small files (this rank's RNG states; rank 0's
-    trainer state and run identity) are then written by the writer too, before its shards.
+    trainer state and run identity) are then written by the writer too, before its shards; rank 0's writer first
+    deletes what earlier publications set aside (the keeper's `close` deletes what the last ones did).
 
     A write that fails on any rank ends in the same `CheckpointError` on every rank (`verify.writing`: Megatron's
     writers' failures are raised on every rank by its finalisation; `verify.writing_on_every_rank` for the files
@@ -184,6 +186,11 @@ def save_checkpoint(
             if run is not None:
                 run.write(temporary)
 
+    def write_in_the_writer() -> None:
+        if global_rank() == 0:  # what earlier publications set aside, first: the space it frees
+            directory.delete_discarded(root)
+        write_own_files()
+
     request = None
     with verify.writing(temporary, step):  # Megatron's plan and writers fail on every rank at once
         if saves is None:
@@ -193,7 +200,7 @@ def save_checkpoint(
         else:
             with without_device_mode():  # Megatron's asynchronous plan names no CUDA device either
                 request = async_save_request(sharded, str(temporary), strategy, validate)
-            request = writing_first_in_the_writer(request, write_own_files)
+            request = writing_first_in_the_writer(request, write_in_the_writer)
 
     def publish() -> None:
         # every rank's files are written (the agreement after them, or Megatron's finalisation); the agreement
@@ -203,14 +210,16 @@ def save_checkpoint(
                 verify.write_manifest(temporary)  # last: every rank's files are written
                 replaced = root / f"{directory.REPLACED_PREFIX}{final.name}"
                 if final.exists():  # `latest` may name it (a step saved again after a rollback): kept until replaced
-                    shutil.rmtree(replaced, ignore_errors=True)
+                    directory.discard(replaced)
                     final.rename(replaced)
                 temporary.rename(final)
                 directory.point_latest_at(final)
-                shutil.rmtree(replaced, ignore_errors=True)
+                directory.discard(replaced)
                 if keep:
                     spared = protect() if callable(protect) else protect
                     directory.prune(root, run.run_id, keep, step, [Path(p) for p in spared])
+                if saves is None:  # an asynchronous save leaves the deleting to the next writer (or `close`)
+                    directory.delete_discarded(root)
 
     if request is None:
         with verify.writing_on_every_rank(temporary, step):

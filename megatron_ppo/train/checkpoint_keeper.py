@@ -110,11 +110,14 @@ class CheckpointKeeper:
         still pending is published when every rank has one and they all arrive here within `CLOSE_AGREEMENT_S` (an
         exception every rank raised together); else it is left unpublished — `latest` names the previous
         checkpoint, as after a kill — rather than waited for in a collective that the other ranks, stopped
-        elsewhere, may never join."""
-        if self.saves is None or self.saves.pending is None:
+        elsewhere, may never join. Then the checkpoints the publications set aside (pruned, replaced) are deleted:
+        an asynchronous save leaves that to the next save's writer, and there is none."""
+        if self.saves is None:
             return
-        if any_and_every_rank_within(True, self.group) == (True, True):
+        if self.saves.pending is not None and any_and_every_rank_within(True, self.group) == (True, True):
             self.wait()
+        if global_rank() == 0:
+            directory.delete_discarded(Path(self.root))
 
     def resume(self, path: Path, models: dict[str, RoleModel], optimizers: dict[str, Any]) -> dict[str, Any]:
         """Load the checkpoint a run continues from; the next iteration judges it, as if saved just now. Returns

@@ -178,15 +178,26 @@ def keeper_waits_for_pending_saves(rank: int, world_size: int, root: str) -> dic
     report["rollback_target"] = (target.path.name if target.path else None, keeper.saves.pending)
     keeper.save(4, models, optimizers, {"step": 4})
     keeper.save(5, models, optimizers, {"step": 5})  # step 4 published: prune (keep 2) while 5 is pending
-    report["while_5_pending"] = sorted(p.name for p in root.iterdir() if "step" in p.name)
+    report["while_5_pending"] = sorted(p.name for p in root.iterdir() if "step" in p.name and not _set_aside(p))
+    report["resumable_while_5_pending"] = directory.find_resumable(root).name
     keeper.judge([])
     report["stop"] = keeper.leave_for_stop()
     report["after_stop"] = (sorted(p.name for _, p in directory.step_directories(root)),
                             directory.named_by_latest(root).name, keeper.saves.pending)  # fmt: skip
+    # step 5's writer deleted what step 4's publication pruned; step 5's publication set step 3 aside, undeleted
+    report["set_aside_after_stop"] = sorted(_set_aside(p) for p in root.iterdir() if _set_aside(p))
     keeper.save(6, models, optimizers, {"step": 6})
     keeper.close()  # the trainer's close, step 6 still being written: every rank (the one) agrees to publish it
     report["after_close"] = (directory.named_by_latest(root).name, keeper.saves.pending)
+    report["set_aside_after_close"] = sorted(p.name for p in root.iterdir() if _set_aside(p))
     return report
+
+
+def _set_aside(path: Path) -> str | None:
+    """The name of the checkpoint `path` holds when it was set aside for deletion (`.discarded_step_N.<id>`)."""
+    if not path.name.startswith(directory.DISCARDED_PREFIX):
+        return None
+    return path.name.removeprefix(directory.DISCARDED_PREFIX).rsplit(".", 1)[0]
 
 
 def device_mode_left_out(rank: int, world_size: int) -> dict[str, str]:

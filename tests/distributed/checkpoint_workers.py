@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import shutil
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,16 @@ def publish_and_recover(rank: int, world_size: int, root: str) -> dict[str, Any]
     report["with_step_2_broken"] = directory.find_resumable(root).name
     store.save_checkpoint(root, 4, {"actor": actor}, {"actor": optimizer}, {"step": 4}, run=RUN, keep=1)
     report["kept_after_prune"] = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    report["set_aside_after_prune"] = sorted(p.name for p in root.iterdir() if p.name.startswith(".discarded"))
+    # set aside for deletion: a complete copy under a newer step's name, and one a kill left half deleted
+    shutil.copytree(root / "step_4", root / f"{directory.DISCARDED_PREFIX}step_9.1")
+    shutil.copytree(root / "step_4", root / f"{directory.DISCARDED_PREFIX}step_4.2")
+    (root / f"{directory.DISCARDED_PREFIX}step_4.2" / directory.TRAINER_STATE).unlink()
+    (root / directory.LATEST).unlink()  # no `latest`: the newest complete checkpoint is looked for
+    report["with_set_aside_copies"] = (directory.find_resumable(root).name,
+                                       [p.name for _, p in directory.complete_checkpoints(root)])  # fmt: skip
+    store.save_checkpoint(root, 5, {"actor": actor}, {"actor": optimizer}, {"step": 5}, run=RUN, keep=1)
+    report["set_aside_after_save_5"] = sorted(p.name for p in root.iterdir() if p.name.startswith(".discarded"))
     report["processes_started"] = [" ".join(child.cmdline()) for child in psutil.Process().children(recursive=True)]
     return report
 

@@ -56,9 +56,13 @@ def test_the_next_save_a_rollback_and_a_stop_wait_for_the_pending_save_and_pruni
     assert report["rollback_target"] == ("step_3", None)
     # keep=2 pruned step_1 and step_2 at step 4's publication, never the pending step 5
     assert report["while_5_pending"] == [".tmp_step_5", "step_3", "step_4"]
+    assert report["resumable_while_5_pending"] == "step_4"
     assert report["stop"].startswith(f"the good checkpoint left is {tmp_path}/step_5"), report["stop"]
     assert report["after_stop"] == (["step_4", "step_5"], "step_5", None)
     assert report["after_close"] == ("step_6", None)  # the trainer's close publishes a pending save
+    # a publication sets what it prunes aside, and the next save's writer deletes it (not the training loop)
+    assert report["set_aside_after_stop"] == ["step_3"], report["set_aside_after_stop"]
+    assert report["set_aside_after_close"] == [], "the close deletes what the last publications set aside"
 
 
 def test_a_job_killed_mid_write_resumes_from_the_previous_published_checkpoint(tmp_path) -> None:

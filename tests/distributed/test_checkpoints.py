@@ -20,6 +20,10 @@ def test_resume_skips_unfinished_and_broken_checkpoints(tmp_path) -> None:
     assert report["with_step_2_broken"] == "step_1", "latest names a broken checkpoint: fall back to the previous one"
     # keep=1 prunes complete checkpoints only; the broken step_2 is left for a person to inspect
     assert report["kept_after_prune"] == ["step_2", "step_4"]
+    assert report["set_aside_after_prune"] == [], "a synchronous save deletes what it pruned"
+    # checkpoints set aside for deletion are never resumed from, complete or half deleted; the next save deletes them
+    assert report["with_set_aside_copies"] == ("step_4", ["step_4"])
+    assert report["set_aside_after_save_5"] == []
     # Megatron's writer would otherwise start a Manager server process (a second copy of the program) per rank
     assert report["processes_started"] == [], report["processes_started"]
 
