@@ -13,9 +13,11 @@ writer. A synchronous save adds the write itself, which at the tiny recipe's siz
 those. `--hidden-size H` widens the model (and narrows the batch to keep iterations short) to show the two apart
 at a checkpoint whose write takes seconds.
 
-Measured (2 CPU processes on a shared, loaded 2-core machine, medians of 5 saves each; the runs are in the README,
-"Saves that do not stop training"): tiny 0.19 on a quiet machine, 0.25–0.44 under load (before the cached plans and
-the writer-side small files: 0.35 quiet, 0.64 loaded); `--hidden-size 1024` (578 MiB per checkpoint) 0.13–0.20.
+Measured (2 CPU processes on a 2-core machine shared with a test-suite run, medians of 5 saves each; the runs are
+in the README, "Saves that do not stop training"): tiny 0.30 at load 1–3 and 0.44–0.72 at load 7–13 (0.42–0.85 with
+the finalisation of 26–47 ms), its synchronous save now 150–220 ms, of which the fork, Megatron's plan and the
+sharded state dicts alone take 40–70; `--hidden-size 1024` (578 MiB per checkpoint) 0.07, 0.10 with the
+finalisation (last measured: 0.13–0.20, 0.31–0.36 with the finalisation).
 
 Run: torchrun --nproc_per_node 2 -m bench.bench_async_save [--smallest] [--hidden-size H]   (or `make bench`)
 """
