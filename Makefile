@@ -136,6 +136,7 @@ bench: setup
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_logprob_chunks
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_decode
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_router_replay
+	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_task_sft
 	$(PY) -m bench.bench_gae
 
 # The GPU check (one CUDA GPU, no network, ~8 min on an H100/H200): the tiny recipe on CUDA, a 1.5B-shaped PPO

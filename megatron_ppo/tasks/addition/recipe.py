@@ -13,6 +13,8 @@ import dataclasses
 import hashlib
 import json
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,12 +23,13 @@ from rich.table import Table
 
 from megatron_ppo.checkpoint import directory, store
 from megatron_ppo.checkpoint.initial_weights import InitialWeights
-from megatron_ppo.config.schema import ModelConfig, PPOConfig
+from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.data.rows import Row, read_rows
 from megatron_ppo.data.tokenizer import SentencePieceTokenizer, train_char_tokenizer
 from megatron_ppo.models import RoleModel, build_role_model
 from megatron_ppo.models.generation import generate, timed_generate
 from megatron_ppo.parallel.collectives import barrier
+from megatron_ppo.parallel.distributed import initialize_model_parallel, seed_everything
 from megatron_ppo.tasks.addition.problems import AdditionProblem, corpus, demonstrate, reward, split_problems
 from megatron_ppo.tasks.addition.sft import run_sft
 from megatron_ppo.train.experience import check_rows_for_rollout_correction
@@ -71,7 +74,8 @@ def task_directory(config: PPOConfig) -> Path:
     return work
 
 
-def _tokenizer(work: Path, problems: list[AdditionProblem]) -> SentencePieceTokenizer:
+def task_tokenizer(work: Path, problems: list[AdditionProblem]) -> SentencePieceTokenizer:
+    """The character tokenizer of the task folder `work`, trained on `problems` by its first user (rank 0)."""
     path = work / "tokenizer.model"
     if is_logging_rank() and not path.is_file():
         train_char_tokenizer(corpus(problems), path)
@@ -107,11 +111,37 @@ class HeldOutProblems:
         return f"{len(self.problems)} held-out addition problems, answered greedily → eval/reward_mean, eval/accuracy"
 
 
-def _sft_checkpoint(config: PPOConfig, tokenizer, train: list[AdditionProblem], work: Path) -> Path:
-    root = work / "sft"
-    found = directory.find_resumable(root)
-    if found is not None:
-        return found
+def task_layout(layout: MegatronConfig) -> MegatronConfig:
+    """The layout the task's SFT and sampling run at, whatever the PPO run's (`layout`): every process a
+    data-parallel replica (no tensor, pipeline or context split, no host offload), the experts of a mixture-of-experts
+    model split over the run's expert-parallel ranks (carved out of the data-parallel ones). At this model's size the
+    splits only add communication: one SFT step of the tiny recipe on 2 CPU processes took 159 ms at its TP 2 and 78
+    ms data-parallel (`bench/bench_task_sft.py`). The checkpoint it saves loads at any layout (Megatron's sharded
+    state dicts), so the cache stays free of the PPO run's layout."""
+    return dataclasses.replace(
+        layout, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1, expert_tensor_parallel_size=None, sequence_parallel=False, param_offload=False,
+        optimizer_offload=False, grad_offload=False,
+    )  # fmt: skip
+
+
+@contextmanager
+def in_task_layout(config: PPOConfig) -> Iterator[MegatronConfig]:
+    """Megatron's process groups at `task_layout` for the body, then back at the run's (the actor's) layout, seeded
+    again with `trainer.seed` either way: what the PPO run draws next does not depend on whether the task was built
+    or found cached."""
+    layout = task_layout(config.actor.megatron)
+    initialize_model_parallel(layout)
+    seed_everything(config.trainer.seed)
+    try:
+        yield layout
+    finally:
+        initialize_model_parallel(config.actor.megatron)
+        seed_everything(config.trainer.seed)
+
+
+def demonstrations(config: PPOConfig, tokenizer, train: list[AdditionProblem]) -> list[Row]:
+    """The SFT data: the noisy demonstrator's answers to the training prompts, enough for `sft_steps` batches."""
     task = config.data.addition
     rng = random.Random(config.trainer.seed)
     rows = []
@@ -121,9 +151,16 @@ def _sft_checkpoint(config: PPOConfig, tokenizer, train: list[AdditionProblem], 
             response = [*tokenizer.encode(answer), tokenizer.eos_id]
             rows.append(Row(tokenizer.encode(problem.prompt), response, 0.0, None, None, problem.uid,
                             "addition-demonstrator", "demonstrator"))  # fmt: skip
-    actor = build_role_model("actor", config.model, config.actor.megatron)
+    return rows
+
+
+def sft(config: PPOConfig, layout: MegatronConfig, rows: list[Row], pad_id: int, steps: int | None = None) -> RoleModel:
+    """A fresh actor at `layout` trained on `rows` for `steps` (default `data.addition.sft_steps`) steps of the
+    task's SFT (its learning rate, a cosine schedule over `sft_steps`)."""
+    task = config.data.addition
+    actor = build_role_model("actor", config.model, layout)
     optim = dataclasses.replace(config.actor.optim, lr=task.sft_lr, lr_decay_style="cosine", lr_warmup_steps=20)
-    optimizer = build_optimizer(actor, optim, config.actor.megatron)
+    optimizer = build_optimizer(actor, optim, layout)
     scheduler = build_scheduler(optimizer, optim, task.sft_steps)
     console = Console(stderr=True)
 
@@ -131,18 +168,30 @@ def _sft_checkpoint(config: PPOConfig, tokenizer, train: list[AdditionProblem], 
         if is_logging_rank() and (step + 1) % 100 == 0:
             console.log(f"sft step {step + 1}/{task.sft_steps}: nll/token {nll:.4f}")
 
-    run_sft(actor, optimizer, scheduler, rows, steps=task.sft_steps, batch_size=task.sft_batch_size,
+    run_sft(actor, optimizer, scheduler, rows, steps=task.sft_steps if steps is None else steps,
+            batch_size=task.sft_batch_size,
             micro_batch_size=config.actor.ppo_micro_batch_size_per_gpu or task.sft_batch_size,
-            clip_grad=optim.clip_grad, pad_id=tokenizer.pad_id, seed=config.trainer.seed, on_step=report)  # fmt: skip
-    return store.save_checkpoint(root, task.sft_steps, {"actor": actor}, {}, {"step": task.sft_steps})
+            clip_grad=optim.clip_grad, pad_id=pad_id, seed=config.trainer.seed, on_step=report)  # fmt: skip
+    return actor
 
 
-def _offline_dataset(config, tokenizer, train, sft_path: Path, work: Path) -> Path:
-    path = work / "data" / "train.jsonl"
-    if path.is_file():
-        return path
+def _sft_checkpoint(
+    config: PPOConfig, layout: MegatronConfig, tokenizer, train: list[AdditionProblem], work: Path
+) -> Path:
+    root = work / "sft"
+    found = directory.find_resumable(root)
+    if found is not None:
+        return found
+    actor = sft(config, layout, demonstrations(config, tokenizer, train), tokenizer.pad_id)
+    steps = config.data.addition.sft_steps
+    return store.save_checkpoint(root, steps, {"actor": actor}, {}, {"step": steps})
+
+
+def _offline_dataset(config, layout: MegatronConfig, tokenizer, train, sft_path: Path, path: Path) -> None:
+    """`data.addition.samples_per_prompt` answers of the SFT policy to each training prompt, scored by the rule
+    reward, written to `path` (by rank 0)."""
     task = config.data.addition
-    actor = build_role_model("ref", config.model, config.actor.megatron)
+    actor = build_role_model("ref", config.model, layout)
     store.load_weights(actor, sft_path, "actor")
     prompts = [p for p in train for _ in range(task.samples_per_prompt)]
     responses = generate(
@@ -165,7 +214,6 @@ def _offline_dataset(config, tokenizer, train, sft_path: Path, work: Path) -> Pa
         temporary.replace(path)
         Console(stderr=True).log(f"offline dataset: {len(prompts) - empty} samples in {path} ({empty} empty dropped)")
     barrier()
-    return path
 
 
 @dataclass
@@ -186,13 +234,18 @@ def prepare_addition_task(config: PPOConfig) -> AdditionTask:
     task = config.data.addition
     work = task_directory(config)
     train, heldout = split_problems(task.num_prompts, task.num_heldout, seed=config.data.seed)
-    tokenizer = _tokenizer(work, train + heldout)
+    tokenizer = task_tokenizer(work, train + heldout)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size={config.model.vocab_size}"
         )
-    sft_path = _sft_checkpoint(config, tokenizer, train, work)
-    data_path = _offline_dataset(config, tokenizer, train, sft_path, work)
+    data_path = work / "data" / "train.jsonl"
+    sft_path = directory.find_resumable(work / "sft")
+    if sft_path is None or not data_path.is_file():  # to build: at the task's own layout
+        with in_task_layout(config) as layout:
+            sft_path = _sft_checkpoint(config, layout, tokenizer, train, work)
+            if not data_path.is_file():
+                _offline_dataset(config, layout, tokenizer, train, sft_path, data_path)
     # data.train_files: the task's rows scored another way (`make score`: by a reward model), trained on instead
     paths = config.data.train_files or [data_path]
     rows, report = read_rows(paths, tokenizer, config.data, rejects_path=work / "data" / "rejects.jsonl")
