@@ -31,16 +31,19 @@ $(STAMP): pyproject.toml $(LOCK)
 # included: ~3 GB), installed beside the main environment, first on PYTHONPATH (nothing else moves); before the tests,
 # pip check over both, and each floor.txt pin must be the version Python finds.
 # The one-process tier (tests/unit and tests/parity, `-m unit`) runs on every core (pytest-xdist, at most 4 workers of
-# one torch thread each); the tiers whose tests start processes of their own then run one test at a time.
+# one torch thread each); the tiers whose tests start processes of their own then run on two workers, a module (or a
+# group of modules sharing a costly session fixture: tests/conftest.py) to a worker, the longest tiers first: their
+# launches leave a core idle a third of the time (one process, imports, rendezvous, checkpoint writes).
 UNIT_ON_EVERY_CORE := OMP_NUM_THREADS=1 $(PYTEST) -n auto --maxprocesses 4 -m unit
+ON_TWO_WORKERS := $(PYTEST) -n 2
 
 test: setup
 	$(UNIT_ON_EVERY_CORE)
-	$(PYTEST) -m "not unit"
+	$(ON_TWO_WORKERS) -m "not unit"
 
 test-fast: setup
 	$(UNIT_ON_EVERY_CORE)
-	$(PYTEST) -m "not unit and not e2e and not slurm"
+	$(ON_TWO_WORKERS) -m "not unit and not e2e and not slurm"
 
 $(FLOOR)/.installed: requirements/floor.txt $(STAMP)
 	rm -rf $(FLOOR)
@@ -51,7 +54,7 @@ test-floor: $(FLOOR)/.installed
 	PYTHONPATH=$(abspath $(FLOOR)) $(PY) -m pip check
 	PYTHONPATH=$(abspath $(FLOOR)) $(PY) -c "import importlib.metadata as md, sys; pins = dict(line.split()[0].split('==') for line in open('requirements/floor.txt') if '==' in line and not line.startswith('#')); off = [f'{n} {md.version(n)}, not {v}' for n, v in pins.items() if md.version(n) != v]; sys.exit(f'the floor leg finds {off}' if off else 0)"
 	PYTHONPATH=$(abspath $(FLOOR)) $(UNIT_ON_EVERY_CORE) -p no:cacheprovider
-	PYTHONPATH=$(abspath $(FLOOR)) $(PYTEST) -m "floor and not unit" -p no:cacheprovider
+	PYTHONPATH=$(abspath $(FLOOR)) $(ON_TWO_WORKERS) -m "floor and not unit" -p no:cacheprovider
 
 # Rewrite the lock from the environment after changing a range in pyproject.toml (pip install -U ... first).
 lock: setup

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,17 +50,59 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` selects by them
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test's tier marker (its folder), and `floor` on every unit test."""
-    tests_root = Path(__file__).parent
-    for item in items:
-        parts = Path(item.path).relative_to(tests_root).parts
-        tier = TIERS.get(parts[0]) if len(parts) > 1 else None
-        if tier is not None:
-            item.add_marker(tier)
-        if tier == "unit":
-            item.add_marker("floor")
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Each test's tier marker (its folder), `floor` on every unit test; a test that uses a costly session fixture
+    must be in that fixture's worker group (`WORKER_GROUPS`)."""
+    parts = Path(item.path).relative_to(Path(__file__).parent).parts
+    tier = TIERS.get(parts[0]) if len(parts) > 1 else None
+    if tier is not None:
+        item.add_marker(tier)
+    if tier == "unit":
+        item.add_marker("floor")
+    for fixture, modules in WORKER_GROUPS.items():
+        if fixture in getattr(item, "fixturenames", ()) and Path(item.path).stem not in modules:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the session fixture {fixture}: add {Path(item.path).stem!r} to "
+                f"WORKER_GROUPS[{fixture!r}] in tests/conftest.py, so that one pytest-xdist worker builds it once"
+            )
+
+
+# The order the tiers start in (a stable sort: each keeps its own order): the Slurm jobs and the end-to-end launches,
+# minutes each, before the distributed tier's seconds, so that two workers (`make test`) end together
+START_ORDER = ("slurm", "e2e", "distributed", "unit")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests in `START_ORDER` of their tiers."""
+    rank = {tier: index for index, tier in enumerate(START_ORDER)}
+    items.sort(key=lambda item: min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=len(rank)))
+
+
+# The modules whose tests use a costly session fixture (built once per worker): run on one worker together.
+WORKER_GROUPS = {
+    "tiny_work": ("test_fault_drill", "test_tiny_recipe"),
+    "quick_run": ("test_faults", "test_two_runs_one_directory"),
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`-n N`: the one-process tier's tests one by one, the other tiers' whole modules to a worker (their module
+    fixtures built once), and the modules of a `WORKER_GROUPS` group to one worker (`--dist loadgroup` would do it
+    from markers, but pytest-xdist 3.8 renames the test ids to carry the group, and pytest 9 no longer reads the
+    name it sets)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # in collection order (`pytest_collection_modifyitems`): longest first
+    grouped = {module: fixture for fixture, modules in WORKER_GROUPS.items() for module in modules}
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if TIERS.get(Path(module).parts[1] if module.startswith("tests/") else "") == "unit":
+                return nodeid
+            return grouped.get(Path(module).stem, module)
+
+    return ModuleGroups(config, log)
 
 
 class _Shuffle:
