@@ -85,6 +85,7 @@ WORKER_GROUPS = {
 }
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown under `-p no:xdist`
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`-n N`: the one-process tier's tests one by one, the other tiers' whole modules to a worker (their module
     fixtures built once), and the modules of a `WORKER_GROUPS` group to one worker (`--dist loadgroup` would do it
