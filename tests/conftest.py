@@ -53,8 +53,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_itemcollected(item: pytest.Item) -> None:
     """Each test's tier marker (its folder), `floor` on every unit test; a test that uses a costly session fixture
     must be in that fixture's worker group (`WORKER_GROUPS`)."""
-    parts = Path(item.path).relative_to(Path(__file__).parent).parts
-    tier = TIERS.get(parts[0]) if len(parts) > 1 else None
+    tier = _tier(Path(item.path).relative_to(Path(__file__).parent))
     if tier is not None:
         item.add_marker(tier)
     if tier == "unit":
@@ -65,6 +64,11 @@ def pytest_itemcollected(item: pytest.Item) -> None:
                 f"{item.nodeid} uses the session fixture {fixture}: add {Path(item.path).stem!r} to "
                 f"WORKER_GROUPS[{fixture!r}] in tests/conftest.py, so that one pytest-xdist worker builds it once"
             )
+
+
+def _tier(module: Path) -> str | None:
+    """The tier of a test module, given by its path below tests/ (its folder's, `TIERS`)."""
+    return TIERS.get(module.parts[0]) if len(module.parts) > 1 else None
 
 
 # The order the tiers start in (a stable sort: each keeps its own order): the Slurm jobs and the end-to-end launches,
@@ -98,10 +102,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class ModuleGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            if TIERS.get(Path(module).parts[1] if module.startswith("tests/") else "") == "unit":
+            module = Path(nodeid.split("::", 1)[0])
+            if module.parts[0] == "tests" and _tier(module.relative_to("tests")) == "unit":
                 return nodeid
-            return grouped.get(Path(module).stem, module)
+            return grouped.get(module.stem, str(module))
 
     return ModuleGroups(config, log)
 

@@ -176,12 +176,9 @@ def sft(config: PPOConfig, layout: MegatronConfig, rows: list[Row], pad_id: int,
 
 
 def _sft_checkpoint(
-    config: PPOConfig, layout: MegatronConfig, tokenizer, train: list[AdditionProblem], work: Path
+    config: PPOConfig, layout: MegatronConfig, tokenizer, train: list[AdditionProblem], root: Path
 ) -> Path:
-    root = work / "sft"
-    found = directory.find_resumable(root)
-    if found is not None:
-        return found
+    """The task's SFT policy, trained at `layout` and saved under `root`."""
     actor = sft(config, layout, demonstrations(config, tokenizer, train), tokenizer.pad_id)
     steps = config.data.addition.sft_steps
     return store.save_checkpoint(root, steps, {"actor": actor}, {}, {"step": steps})
@@ -243,7 +240,8 @@ def prepare_addition_task(config: PPOConfig) -> AdditionTask:
     sft_path = directory.find_resumable(work / "sft")
     if sft_path is None or not data_path.is_file():  # to build: at the task's own layout
         with in_task_layout(config) as layout:
-            sft_path = _sft_checkpoint(config, layout, tokenizer, train, work)
+            if sft_path is None:
+                sft_path = _sft_checkpoint(config, layout, tokenizer, train, work / "sft")
             if not data_path.is_file():
                 _offline_dataset(config, layout, tokenizer, train, sft_path, data_path)
     # data.train_files: the task's rows scored another way (`make score`: by a reward model), trained on instead
