@@ -6,8 +6,11 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
-# What torch's TCPStore (c10d) says when the rendezvous port was taken between `free_port()` and its bind.
-PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use")
+from megatron_ppo.parallel.distributed import PORT_IN_USE
+
+# What torch's TCPStore (c10d) says when the rendezvous port was taken between `free_port()` and its bind, and what
+# our start says then (`init_distributed`'s `LaunchError`).
+PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use", PORT_IN_USE)
 
 
 def free_port() -> int:

@@ -72,6 +72,10 @@ def first_host(nodelist: str) -> str:
     return f"{prefix}{first}"
 
 
+# What a start says when its rendezvous port is taken (`bench/ports.py` launches again on another port on it)
+PORT_IN_USE = "(MASTER_PORT) is already in use"
+
+
 class LaunchError(UserError):
     """The processes cannot start as launched (a port taken, ...); the message says how to launch instead."""
 
@@ -98,7 +102,7 @@ def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0
             if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
                 raise
             raise LaunchError(
-                f"port {env.master_port} on {env.master_addr} (MASTER_PORT) is already in use, by another run or "
+                f"port {env.master_port} on {env.master_addr} {PORT_IN_USE}, by another run or "
                 "program, so this process cannot start its process group: set another free port "
                 "(MASTER_PORT=29501 python -m megatron_ppo ...), or launch with `torchrun --standalone` (it picks one)"
             ) from None

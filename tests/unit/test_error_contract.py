@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import megatron_ppo
+from bench.ports import port_taken
 from bench.tiny import RECIPE
 from megatron_ppo.cli import BUG, main, run_reporting_errors
 from megatron_ppo.config.errors import ConfigError, UserError
@@ -230,3 +231,4 @@ def test_a_taken_port_is_named_with_the_fix(tmp_path, tokenizer, capsys, monkeyp
         assert main(_train_args(tmp_path, tokenizer, data)) == 2
     message = _one_error(capsys)
     assert f"port {port} on 127.0.0.1 (MASTER_PORT) is already in use" in message and "torchrun --standalone" in message
+    assert port_taken(message), "the tests' launches must recognise this refusal and try another port"
