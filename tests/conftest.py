@@ -72,7 +72,8 @@ def _tier(module: Path) -> str | None:
 
 
 # The order the tiers start in (a stable sort: each keeps its own order): the Slurm jobs and the end-to-end launches,
-# minutes each, before the distributed tier's seconds, so that two workers (`make test`) end together
+# minutes each, before the distributed tier's seconds, and the one-process tier's tests last, filling the workers
+# (`make test`) as they free, so that they end together
 START_ORDER = ("slurm", "e2e", "distributed", "unit")
 
 
