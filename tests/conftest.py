@@ -66,12 +66,6 @@ def pytest_itemcollected(item: pytest.Item) -> None:
             )
 
 
-def _is_unit(nodeid: str) -> bool:
-    """Whether the test (or module) `nodeid` is of the one-process tier."""
-    module = Path(nodeid.split("::", 1)[0])
-    return module.parts[0] == "tests" and _tier(module.relative_to("tests")) == "unit"
-
-
 def _tier(module: Path) -> str | None:
     """The tier of a test module, given by its path below tests/ (its folder's, `TIERS`)."""
     return TIERS.get(module.parts[0]) if len(module.parts) > 1 else None
@@ -81,21 +75,12 @@ def _tier(module: Path) -> str | None:
 # minutes each, before the distributed tier's seconds, and the one-process tier's tests last, filling the workers
 # (`make test`) as they free, so that they end together
 START_ORDER = ("slurm", "e2e", "distributed", "unit")
-# Inside its tier, the longest work first (measured on three busy workers: the Slurm module ~400 s; the tiny task's
-# group ~500 s, the MoE recipe ~330 s, the recipe smoke ~270 s, the fault cases' group ~300 s, gpu-check ~140 s)
-LONGEST_FIRST = ("test_fault_drill", "test_tiny_moe_recipe", "test_recipe_smoke", "test_faults", "test_gpu_check")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests in `START_ORDER` of their tiers, and inside a tier the `LONGEST_FIRST` modules first."""
+    """The tests in `START_ORDER` of their tiers."""
     rank = {tier: index for index, tier in enumerate(START_ORDER)}
-    first = {module: index for index, module in enumerate(LONGEST_FIRST)}
-
-    def order(item: pytest.Item) -> tuple[int, int]:
-        tier = min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=len(rank))
-        return tier, first.get(Path(item.path).stem, len(first))
-
-    items.sort(key=order)
+    items.sort(key=lambda item: min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=len(rank)))
 
 
 # The modules whose tests use a costly session fixture (built once per worker): run on one worker together.
@@ -118,30 +103,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class ModuleGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            if _is_unit(nodeid):
-                return nodeid
             module = Path(nodeid.split("::", 1)[0])
+            if module.parts[0] == "tests" and _tier(module.relative_to("tests")) == "unit":
+                return nodeid
             return grouped.get(module.stem, str(module))
-
-        def _reschedule(self, node: Any) -> None:
-            """More work for `node` only when it would otherwise wait: an xdist worker starts a test once it knows
-            the next, so a node with one test pending is idle, and one with two is running the first. xdist's own
-            rule (at most two pending) queues the next module behind a running test, where no idle worker can
-            take it; and the one test a node must know before it starts a long one is a one-process test if any
-            is left (seconds), not the next module."""
-            if node.shutting_down:
-                return
-            if not self.workqueue:
-                node.shutdown()
-                return
-            pending = [test for scope in self.assigned_work[node].values() for test, done in scope.items() if not done]
-            if len(pending) > 1:
-                return
-            if pending and not _is_unit(pending[0]):
-                short = next((scope for scope in reversed(self.workqueue) if _is_unit(scope)), None)
-                if short is not None:
-                    self.workqueue.move_to_end(short, last=False)
-            self._assign_work_unit(node)
 
     return ModuleGroups(config, log)
 
