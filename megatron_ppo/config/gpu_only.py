@@ -128,7 +128,15 @@ CUDA_BRANCHES: tuple[CudaBranch, ...] = (
         "tests/e2e/test_gpu_check.py::test_gpu_check_dry_run_runs_every_part_and_writes_its_table (bitwise)",
     ),
     CudaBranch(
-        "parallel/device.py to_device, models/offload.py: pinned host memory, non_blocking copies",
+        "parallel/device.py to_device/host_copy: a micro-batch pinned (a buffer of its own strides) and copied "
+        "non_blocking",
+        "every CPU run: the same staging into a plain buffer of the tensor's strides, which refuses what pinning "
+        "refuses (an expanded or overlapping layout)",
+        "tests/unit/test_device.py::test_host_tensors_reach_the_model_device_as_dense_copies_of_any_layout; "
+        "tests/distributed/test_kv_cache_decoding.py (the cached decoder's stride-0 positions)",
+    ),
+    CudaBranch(
+        "models/offload.py: pinned host buffers, non_blocking copies",
         "none: pinning needs a CUDA context; the same copies run unpinned on CPU",
         "tests/distributed/test_host_offload.py::test_an_offloaded_run_equals_one_without_offload (unpinned)",
     ),

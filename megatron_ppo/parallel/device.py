@@ -1,7 +1,7 @@
 """The one device decision of a run, made at start from `cluster.device`, and the moves it implies.
 
 After `select_device`, `on_cuda()` is the answer every other module uses: models are built on this process's GPU,
-micro-batches move there (pinned, `non_blocking`), and only metrics come back to the host. On CPU the
+micro-batches move there (dense, pinned, `non_blocking`: `host_copy`), and only metrics come back to the host. On CPU the
 compatibility layer (`cpu_compat`) is active, also on a machine that has GPUs but was told `cluster.device=cpu`:
 there it hides them, so nothing lands on a GPU half-way through a CPU run.
 """
@@ -79,10 +79,18 @@ def current_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if on_cuda() else torch.device("cpu")
 
 
+# Below this size a host tensor goes to the GPU from pageable memory: pinning it costs a page-locked allocation and a
+# copy, more than the few microseconds an overlapped copy of a few kilobytes saves. Larger ones are pinned; torch's
+# caching host allocator hands a freed pinned block to the next pin of its size, so a run's same-shaped micro-batches
+# reuse their pinned buffers (and the allocator records the copy's stream, so a block is reused only once its copy ends).
+PIN_MIN_BYTES = 64 * 1024
+
+
 def to_device(batch: Mapping[str, Any], device: torch.device, where: str) -> dict[str, Any]:
-    """`batch` with every host tensor on `device`: pinned first and copied with `non_blocking=True` when `device` is
-    a GPU, so the copy overlaps with the kernels already queued. A tensor on another accelerator (another GPU, the
-    meta device) is refused rather than moved: it means a part of the run decided the device on its own."""
+    """`batch` with every host tensor copied to `device` (`host_copy`): pinned and copied with `non_blocking=True`
+    to a GPU, so the copy overlaps with the kernels already queued; on the CPU through the same staging, so the rule
+    pinning enforces holds there too. A tensor on another accelerator (another GPU, the meta device) is refused
+    rather than moved: it means a part of the run decided the device on its own."""
     strays = {
         k: str(v.device)
         for k, v in batch.items()
@@ -94,14 +102,28 @@ def to_device(batch: Mapping[str, Any], device: torch.device, where: str) -> dic
             "on the host (run_micro_batches moves them) or on the device from megatron_ppo.parallel.device."
             "current_device()"
         )
-    moved: dict[str, Any] = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.device != device:
-            if device.type == "cuda":
-                value = value.pin_memory()
-            value = value.to(device, non_blocking=True)
-        moved[key] = value
-    return moved
+    return {
+        key: host_copy(value, device) if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
+        for key, value in batch.items()
+    }
+
+
+def host_copy(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor of any layout (expanded, overlapping, strided, 0-d) on `device`.
+
+    Pinning copies into a page-locked buffer of the same sizes *and strides* (`at::_pin_memory`: storage for the
+    strides, then `copy_`), which an expanded or self-overlapping tensor (`arange(n).expand(b, n)`: stride 0) cannot
+    fill — torch refuses with "more than one element of the written-to tensor refers to a single memory location".
+    So the layout is made dense first. To a GPU: at least `PIN_MIN_BYTES` pinned, then copied without blocking;
+    smaller ones copied from pageable memory. On the CPU the pinned buffer's stand-in, a plain buffer of the same
+    strides, is filled the same way, so a layout CUDA would refuse fails here too, and the caller gets a copy as it
+    would from a GPU."""
+    dense = value.contiguous()
+    if device.type != "cuda":
+        return torch.empty_strided(dense.size(), dense.stride(), dtype=dense.dtype, device=device).copy_(dense)
+    if dense.numel() * dense.element_size() < PIN_MIN_BYTES:
+        return dense.to(device, non_blocking=True)
+    return dense.pin_memory().to(device, non_blocking=True)
 
 
 def module_device(module: torch.nn.Module, where: str) -> torch.device:

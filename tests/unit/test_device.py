@@ -93,10 +93,30 @@ def test_a_micro_batch_on_another_device_is_caught() -> None:
         to_device(batch, torch.device("cpu"), "the actor model's forward")
 
 
-def test_host_tensors_reach_the_model_device_unchanged() -> None:
-    batch = {"input_ids": torch.arange(6).view(2, 3), "note": "kept"}
-    moved = to_device(batch, torch.device("cpu"), "test")
-    assert moved["input_ids"] is batch["input_ids"] and moved["note"] == "kept"
+def test_host_tensors_reach_the_model_device_as_dense_copies_of_any_layout() -> None:
+    """Every layout a batch can carry — expanded (stride 0, the cached decoder's positions), self-overlapping,
+    strided, 0-d — arrives as a dense copy of the same values through the staging pinning uses (a buffer of the
+    tensor's own strides), which is what the first CUDA run refused for the stride-0 positions."""
+    base = torch.arange(24).view(4, 6)
+    layouts = {
+        "expanded": torch.arange(5).expand(3, 5),
+        "overlapping": torch.arange(10).as_strided((4, 3), (1, 1)),
+        "strided": base[:, ::2],
+        "transposed": base.t(),
+        "zero_dim": torch.tensor(7),
+        "plain": base,
+    }
+    moved = to_device({**layouts, "note": "kept"}, torch.device("cpu"), "test")
+    assert moved["note"] == "kept"
+    for name, value in layouts.items():
+        copy_ = moved[name]
+        assert copy_ is not value and copy_.is_contiguous() and torch.equal(copy_, value), name
+        assert copy_.untyped_storage().data_ptr() != value.untyped_storage().data_ptr(), f"{name}: not a copy"
+    # the rule the staging enforces on the CPU as pinning does on CUDA: a buffer of an expanded tensor's own strides
+    # cannot take its values
+    expanded = layouts["expanded"]
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        torch.empty_strided(expanded.size(), expanded.stride(), dtype=expanded.dtype).copy_(expanded)
 
 
 def test_a_model_on_another_device_than_the_run_is_caught() -> None:
