@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from megatron.core import parallel_state
@@ -54,6 +55,10 @@ class RoleModel:
     router_replay: RouterReplayBinding | None = None  # this model's routers, when routing replay is on
     pack_sequences: bool = False  # model.pack_sequences: micro-batches enter as [1, T] packs (models.packing)
     pass_notes: set[str] = field(default_factory=set)  # the kinds of pass logged so far (models.schedule)
+    # The DDP chunks' gradient-accumulator nodes (each carries the hook that puts a parameter's gradient in its
+    # bucket), held here instead of by the chunks: a node's hook is a closure over its chunk, so a chunk holding its
+    # nodes is a cycle through C++ autograd nodes, freed only by the collector. A parameter holds its node weakly.
+    grad_accumulators: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def pack_multiple(self) -> int | None:
@@ -192,12 +197,22 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, rout
             DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0)
             for index, chunk in enumerate(chunks)
         ]
+    accumulators = [node for chunk in chunks for node in _take_grad_accumulators(chunk)]
     bucket = width_bucket(layout.make_sequence_length_divisible_by, on_cuda())
     replay = RouterReplayBinding(chunks, config) if routing_replay else None
     return RoleModel(
         role, chunks, config, model.vocab_size, vocab, model.logprob_chunk_tokens, bucket,
-        router_replay=replay, pack_sequences=model.pack_sequences,
+        router_replay=replay, pack_sequences=model.pack_sequences, grad_accumulators=accumulators,
     )  # fmt: skip
+
+
+def _take_grad_accumulators(chunk: torch.nn.Module) -> list[Any]:
+    """The gradient-accumulator nodes Megatron's DDP keeps alive in `grad_accs` (0.16.1 to 0.19), taken from it (the
+    `RoleModel.grad_accumulators` field says why); none for a frozen chunk."""
+    nodes = getattr(chunk, "grad_accs", [])
+    if nodes:
+        chunk.grad_accs = []
+    return nodes
 
 
 def data_parallel_config(layout: MegatronConfig) -> DistributedDataParallelConfig:

@@ -1,8 +1,8 @@
 """The one device decision of a run, made at start from `cluster.device`, and the moves it implies.
 
 After `select_device`, `on_cuda()` is the answer every other module uses: models are built on this process's GPU,
-micro-batches move there (dense, pinned, `non_blocking`: `host_copy`), and only metrics come back to the host. On CPU the
-compatibility layer (`cpu_compat`) is active, also on a machine that has GPUs but was told `cluster.device=cpu`:
+micro-batches move there (dense, pinned, `non_blocking`: `host_copy`), and only metrics come back to the host. On CPU
+the compatibility layer (`cpu_compat`) is active, also on a machine that has GPUs but was told `cluster.device=cpu`:
 there it hides them, so nothing lands on a GPU half-way through a CPU run.
 """
 
@@ -82,7 +82,7 @@ def current_device() -> torch.device:
 # Below this size a host tensor goes to the GPU from pageable memory: pinning it costs a page-locked allocation and a
 # copy, more than the few microseconds an overlapped copy of a few kilobytes saves. Larger ones are pinned; torch's
 # caching host allocator hands a freed pinned block to the next pin of its size, so a run's same-shaped micro-batches
-# reuse their pinned buffers (and the allocator records the copy's stream, so a block is reused only once its copy ends).
+# reuse their pinned buffers (it records the copy's stream, so a block is reused only once its copy has ended).
 PIN_MIN_BYTES = 64 * 1024
 
 

@@ -14,6 +14,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ppo.config.schema import MegatronConfig, OptimConfig
 from megatron_ppo.models.gpt import RoleModel, zero_grad_buffers
 from megatron_ppo.parallel.collectives import any_rank
+from megatron_ppo.train.callbacks import weak_callback
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,10 @@ def build_optimizer(model: RoleModel, optim: OptimConfig, layout: MegatronConfig
         ),
         model.chunks,
     )
+    # held weakly: the config belongs to the chunks, which the optimizer holds (a cycle otherwise, train/callbacks.py)
     config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-    no_sync = [chunk.no_sync for chunk in model.chunks]
+    config.grad_scale_func = weak_callback(optimizer.scale_loss)
+    no_sync = [weak_callback(chunk.no_sync) for chunk in model.chunks]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     return optimizer
 

@@ -25,6 +25,7 @@ from megatron_ppo.config.schema import ROLES, PPOConfig
 from megatron_ppo.convert.critic_init import load_critic
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, copy_weights
+from megatron_ppo.models.failed_pass import release_failed_pass
 from megatron_ppo.models.gpt import RoleModel
 from megatron_ppo.models.kernels import describe_kernels
 from megatron_ppo.models.offload import HostOffload
@@ -34,6 +35,7 @@ from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train import profiling
 from megatron_ppo.train.batch import build_sampler, collate
+from megatron_ppo.train.callbacks import weak_callback
 from megatron_ppo.train.checkpoint_keeper import CheckpointKeeper
 from megatron_ppo.train.evaluation import Evaluator
 from megatron_ppo.train.experience import (
@@ -115,18 +117,19 @@ class PPOTrainer:
         self.offload = HostOffload(
             {role: (model, self.optimizers.get(role), getattr(config, role).megatron)
              for role, model in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)) if model},
-            report=lambda line: self.logger.event(self.step, "offload", line),
+            report=weak_callback(self._offload_event),
         )  # fmt: skip
         self.kl = KLCoefficients(config, self.total_steps)
         self.normalizer = algo.RunningRewardNormalizer() if config.reward.normalize else None
         self.guards = Guards(config.guards)
         self.memory = OutOfMemoryBackoff(config)
-        self.keeper = CheckpointKeeper(trainer, self.run.identity, report=self._report_save)
+        self.keeper = CheckpointKeeper(trainer, self.run.identity, report=weak_callback(self._report_save))
         self.evaluations: dict[int, dict[str, float]] = {}
         self.step = 0
         self.skipped_steps = 0
-        self.profiler = profiling.Profiler(config.profiling, self.run.log_dir, global_rank(),
-                                 say=lambda line: self.logger.event(self.step, "profiling", line))  # fmt: skip
+        self.profiler = profiling.Profiler(
+            config.profiling, self.run.log_dir, global_rank(), say=weak_callback(self._profiling_event)
+        )
         self.logger.event(0, "run", f"{trainer.project_name}/{trainer.experiment_name}")
         if critic_source is not None:
             self.logger.event(0, "critic", critic_source)
@@ -174,6 +177,14 @@ class PPOTrainer:
         if wait:
             self.keeper.wait()
         return path
+
+    # The parts' reports, at the step under way; handed out as weak callbacks (train/callbacks.py: no cycle through
+    # the parts the trainer holds).
+    def _offload_event(self, line: str) -> None:
+        self.logger.event(self.step, "offload", line)
+
+    def _profiling_event(self, line: str) -> None:
+        self.logger.event(self.step, "profiling", line)
 
     def _report_save(self, timing: SaveTiming) -> None:
         """A published save's cost, at its step: `timing/checkpoint_blocked_s`, how long training stopped for it (for
@@ -276,6 +287,8 @@ class PPOTrainer:
         """`attempt()`, run again with smaller micro-batches while any rank runs out of memory (`memory_backoff.py`)."""
 
         def free() -> None:
+            for model in self._built_roles().values():  # the activations the layers still hold (models/failed_pass.py)
+                release_failed_pass(model)
             for role, model in self.models.items():
                 if self.offload.holds(role, "grads"):  # offloaded gradients hold no memory (and come back zeroed)
                     zero_grads(model, self.optimizers[role])
