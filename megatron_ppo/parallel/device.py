@@ -126,6 +126,20 @@ def host_copy(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     return dense.pin_memory().to(device, non_blocking=True)
 
 
+def require_on_device(tensors: Mapping[str, Any], where: str) -> None:
+    """Refuse tensors that are not on the run's device (`current_device()`), naming the fix: what reaches `algo/`
+    is on one device whoever calls — the trainer moves its batch once (`to_device`), and a caller that builds a
+    batch of its own must move it the same way (a host batch would meet device tensors in the first sum)."""
+    device = current_device()
+    off = {key: str(value.device) for key, value in tensors.items()
+           if isinstance(value, torch.Tensor) and value.device != device}  # fmt: skip
+    if off:
+        raise ValueError(
+            f"{where}: tensors {off} are not on this run's device ({device}); move the batch first: "
+            f"megatron_ppo.parallel.device.to_device(batch, current_device(), ...)"
+        )
+
+
 def module_device(module: torch.nn.Module, where: str) -> torch.device:
     """The device of `module`'s parameters, checked against this run's device (`current_device()`)."""
     devices = {p.device for p in module.parameters()}

@@ -20,6 +20,7 @@ from megatron_ppo.parallel.collectives import (
     gather_rows_data_parallel,
     is_last_stage,
 )
+from megatron_ppo.parallel.device import require_on_device
 from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.batch import Batch, replica_micro_batches
 from megatron_ppo.train.micro_batching import MicroBatching, micro_batching
@@ -59,8 +60,9 @@ def forward_per_token(
 ) -> torch.Tensor:
     """`output_fn(micro_batch, model_output)` → `[rows, width]` for every row of `batch`: computed on this
     replica's share, gathered over data-parallel ranks and broadcast from the last pipeline stage (tensor
-    collectives; the result lives on the batch's device). `routing`: the routing replay of the pass (R2 records
-    into `records["routed_experts"]`, R3 replays the batch's; `models.router_replay`)."""
+    collectives on the run's device: `batch` must be there, as `forward_passes` checks). `routing`: the routing
+    replay of the pass (R2 records into `records["routed_experts"]`, R3 replays the batch's;
+    `models.router_replay`)."""
     share, groups, micro_batches = replica_micro_batches(batch, micro.rows, micro.max_tokens, model.pack_multiple)
     outputs = run_micro_batches(
         model, micro_batches, lambda b, out: (out.new_zeros(()), {"value": output_fn(b, out)}), forward_only=True,
@@ -110,6 +112,7 @@ def forward_passes(
     `forward_micro_batch_size_per_gpu`) or token budget: `micro` (role → its micro-batching, the out-of-memory
     back-off's), by default the config's. With `actor.router_replay.mode` R2 the actor's pass records its routing
     (`routed_experts`); with R3 it routes as the rows' `routed_experts` say."""
+    require_on_device(batch, "forward_passes")
     micro = micro_batching(config, Phase.EXPERIENCE) if micro is None else micro
     routing = first_pass_routing(config, batch)
     records: dict[str, torch.Tensor] = {}
@@ -152,7 +155,8 @@ def compute_advantages(
     """Off-policy correction against the rows' behaviour log-probs (`rollout_correction`: weights, rejected tokens
     leave `loss_mask`), token rewards (clipped/normalised sequence score on the last response token, minus β·KL when
     the KL is in the reward), then the advantages of `algorithm.adv_estimator`; with the reward and `rollout_corr/*`
-    metrics."""
+    metrics. `batch` and `passes` are on the run's device (checked: what enters `algo/` is on one device)."""
+    require_on_device({**batch, **passes}, "compute_advantages")
     batch, corrections, metrics = rollout_correction(config, batch, passes)
     mask = batch["loss_mask"]
     scores = batch["scores"]

@@ -174,3 +174,17 @@ def test_cuda_max_connections_is_one_unless_the_user_set_it() -> None:
     mine = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
     assert set_cuda_max_connections(mine) == "8", "a value the user exported must be kept"
     assert mine == {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+
+
+def test_a_batch_off_the_run_device_is_refused_before_it_reaches_algo() -> None:
+    """`forward_passes` and `compute_advantages` take the run's device only (a host batch on CUDA met device
+    tensors deep inside the advantages), and say how to move the batch."""
+    from megatron_ppo.config.schema import PPOConfig
+    from megatron_ppo.train.experience import compute_advantages, forward_passes
+
+    batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long, device="meta"), "loss_mask": torch.ones(2, 3)}
+    with pytest.raises(ValueError, match=r"forward_passes: tensors \{'input_ids': 'meta'\}.*to_device\(batch"):
+        forward_passes(PPOConfig(), batch, None, None, None)
+    with pytest.raises(ValueError, match=r"compute_advantages: tensors \{'old_log_prob': 'meta'\}"):
+        compute_advantages(PPOConfig(), {"loss_mask": torch.ones(2, 3)}, {"old_log_prob": torch.zeros(2, 3,
+                           device="meta")}, None, None)  # fmt: skip
