@@ -61,8 +61,8 @@ lock: setup
 	{ sed -n '1,3p' $(LOCK); $(PY) -m pip freeze --exclude-editable | grep -v '^megatron-ppo'; } > $(LOCK).new && mv $(LOCK).new $(LOCK)
 
 lint: setup
-	$(VENV)/bin/ruff check megatron_ppo tests bench slurm
-	$(VENV)/bin/ruff format --check megatron_ppo tests bench slurm
+	$(VENV)/bin/ruff check megatron_ppo tests bench gpu_check slurm
+	$(VENV)/bin/ruff format --check megatron_ppo tests bench gpu_check slurm
 
 RECIPE ?= recipes/tiny-cpu.yaml
 NPROC  ?= 2
@@ -142,21 +142,25 @@ bench: setup
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_task_sft
 	$(PY) -m bench.bench_gae
 
-# The GPU check (one CUDA GPU, no network, ~8 min on an H100/H200): the tiny recipe on CUDA, a 1.5B-shaped PPO
-# iteration (tokens/s, MFU, peak memory against the planner), GPU bf16 against CPU fp32 log-probs; one table and
-# outputs/gpu_check.json. `make gpu-check DRY_RUN=1` runs it on the CPU with a tiny model (CI does).
+# The GPU check (one CUDA GPU, no network, ~5 min on an H200): each part in its own process, its result printed as it
+# ends (gpu_check/__main__.py): the tiny recipe on CUDA, a 1.5B-shaped PPO iteration (tokens/s, MFU, peak memory
+# against the planner), GPU bf16 against CPU fp32 log-probs, offload, micro-batch cuts, resume, the first update,
+# layouts (2 GPUs), KV-cached decoding; outputs/gpu_check.json. `make gpu-check DRY_RUN=1` runs it on the CPU with a
+# tiny model (CI does); PARTS=a,b,... runs some parts.
 # Works without `make setup` on a bare CUDA machine (Python 3.12 and PyTorch, no network): `make gpu-wheels` here
-# fetches what it lacks at the lock's versions into .whl/ (the list: python -m bench.gpu_wheels, from the code's
-# imports); there they are installed once into .whl/site and put on PYTHONPATH with the source tree, and the check
-# first names any module that still does not import.
+# fetches what it lacks at the lock's versions into .whl/ — only what the machine named by TARGET (its
+# `pip list --format=freeze`; gpu_check/targets/ has the lent H200's) lacks; TARGET= for a bare Python + PyTorch —
+# there they are installed once into .whl/site and put on PYTHONPATH with the source tree, and the check first
+# names any module that still does not import.
 WHEELS ?= .whl
+TARGET ?= gpu_check/targets/nvidia-h200.txt
 gpu-wheels:
-	PY=$(PY) bash bench/gpu_wheels.sh $(WHEELS)
+	PY=$(PY) bash gpu_check/wheels.sh $(WHEELS) $(TARGET)
 
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then \
 		$(GPU_PY) -m pip install -q --no-index --no-deps --target .whl/site .whl/*.whl; fi
-	@PYTHONPATH=$(CURDIR):$(CURDIR)/.whl/site$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PY) -m bench.gpu_wheels --check
+	@PYTHONPATH=$(CURDIR):$(CURDIR)/.whl/site$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PY) -m gpu_check.wheels --check
 	PYTHONPATH=$(CURDIR):$(CURDIR)/.whl/site$(if $(PYTHONPATH),:$(PYTHONPATH)) OMP_NUM_THREADS=$(or $(OMP_NUM_THREADS),8) \
-		$(GPU_PY) -m bench.gpu_check $(if $(DRY_RUN),--dry-run) $(ARGS)
+		$(GPU_PY) -m gpu_check $(if $(DRY_RUN),--dry-run) $(if $(PARTS),--parts $(PARTS)) $(ARGS)

@@ -123,7 +123,7 @@ CUDA_BRANCHES: tuple[CudaBranch, ...] = (
         "test_out_of_memory_in_a_backward_is_retried_and_equals_a_run_without_it; tests/e2e/test_fault_drill.py",
     ),
     CudaBranch(
-        "bench/resume_check.py: gradient norms held within 1e-3 instead of bitwise",
+        "gpu_check/resume.py: gradient norms held within 1e-3 instead of bitwise",
         "none (the bound only widens a comparison the CPU makes bitwise)",
         "tests/e2e/test_gpu_check.py::test_gpu_check_dry_run_runs_every_part_and_writes_its_table (bitwise)",
     ),

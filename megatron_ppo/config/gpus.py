@@ -1,6 +1,6 @@
 """The GPU types a cluster may name (`cluster.gpu_type`), and the one table of what the project assumes about each:
 the planner's memory budget and step time (`planner/plan.py`), the measured MFU's peak (`train/throughput.py`) and
-the GPU check (`bench/gpu_check.py`) all read `GPU_SPECS`; nothing else states these numbers.
+the GPU check (`gpu_check/__main__.py`) all read `GPU_SPECS`; nothing else states these numbers.
 
     peak_bf16_tflops   dense bf16 tensor-core peak, TFLOP/s (no sparsity): H100/H200 SXM 989, A100 312
     memory_gib         device memory, GiB, as nvidia-smi reports its total (H100 SXM 81559 MiB, H200 143771 MiB,

@@ -240,16 +240,24 @@ def _without_sequence_parallel(model: RoleModel) -> Iterator[None]:
 
 
 @contextmanager
-def _only_last_position_to_logits(model: RoleModel) -> Iterator[None]:
-    """The output layer sees only the last position of its input `[s, b, h]` (a prefill's other positions would cost
-    `[b, s, vocab]` gathered logits); megatron-core 0.16 does this itself under an inference context, later releases
-    only inside their engines' `InferenceMode`."""
+def _only_last_position_to_logits(model: RoleModel, positions: torch.Tensor | None = None) -> Iterator[None]:
+    """The output layer sees only one position of each row of its input `[s, b, h]`: the last (a cached prefill's
+    other positions would cost `[b, s, vocab]` gathered logits), or row i's `positions[i]` (the uncached decoder's
+    right-padded rows: each one's last real token) — `[1, b, h]` either way. megatron-core 0.16 does the first itself
+    under an inference context, later releases only inside their engines' `InferenceMode`. Sequence parallelism
+    must be off (`_without_sequence_parallel`): the whole sequence is then on every rank."""
 
-    def last_position(_layer, args, kwargs):
-        return (args[0][-1:], *args[1:]), kwargs
+    def select(_layer, args, kwargs):
+        hidden = args[0]
+        if positions is None:
+            return (hidden[-1:], *args[1:]), kwargs
+        index = torch.zeros(hidden.shape[1], dtype=torch.long)  # rows the schedule padded on: any position
+        index[: len(positions)] = positions
+        rows = torch.arange(hidden.shape[1], device=hidden.device)
+        return (hidden[index.to(hidden.device), rows].unsqueeze(0), *args[1:]), kwargs
 
     handles = [
-        unwrap(chunk).output_layer.register_forward_pre_hook(last_position, with_kwargs=True, prepend=True)
+        unwrap(chunk).output_layer.register_forward_pre_hook(select, with_kwargs=True, prepend=True)
         for chunk in model.chunks
         if unwrap(chunk).post_process
     ]
@@ -261,7 +269,8 @@ def _only_last_position_to_logits(model: RoleModel) -> Iterator[None]:
 
 
 def _decode(model, rows, max_new_tokens, eos_id, pad_id, temperature, greedy, generator):
-    """Uncached: each step runs every row's whole prefix (right-padded) and reads the logits at its last token."""
+    """Uncached: each step runs every row's whole prefix (right-padded); the output layer computes the logits of
+    each row's last token only."""
     prompt_lengths = [len(r) for r in rows]
     finished = [False] * len(rows)
     for _ in range(max_new_tokens):
@@ -270,12 +279,12 @@ def _decode(model, rows, max_new_tokens, eos_id, pad_id, temperature, greedy, ge
         for i, row in enumerate(rows):
             input_ids[i, : len(row)] = torch.tensor(row)
 
-        def last_logits(batch, logits, lengths=lengths):
-            last = logits[torch.arange(logits.shape[0]), lengths - 1]
-            full = gather_from_tensor_model_parallel_region(last)[:, : model.vocab_size]
+        def last_logits(batch, logits):
+            full = gather_from_tensor_model_parallel_region(logits[:, -1])[:, : model.vocab_size]
             return logits.new_zeros(()), {"logits": full.float().cpu()}  # sampled on the host (its generator)
 
-        outputs = run_micro_batches(model, [{"input_ids": input_ids}], last_logits, forward_only=True)
+        with _without_sequence_parallel(model), _only_last_position_to_logits(model, lengths - 1):
+            outputs = run_micro_batches(model, [{"input_ids": input_ids}], last_logits, forward_only=True)
         next_tokens = None
         if outputs:
             next_tokens = _pick(outputs[0]["logits"], temperature, greedy, generator).tolist()

@@ -7,16 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_plan import ppo_config, synthetic_rows
+from gpu_check.plan import ppo_config, synthetic_rows
 
 TOLERANCE = 1e-3
 CUTS = (1, 2, 4)
 
 
 def check_grad_norm_by_cut(plan, work: Path) -> dict[str, Any]:
-    """(e): experience from the trainer's own passes on `plan.rows` rows of the first length, then the actor's
-    gradient norm (Megatron's optimizer, before any step) for each cut."""
+    """(e): experience from the trainer's own passes on `plan.rows` rows of the first length (on the device),
+    then the actor's gradient norm (Megatron's optimizer, before any step) for each cut."""
     from megatron_ppo.models import run_micro_batches
+    from megatron_ppo.parallel.device import current_device, to_device
     from megatron_ppo.train.batch import collate, replica_micro_batches
     from megatron_ppo.train.experience import compute_advantages, forward_passes
     from megatron_ppo.train.optimizer import zero_grads
@@ -28,7 +29,7 @@ def check_grad_norm_by_cut(plan, work: Path) -> dict[str, Any]:
     rows = synthetic_rows(plan, seq, seed=seq + 1)
     trainer = PPOTrainer(config, rows, pad_id=0)
     try:
-        batch = collate(rows[: plan.rows], pad_id=0)
+        batch = to_device(collate(rows[: plan.rows], pad_id=0), current_device(), "the grad-cut check's batch")
         passes = forward_passes(config, batch, trainer.actor, trainer.ref, trainer.critic)
         experience, _ = compute_advantages(config, batch, passes, None, None)
         actor, optimizer = trainer.actor, trainer.optimizers["actor"]

@@ -1,4 +1,4 @@
-"""The GPU check's part (h) gate (`bench/layout_check.py`): one layout's numbers against TP=1's pass within the
+"""The GPU check's part (h) gate (`gpu_check/layouts.py`): one layout's numbers against TP=1's pass within the
 dtype's tolerance and fail beyond it, padding positions aside; fewer than 2 GPUs skip the part without failing it."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_plan import REAL
-from bench.layout_check import (
+from gpu_check.layouts import (
     PASSES,
     ROLES,
     TOLERANCES,
@@ -19,9 +18,11 @@ from bench.layout_check import (
     check_layouts,
     check_tiny_recipe_tp2_sp,
     compare,
-    table_lines,
+    layouts_table_lines,
+    recipe_table_lines,
     weight_difference,
 )
+from gpu_check.plan import REAL
 
 
 def reference_run() -> dict:
@@ -116,5 +117,5 @@ def test_fewer_than_two_gpus_skip_the_part_without_failing(tmp_path: Path) -> No
     assert layouts == recipe == {"skipped": visible, "ok": True}
     assert not any(tmp_path.iterdir()), "a skipped part must not start anything"
     recipe["wall_s"] = 0.0
-    lines = table_lines(layouts, recipe)
+    lines = layouts_table_lines(layouts) + recipe_table_lines(recipe)
     assert len(lines) == 2 and all(f"skipped: {visible}" in line for line in lines), lines

@@ -18,13 +18,12 @@ NEW_TOKENS = {"real": 256, "dry": 8}
 
 
 def check_decode(plan, work: Path) -> dict[str, Any]:
-    from bench.gpu_check import logprob_model_config
-    from bench.gpu_plan import DRY
+    from gpu_check.plan import DRY, logprob_model_config
     from megatron_ppo.config.schema import MegatronConfig
     from megatron_ppo.models import build_role_model
     from megatron_ppo.models.generation import timed_generate
 
-    size = "dry" if plan is DRY else "real"
+    size = "dry" if plan == DRY else "real"
     model = build_role_model("ref", logprob_model_config(plan, plan.dtype), MegatronConfig())
     rng = random.Random(0)
     prompts = [[rng.randrange(1, plan.shape.vocab) for _ in range(PROMPT_TOKENS[size])] for _ in range(plan.rows)]
@@ -43,7 +42,7 @@ def check_decode(plan, work: Path) -> dict[str, Any]:
     out["speedup"] = out["cached_tokens_per_s"] / out["uncached_tokens_per_s"]
     out["rows_identical"] = sum(a == b for a, b in zip(answers[True], answers[False], strict=True))
     # the dry run's 8 new tokens are too few for the cache to pay off on a CPU: there it only has to run
-    faster = out["speedup"] > 1.0 or plan is DRY
+    faster = out["speedup"] > 1.0 or plan == DRY
     out["ok"] = faster and all(len(tokens) == NEW_TOKENS[size] for tokens, _ in answers[True])
     return out
 

@@ -1,6 +1,8 @@
 """Part (f) of the GPU check: a save and a resume change nothing. The PPO iteration of part (b) (at its first
-length) runs twice with a checkpoint between; a second trainer resumes from that checkpoint (same layout) and runs
-the second iteration again — weights, optimizer states, the sampler, the KL controller and the RNG states all come
+length, the shape's width and vocabulary with `plan.resume_layers` layers: the same code path, a tenth of the 1.5B
+shape's ~46 GB of optimizer state to write and read) runs twice with a checkpoint between; the first trainer is
+dropped (its memory back) and a second one resumes from that checkpoint (same layout) and runs the second iteration
+again — weights, optimizer states, the sampler, the KL controller and the RNG states all come
 back. Gate: every metric of the two second iterations bitwise equal (timings and throughput excepted), but the
 gradient norms on CUDA: within `GRAD_NORM_RTOL` of each other.
 
@@ -22,7 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_plan import ppo_config, synthetic_rows
+from gpu_check.plan import ppo_config, synthetic_rows
 
 UNTIMED = ("perf/", "timing/")  # wall-clock metrics: never equal
 BACKWARD = "/grad_norm"  # `{role}/grad_norm`, `{role}/grad_norm_max`: the one metric of the update's backward
@@ -35,7 +37,7 @@ def check_resume(plan, work: Path) -> dict[str, Any]:
     from megatron_ppo.train.ppo import PPOTrainer
 
     seq = plan.seq_lengths[0]
-    config = ppo_config(plan, seq, work / "resume")
+    config = ppo_config(plan, seq, work / "resume", layers=plan.resume_layers)
     rows = synthetic_rows(plan, seq, seed=seq + 2)
     seed_everything(SEED)  # each trainer starts as a new job of the run would (its random initial weights too)
     trainer = PPOTrainer(config, rows, pad_id=0)
@@ -45,6 +47,7 @@ def check_resume(plan, work: Path) -> dict[str, Any]:
         straight = trainer.iteration()
     finally:
         trainer.close()
+    del trainer  # freed here, before the second one is built (nothing holds it: models/ and train/callbacks.py)
     seed_everything(SEED)
     resumed_trainer = PPOTrainer(config, rows, pad_id=0)
     try:
@@ -52,7 +55,7 @@ def check_resume(plan, work: Path) -> dict[str, Any]:
         resumed = resumed_trainer.iteration()
     finally:
         resumed_trainer.close()
-        shutil.rmtree(work / "resume", ignore_errors=True)  # its checkpoint: ~40 GB at the 1.5B shape
+        shutil.rmtree(work / "resume", ignore_errors=True)
     keys = sorted(key for key in straight if not key.startswith(UNTIMED))
     bounded = plan.device == "cuda"
     differing = {key: (straight[key], resumed.get(key)) for key in keys

@@ -36,7 +36,8 @@ and 3.3e-4 max on the log-probs, 2.3e-3 and 8.0e-3 on the values, ≤ 4.2e-4 rel
 all. Unmeasured on GPUs: no two GPUs have been lent to this project yet.
 
 With fewer than two GPUs the part reports `skipped` and passes: the check stays runnable on one GPU.
-Run inside `python -m bench.gpu_check` as part (h); `python -m bench.layout_check` is its 2-process side.
+Run by `python -m gpu_check` as part (h) (its two checks in a process each); `python -m gpu_check.layouts` is the
+2-process side.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ from typing import Any
 
 import torch
 
-from bench.gpu_plan import DRY, REAL, REPO, Plan, ppo_config, subprocess_env, synthetic_rows, tiny_recipe
 from bench.ports import free_port
+from gpu_check.plan import PLANS, REPO, Plan, ppo_config, subprocess_env, synthetic_rows, tiny_recipe
 from megatron_ppo.config.schema import MegatronConfig
 
 PROCESSES = 2
@@ -225,7 +226,7 @@ def layouts_main(work: Path, shape: str) -> None:
     """The 2-process side: every layout of `LAYOUTS` in turn, one process group re-laid out between them."""
     from megatron_ppo.parallel import destroy_distributed, init_distributed
 
-    plan = REAL if shape == "real" else DRY
+    plan = PLANS[shape]
     for name, layout in LAYOUTS.items():
         init_distributed(layout, seed=SEED, device=plan.device)
         run_layout(plan, name, layout, work)
@@ -284,8 +285,8 @@ def check_layouts(plan: Plan, work: Path) -> dict[str, Any]:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the launched ranks use this GPU too
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={PROCESSES}",
-               f"--master_port={free_port()}", "-m", "bench.layout_check", "--work", str(work),
-               "--shape", "dry" if plan is DRY else "real"]  # fmt: skip
+               f"--master_port={free_port()}", "-m", "gpu_check.layouts", "--work", str(work),
+               "--shape", plan.name]  # fmt: skip
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, check=False)
     launch_s = time.perf_counter() - started
@@ -312,7 +313,7 @@ def check_tiny_recipe_tp2_sp(plan: Plan, work: Path) -> dict[str, Any]:
     return tiny_recipe(plan, work, "tiny_tp2_sp", tensor_parallel=PROCESSES, sequence_parallel=True)
 
 
-def table_lines(layouts: dict[str, Any], recipe: dict[str, Any]) -> list[str]:
+def layouts_table_lines(layouts: dict[str, Any]) -> list[str]:
     lines = []
     if "skipped" in layouts:
         lines.append(f"(h) TP2 + SP and PP2 against TP1     skipped: {layouts['skipped']} (needs {PROCESSES})")
@@ -337,6 +338,11 @@ def table_lines(layouts: dict[str, Any], recipe: dict[str, Any]) -> list[str]:
             verdict = "ok" if layout["ok"] else f"FAILED {'; '.join(layout['failures'])[:300]}"
             lines.append(f"    {name:<8} {verdict}  experience |Δ| max {worst['max']:.1e}; grad norm (ours/TP1) "
                          f"{norms}; weights {weights}")  # fmt: skip
+    return lines
+
+
+def recipe_table_lines(recipe: dict[str, Any]) -> list[str]:
+    lines = []
     if "skipped" in recipe:
         lines.append(f"(h) tiny recipe TP2 + SP via the CLI skipped: {recipe['skipped']} (needs {PROCESSES})")
     elif "exit_code" not in recipe:

@@ -4,13 +4,10 @@ beside the planner's peak for each, the bytes each phase keeps resident, and wha
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from bench.gpu_plan import GIB, ppo_config, synthetic_rows, timed
+from gpu_check.plan import GIB, device_memory, ppo_config, reset_peak_memory, synthetic_rows, timed
 
 
 def _offloaded(config):
@@ -30,13 +27,11 @@ def _offloaded(config):
 
 
 def _measure(config, rows: list, timed) -> dict[str, Any]:
-    """Two iterations (the first warms kernels and creates the optimizer states); peak memory of the second."""
+    """Two iterations (the first warms kernels and creates the optimizer states); peak memory of the second, the
+    bytes each phase keeps resident (counted as the offload enters each phase), the planner's figures."""
     from megatron_ppo.planner import plan as planner
     from megatron_ppo.train.ppo import PPOTrainer
 
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     trainer = PPOTrainer(config, rows, pad_id=0)
     resident: dict[str, float] = {}
     enter = trainer.offload.enter
@@ -46,21 +41,21 @@ def _measure(config, rows: list, timed) -> dict[str, Any]:
         resident[phase] = sum(sum(kinds.values()) for kinds in placed.values()) / GIB
         return placed
 
-    trainer.offload.enter = enter_and_count
+    trainer.offload.enter = enter_and_count  # an instance attribute, deleted below: no cycle outlives the run
     try:
         timed(trainer.iteration)
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory()
         seconds = timed(trainer.iteration)
+        memory = device_memory()
     finally:
+        del trainer.offload.enter
         trainer.close()
     result = planner.plan(config)
     out = {"iteration_s": seconds, "resident_gib": resident, "planned_peak_gib": result.peak_gib,
-           "planned_phases_gib": result.phases_gib}  # fmt: skip
-    if torch.cuda.is_available():
-        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
-    del trainer
-    gc.collect()
+           "planned_phases_gib": result.phases_gib, **memory}  # fmt: skip
+    if memory:
+        out["measured_peak_gib"] = memory["peak_reserved_gib"] + memory["outside_allocator_gib"]
+        out["planned_over_measured"] = result.peak_gib / out["measured_peak_gib"]
     return out
 
 
@@ -81,6 +76,6 @@ def table_lines(d: dict[str, Any]) -> list[str]:
     for name in ("off", "on"):
         run = d[name]
         phases = ", ".join(f"{phase} {gib:.1f}" for phase, gib in run["resident_gib"].items())
-        lines.append(f"    offload {name:<26}{run.get('peak_allocated_gib', float('nan')):8.1f} "
+        lines.append(f"    offload {name:<26}{run.get('measured_peak_gib', float('nan')):8.1f} "
                      f"{run['planned_peak_gib']:12.1f} {run['iteration_s']:7.2f}  {phases}")  # fmt: skip
     return lines

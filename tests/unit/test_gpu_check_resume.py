@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.resume_check import GRAD_NORM_RTOL, _same
+from gpu_check.resume import GRAD_NORM_RTOL, _same
 
 
 def test_only_gradient_norms_get_the_cuda_bound() -> None:

@@ -1,6 +1,6 @@
 """What the GPU check's parts share: the shapes and plans of a real and a dry run, the PPO config and synthetic rows
-of part (b), a device-synchronised timer, and the tiny recipe's launch through the CLI of parts (a) and (h)
-(`bench.gpu_check` and the part modules import it; no part imports another)."""
+of part (b), the few-layer model of (c) and (i), a device-synchronised timer, the device's memory figures, and the
+tiny recipe's launch through the CLI of parts (a) and (h) (every part imports it; no part imports another)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,13 @@ TINY = Shape(num_layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=512, lay
 
 @dataclass(frozen=True)
 class Plan:
-    """What one run of the check does: the real sizes, or the dry run's."""
+    """What one run of the check does: the real sizes, or the dry run's. `rows` at the first sequence length; at
+    the others as many rows as keep the tokens of one iteration the same (64 × 1024 = 16 × 4096), so each length
+    costs about the same time and the longer one measures the longer sequences' memory and attention, not 4× the
+    work. `resume_layers`: (f)'s model, the shape's width and vocabulary with this many layers (the same code path
+    at a tenth of the 1.5B shape's optimizer state, which a save and a load would otherwise spend a minute on)."""
 
+    name: str
     device: str
     dtype: str
     shape: Shape
@@ -51,10 +56,19 @@ class Plan:
     seq_lengths: tuple[int, ...]
     micro_batch: int
     recipe_steps: int
+    resume_layers: int
+
+    def rows_at(self, seq: int) -> int:
+        """The rows of (b)'s iteration at `seq` tokens: `rows × seq_lengths[0]` tokens, a multiple of the
+        micro-batch."""
+        rows = self.rows * self.seq_lengths[0] // seq
+        return max(self.micro_batch, rows - rows % self.micro_batch)
 
 
-REAL = Plan("cuda", "bf16", QWEN_1_5B, rows=64, seq_lengths=(1024, 4096), micro_batch=4, recipe_steps=16)
-DRY = Plan("cpu", "bf16", TINY, rows=8, seq_lengths=(32, 64), micro_batch=4, recipe_steps=0)
+REAL = Plan("real", "cuda", "bf16", QWEN_1_5B, rows=64, seq_lengths=(1024, 4096), micro_batch=4, recipe_steps=16,
+            resume_layers=4)  # fmt: skip
+DRY = Plan("dry", "cpu", "bf16", TINY, rows=8, seq_lengths=(32, 64), micro_batch=4, recipe_steps=0, resume_layers=2)
+PLANS = {plan.name: plan for plan in (REAL, DRY)}
 
 
 def gpu_type_and_memory() -> tuple[str, float]:
@@ -66,27 +80,30 @@ def gpu_type_and_memory() -> tuple[str, float]:
     return gpu_type_named(torch.cuda.get_device_name()), memory
 
 
-def ppo_config(plan: Plan, seq: int, work: Path, pack_sequences: bool = False):
-    """The PPO config of (b): GAE with a KL loss (actor, reference and critic), one epoch, one mini-batch;
-    `pack_sequences` (`model.pack_sequences`, what every GPU recipe sets): each micro-batch enters as one THD pack
-    (Transformer Engine's THD attention where TE is present)."""
+def ppo_config(plan: Plan, seq: int, work: Path, pack_sequences: bool = False, layers: int | None = None):
+    """The PPO config of (b): GAE with a KL loss (actor, reference and critic), one epoch, one mini-batch of
+    `plan.rows_at(seq)` rows; `pack_sequences` (`model.pack_sequences`, what every GPU recipe sets): each
+    micro-batch enters as one THD pack (Transformer Engine's THD attention where TE is present, else one
+    variable-length attention call per layer where torch has it); `layers`: fewer layers than the shape's."""
     from megatron_ppo.config.schema import ClusterConfig, ModelConfig, PPOConfig
     from megatron_ppo.config.validate import resolve, validate
 
     s = plan.shape
+    rows = plan.rows_at(seq)
     config = PPOConfig(
         model=ModelConfig(
-            name="qwen2.5-1.5b-shape", num_layers=s.num_layers, hidden_size=s.hidden, num_attention_heads=s.heads,
-            num_query_groups=s.groups, ffn_hidden_size=s.ffn, vocab_size=s.vocab, max_position_embeddings=32768,
-            rotary_base=1_000_000.0, add_qkv_bias=True, params_dtype=plan.dtype, pack_sequences=pack_sequences,
+            name="qwen2.5-1.5b-shape", num_layers=layers or s.num_layers, hidden_size=s.hidden,
+            num_attention_heads=s.heads, num_query_groups=s.groups, ffn_hidden_size=s.ffn, vocab_size=s.vocab,
+            max_position_embeddings=32768, rotary_base=1_000_000.0, add_qkv_bias=True, params_dtype=plan.dtype,
+            pack_sequences=pack_sequences,
         ),
     )  # fmt: skip
     gpu_type, memory = gpu_type_and_memory()
     config.cluster = ClusterConfig(device=plan.device, gpus_per_node=1, gpu_type=gpu_type, gpu_memory_gib=memory)
     config.data.max_prompt_length, config.data.max_response_length = seq // 4, seq - seq // 4
-    config.data.train_batch_size = plan.rows
+    config.data.train_batch_size = rows
     for role in (config.actor, config.critic):
-        role.ppo_mini_batch_size, role.ppo_micro_batch_size_per_gpu, role.ppo_epochs = plan.rows, plan.micro_batch, 1
+        role.ppo_mini_batch_size, role.ppo_micro_batch_size_per_gpu, role.ppo_epochs = rows, plan.micro_batch, 1
     config.trainer.total_training_steps = 3
     config.trainer.logger = []
     config.trainer.default_local_dir, config.trainer.log_dir = str(work / "ckpt"), str(work / "tb")
@@ -98,7 +115,8 @@ def ppo_config(plan: Plan, seq: int, work: Path, pack_sequences: bool = False):
 
 
 def synthetic_rows(plan: Plan, seq: int, seed: int) -> list:
-    """`plan.rows` rows of exactly `seq` tokens (a quarter prompt), random tokens (never the pad id 0), ±1 rewards."""
+    """Two batches of `plan.rows_at(seq)` rows of exactly `seq` tokens (a quarter prompt), random tokens (never the
+    pad id 0), ±1 rewards."""
     from megatron_ppo.data.rows import Row
 
     rng = random.Random(seed)
@@ -114,8 +132,40 @@ def synthetic_rows(plan: Plan, seq: int, seed: int) -> list:
             "gpu-check",
             f"synthetic row {i}",
         )
-        for i in range(plan.rows * 2)
+        for i in range(plan.rows_at(seq) * 2)
     ]
+
+
+def logprob_model_config(plan: Plan, dtype: str):
+    """The few-layer model of (c) and (i): the shape's width and vocabulary, `layers_c` layers."""
+    from megatron_ppo.config.schema import ModelConfig
+
+    s = plan.shape
+    return ModelConfig(
+        num_layers=s.layers_c, hidden_size=s.hidden, num_attention_heads=s.heads, num_query_groups=s.groups,
+        ffn_hidden_size=s.ffn, vocab_size=s.vocab, max_position_embeddings=4096, rotary_base=1_000_000.0,
+        add_qkv_bias=True, params_dtype=dtype, init_method_std=0.05,
+    )  # fmt: skip
+
+
+def device_memory() -> dict[str, float]:
+    """This process's GPU memory in GiB: the allocator's peaks, and what the device holds beyond the allocator's
+    reservation (the CUDA context, cuBLAS/cuDNN workspaces and libraries: the planner's `CUDA_CONTEXT_GIB`); empty
+    on the CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        "outside_allocator_gib": (total - free - torch.cuda.memory_reserved()) / GIB,
+    }
+
+
+def reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _synchronize() -> None:
@@ -163,9 +213,9 @@ DRY_TINY = ["cluster.device=cpu", "data.addition.num_prompts=64", "data.addition
 def tiny_recipe(plan: Plan, work: Path, name: str, tensor_parallel: int, sequence_parallel: bool) -> dict[str, Any]:
     """The tiny recipe with every role at `tensor_parallel` (and `sequence_parallel`) through the real CLI under
     torchrun, one process per GPU, `plan.recipe_steps` PPO steps, its checkpoints and logs under `work/name`;
-    held-out accuracy from its TensorBoard events (step 0, last): ok when it exits 0 and the accuracy rises. Every
-    launch shares one task cache (`work/tiny_task`: tokenizer, SFT policy, dataset; the layout is no part of its
-    key), so only the first trains the SFT policy. The dry run (CPU) runs the same command on `DRY_TINY`'s shrunk
+    held-out accuracy from its TensorBoard events (step 0, last): ok when it exits 0 and the accuracy rises. Its task
+    (tokenizer, SFT policy, dataset) is built in `work/tiny_task`, the part's own folder: parts (a) and (h) may run
+    at once. The dry run (CPU) runs the same command on `DRY_TINY`'s shrunk
     task, one PPO step, on as many CPU processes: ok when it exits 0 and evaluated (accuracy not judged)."""
     layout = _tiny_layout(tensor_parallel, sequence_parallel)
     dirs = [f"data.addition.work_dir={work / 'tiny_task'}", f"trainer.default_local_dir={work / name / 'ckpt'}",

@@ -5,8 +5,9 @@ optional: wandb, matplotlib, Transformer Engine), the distributions that provide
 (their metadata, markers evaluated, no extras), less what PyTorch itself requires (the machine has it), at the
 versions of `requirements/lock.txt`.
 
-    python -m bench.gpu_wheels            # the `name==version` list `make gpu-wheels` (bench/gpu_wheels.sh) fetches
-    python -m bench.gpu_wheels --check    # on the GPU machine: exit 1 naming each module that does not import
+    python -m gpu_check.wheels            # the `name==version` list `make gpu-wheels` (gpu_check/wheels.sh) fetches
+    python -m gpu_check.wheels --target gpu_check/targets/nvidia-h200.txt   # only what that machine lacks
+    python -m gpu_check.wheels --check    # on the GPU machine: exit 1 naming each module that does not import
 
 `--check` needs nothing but the source tree and the standard library (`gpu_check.py` runs it before part (a))."""
 
@@ -20,9 +21,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# what `make gpu-check` runs: the check (bench.ports and bench.tiny included) and the CLI its parts (a) and (h) launch
-ENTRIES = ("bench.gpu_check", "megatron_ppo.__main__")
-OWN = frozenset({"megatron_ppo", "bench"})
+# what `make gpu-check` runs: the check (every part, bench.ports and bench.tiny included) and the CLI that its parts
+# (a) and (h) launch
+ENTRIES = ("gpu_check.__main__", "megatron_ppo.__main__")
+OWN = frozenset({"megatron_ppo", "bench", "gpu_check"})
 LOCK = REPO / "requirements" / "lock.txt"
 PRESENT = "torch"  # the one distribution a bare GPU machine has, with its own requirements
 
@@ -117,22 +119,70 @@ def _requirement_closure(roots: set[str]) -> set[str]:
     return seen
 
 
-def wheel_list(root: Path = REPO) -> list[str]:
-    """`name==version` (the lock's) of every distribution a bare Python + PyTorch machine lacks for
-    `load_time_imports`; raises naming a distribution the lock does not pin."""
-    from importlib import metadata
-
-    providers = metadata.packages_distributions()
-    unknown = sorted(name for name in load_time_imports(root) if name not in providers)
-    if unknown:
-        raise RuntimeError(f"no installed distribution provides {unknown}: install the package (make setup) first")
-    imported = {dist for name in load_time_imports(root) for dist in providers[name]}
-    needed = _requirement_closure(imported) - _requirement_closure({PRESENT})
+def _lock_pins() -> dict[str, str]:
     pins = {}
     for line in LOCK.read_text().splitlines():
         if "==" in line and not line.startswith("#"):
             name, version = line.split(";")[0].strip().split("==")
             pins[_canonical(name)] = version
+    return pins
+
+
+def read_freeze(path: Path) -> dict[str, str]:
+    """`pip list --format=freeze` (or `pip freeze`) of the target machine: canonical name → version."""
+    out = {}
+    for line in path.read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.strip().split("==", 1)
+            out[_canonical(name)] = version
+    return out
+
+
+def _missing_on(target: dict[str, str], roots: dict[str, str]) -> set[str]:
+    """The distributions the target lacks: each root (name → the range this package declares for it) that the
+    target has at no version in its range, and, of each one it lacks, the requirements it lacks in turn (a
+    distribution the target has in range brings its own requirements)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    missing: set[str] = set()
+    queue = [(name, SpecifierSet(spec)) for name, spec in roots.items()]
+    while queue:
+        name, specifier = queue.pop()
+        have = target.get(name)
+        if name in missing or (have is not None and specifier.contains(have, prereleases=True)):
+            continue
+        missing.add(name)
+        for line in metadata.requires(name) or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                queue.append((_canonical(requirement.name), requirement.specifier))
+    return missing
+
+
+def wheel_list(root: Path = REPO, target: dict[str, str] | None = None) -> list[str]:
+    """`name==version` (the lock's) of every distribution that `load_time_imports` needs and the target lacks:
+    without `target` (a freeze of the machine, `read_freeze`), a bare Python + PyTorch machine (everything but what
+    PyTorch requires); with it, what the target has at no version in the range this package declares (or that a
+    missing distribution requires). Raises naming a distribution the lock does not pin."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    providers = metadata.packages_distributions()
+    unknown = sorted(name for name in load_time_imports(root) if name not in providers)
+    if unknown:
+        raise RuntimeError(f"no installed distribution provides {unknown}: install the package (make setup) first")
+    imported = {_canonical(dist) for name in load_time_imports(root) for dist in providers[name]}
+    if target is None:
+        needed = _requirement_closure(imported) - _requirement_closure({PRESENT})
+    else:
+        declared = {_canonical(Requirement(line).name): str(Requirement(line).specifier)
+                    for line in metadata.requires("megatron-ppo") or [] if "extra ==" not in line}  # fmt: skip
+        needed = _missing_on(target, {name: declared.get(name, "") for name in imported})
+    pins = _lock_pins()
     unpinned = sorted(needed - pins.keys())
     if unpinned:
         raise RuntimeError(f"{LOCK} pins no version of {unpinned}: regenerate it (make lock)")
@@ -142,6 +192,8 @@ def wheel_list(root: Path = REPO) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="name the load-time imports that are missing here")
+    parser.add_argument("--target", type=Path, help="the target machine's `pip list --format=freeze`: only what it "
+                        "lacks (gpu_check/targets/ holds the lent GPU machine's)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.check:
         missing = missing_modules(load_time_imports())
@@ -151,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                   "them into .whl/site)", file=sys.stderr)  # fmt: skip
             return 1
         return 0
-    print("\n".join(wheel_list()))
+    print("\n".join(wheel_list(target=read_freeze(args.target) if args.target else None)))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`make gpu-wheels` fetches what a bare Python + PyTorch machine lacks: the list (`bench.gpu_wheels`) derived from the
+"""`make gpu-wheels` fetches what a bare Python + PyTorch machine lacks: the list (`gpu_check.wheels`) derived from the
 code's imports covers every module that loading the GPU check actually loads, and `--check` names a missing one."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Bare:
 
 
 sys.meta_path[:] = [Bare(f) if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
-import bench.gpu_check, megatron_ppo.cli, megatron_ppo.train.run, megatron_ppo.tasks.addition
+import gpu_check, megatron_ppo.cli, megatron_ppo.train.run, megatron_ppo.tasks.addition
 """
 
 

@@ -1,0 +1,120 @@
+"""Part (b) of the GPU check: the Qwen2.5-1.5B-shaped PPO iteration through the trainer's own
+`PPOTrainer.iteration()`, packed as every GPU recipe runs, at each of the plan's sequence lengths (one process each):
+tokens/s, MFU of the iteration, of each phase (the trainer's own timers) and of its bare passes, computed / real
+tokens, peak memory beside the planner's, and at the first length the same batch padded against it.
+
+The bare passes are the iteration's own work with nothing around it: the experience (`forward_passes`, no grad, eval
+mode, as the trainer runs it) and one forward-backward of critic and actor over the same micro-batches with the
+trainer's losses — no optimizer step, no metrics reduced, no KL control, guards or checkpoint. So iteration / bare
+≥ 1 by construction, and its excess is what the iteration adds around the passes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from gpu_check.plan import Plan, device_memory, ppo_config, reset_peak_memory, synthetic_rows, timed
+
+
+def bare_passes(trainer, batch) -> None:
+    """The iteration's passes alone (module docstring) on `batch` (on the device)."""
+    from megatron_ppo.models import run_micro_batches
+    from megatron_ppo.train.batch import replica_micro_batches
+    from megatron_ppo.train.experience import compute_advantages, forward_passes
+    from megatron_ppo.train.optimizer import zero_grads
+    from megatron_ppo.train.update import mini_batch_counts, role_loss
+
+    config = trainer.config
+    passes = forward_passes(config, batch, trainer.actor, trainer.ref, trainer.critic)
+    experience, _ = compute_advantages(config, batch, passes, None, None)
+    for role in ("critic", "actor"):
+        model, optimizer = trainer.models[role], trainer.optimizers[role]
+        role_config = getattr(config, role)
+        _, _, micro = replica_micro_batches(experience, role_config.ppo_micro_batch_size_per_gpu, None,
+                                            model.pack_multiple)  # fmt: skip
+        zero_grads(model, optimizer)
+        loss = role_loss(role, config, model, 0.1, trainer.ref is not None)(mini_batch_counts(experience))
+        run_micro_batches(model, micro, loss, forward_only=False)
+    for role, model in trainer.models.items():
+        zero_grads(model, trainer.optimizers[role])
+
+
+def check_ppo_iteration(plan: Plan, work: Path, seq: int) -> dict[str, Any]:
+    from megatron_ppo.config.gpus import gpu_spec
+    from megatron_ppo.models.kernels import describe_kernels
+    from megatron_ppo.parallel.device import current_device, to_device
+    from megatron_ppo.planner import plan as planner
+    from megatron_ppo.train.batch import collate
+    from megatron_ppo.train.ppo import PPOTrainer
+    from megatron_ppo.train.throughput import throughput_metrics
+
+    config = ppo_config(plan, seq, work / f"ppo{seq}", pack_sequences=True)
+    rows = plan.rows_at(seq)
+    reset_peak_memory()
+    started = time.perf_counter()
+    trainer = PPOTrainer(config, synthetic_rows(plan, seq, seed=seq), pad_id=0)
+    build_s = time.perf_counter() - started
+    models = [model for model in (trainer.actor, trainer.ref, trainer.critic) if model is not None]
+    try:
+        state = trainer.sampler.state_dict()
+        warmup_s = timed(trainer.iteration)  # kernels chosen, allocator warmed, optimizer states created
+        trainer.sampler.load_state_dict(state)  # the timed iteration and the bare passes see the warm-up's batch
+        metrics: dict[str, float] = {}
+        iteration_s = timed(lambda: metrics.update(trainer.iteration()))
+        memory = device_memory()
+        packed_passes = sorted(note for model in models for note in model.pass_notes)
+        batch = to_device(collate(trainer.rows[:rows], pad_id=0), current_device(), "the bare passes' batch")
+        bare_s = timed(lambda: bare_passes(trainer, batch))
+        padded_metrics: dict[str, float] = {}
+        padded_s = float("nan")
+        if seq == plan.seq_lengths[0]:  # the same batch again padded (warmed first): what packing costs here
+            for model in models:
+                model.pack_sequences = False
+            trainer.sampler.load_state_dict(state)
+            trainer.iteration()
+            trainer.sampler.load_state_dict(state)
+            padded_s = timed(lambda: padded_metrics.update(trainer.iteration()))
+    finally:
+        trainer.close()
+    roles = ("actor", "ref", "critic")
+    bare = throughput_metrics(config, roles, [seq] * rows, {"iteration": bare_s})
+    peak = gpu_spec(config.cluster.gpu_type).peak_bf16_tflops
+    planned = planner.plan(config)
+    out = {
+        "seq": seq, "rows": rows, "kernels": describe_kernels(config), "build_models_s": build_s,
+        "first_iteration_s": warmup_s,
+        "iteration_s": iteration_s, "bare_passes_s": bare_s, "tokens_per_s": rows * seq / iteration_s,
+        "mfu_iteration": metrics["perf/tflops_per_gpu"] / peak, "mfu_bare": bare["perf/tflops_per_gpu"] / peak,
+        "iteration_over_bare": iteration_s / bare_s, "planned_peak_gib": planned.peak_gib,
+        "planned_phases_gib": planned.phases_gib,
+        "actor_parameters": sum(p.numel() for c in trainer.actor.chunks for p in c.parameters()),
+        "pass_notes": packed_passes, "computed_over_real": metrics["perf/padded_over_real_tokens"],
+        "perf": {key: value for key, value in metrics.items() if key.startswith(("perf/", "timing/"))},
+        "padded_iteration_s": padded_s, "packed_over_padded": iteration_s / padded_s,
+        "padded_computed_over_real": padded_metrics.get("perf/padded_over_real_tokens", float("nan")),
+        **memory,
+    }  # fmt: skip
+    if memory:  # the device's peak: the allocator's reservation and what it holds outside it
+        out["measured_peak_gib"] = memory["peak_reserved_gib"] + memory["outside_allocator_gib"]
+        out["planned_over_measured"] = planned.peak_gib / out["measured_peak_gib"]
+    out["ok"] = True
+    return out
+
+
+def table_lines(b: dict[str, Any], shape: str) -> list[str]:
+    header = (f"(b) PPO iteration, {shape:<18}tokens  iter s  tokens/s  MFU iter  MFU bare  iter/bare  peak GiB  "
+              "planned GiB  computed/real  padded s  packed/padded")  # fmt: skip
+    if not b.get("ok"):
+        return [header, f"    FAILED {b.get('error', '')[:300]}"]
+    lines = [header, (
+        f"    {b['rows']} rows × {b['seq']:<5}                {b['rows'] * b['seq']:>7} {b['iteration_s']:7.2f} "
+        f"{b['tokens_per_s']:9,.0f} {b['mfu_iteration']:8.1%} {b['mfu_bare']:9.1%} {b['iteration_over_bare']:10.2f} "
+        f"{b.get('measured_peak_gib', float('nan')):9.1f} {b['planned_peak_gib']:12.1f} "
+        f"{b['computed_over_real']:14.3f} {b['padded_iteration_s']:9.2f} {b['packed_over_padded']:14.3f}"
+    )]  # fmt: skip
+    phases = ", ".join(f"{key.removeprefix('perf/mfu/')} {value:.1%}" for key, value in b["perf"].items()
+                       if key.startswith("perf/mfu/"))  # fmt: skip
+    if phases:
+        lines.append(f"      MFU by phase: {phases}")
+    return lines
