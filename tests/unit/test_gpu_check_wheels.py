@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import gpu_wheels
+from gpu_check import wheels as gpu_wheels
 
 REPO = Path(__file__).resolve().parents[2]
 # A bare machine in this environment: the path finder made blind to every top-level module whose distribution is not
@@ -30,7 +30,7 @@ class Bare:
         self.inner = inner
 
     def find_spec(self, name, path=None, target=None):
-        dists = providers.get(name) if "." not in name and name not in ("megatron_ppo", "bench") else None
+        dists = providers.get(name) if "." not in name and name not in ("megatron_ppo", "bench", "gpu_check") else None
         if dists and not any(re.sub(r"[-_.]+", "-", d).lower() in allowed for d in dists):
             return None
         return self.inner.find_spec(name, path, target)
@@ -40,7 +40,7 @@ class Bare:
 
 
 sys.meta_path[:] = [Bare(f) if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
-import gpu_check, megatron_ppo.cli, megatron_ppo.train.run, megatron_ppo.tasks.addition
+import gpu_check.parts, megatron_ppo.cli, megatron_ppo.train.run, megatron_ppo.tasks.addition
 """
 
 
@@ -78,3 +78,22 @@ def test_the_check_names_each_missing_module(tmp_path: Path) -> None:
     assert names == {"yaml", "not_installed_anywhere"}, names
     assert gpu_wheels.missing_modules(names) == ["not_installed_anywhere"]
     assert gpu_wheels.main(["--check"]) == 0, "this environment lacks a module the check loads"
+
+
+def test_a_target_machine_gets_only_what_it_lacks_or_has_out_of_range(tmp_path: Path) -> None:
+    """With the target's freeze: a distribution it has in the declared range is not fetched (nor what it requires);
+    one it lacks is fetched with what that one requires and the target lacks; one out of range is fetched."""
+    target = tmp_path / "freeze.txt"
+    from importlib import metadata
+
+    have = dict(line.split("==") for line in gpu_wheels.wheel_list())  # what a bare machine lacks, and torch's own
+    have |= {name: metadata.version(name) for name in gpu_wheels._requirement_closure({gpu_wheels.PRESENT})}
+    for name in ("megatron-core", "omegaconf", "antlr4-python3-runtime"):
+        del have[name]
+    target.write_text("".join(f"{name}=={version}\n" for name, version in have.items()))
+    assert gpu_wheels.wheel_list(target=gpu_wheels.read_freeze(target)) == [
+        "antlr4-python3-runtime==4.9.3", "megatron-core==0.19.2", "omegaconf==2.3.1"]  # fmt: skip
+    have["pyarrow"] = "12.0.0"  # below the package's pyarrow>=15: fetched
+    target.write_text("".join(f"{name}=={version}\n" for name, version in have.items()))
+    fetched = {line.split("==")[0] for line in gpu_wheels.wheel_list(target=gpu_wheels.read_freeze(target))}
+    assert "pyarrow" in fetched, fetched
