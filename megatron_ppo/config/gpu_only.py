@@ -125,7 +125,8 @@ CUDA_BRANCHES: tuple[CudaBranch, ...] = (
     CudaBranch(
         "gpu_check/resume.py: gradient norms held within 1e-3 instead of bitwise",
         "none (the bound only widens a comparison the CPU makes bitwise)",
-        "tests/e2e/test_gpu_check.py::test_gpu_check_dry_run_runs_every_part_and_writes_its_table (bitwise)",
+        "tests/e2e/test_gpu_check_dry_run.py::"
+        "test_gpu_check_dry_run_runs_every_part_in_its_own_process_and_streams_its_table (bitwise)",
     ),
     CudaBranch(
         "parallel/device.py to_device/host_copy: a micro-batch pinned (a buffer of its own strides) and copied "
