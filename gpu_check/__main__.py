@@ -2,8 +2,7 @@
 
     python -m gpu_check [--dry-run] [--parts a,b,...] [--jobs N] [--out FILE] [--part-timeout S]
 
-Each part runs in a fresh process forked from one that has imported torch, megatron-core and the check once (a fork,
-not ~10 s of imports, per part), so what one part leaves on the GPU — a failed pass, a fragmented allocator, a CUDA
+Each part runs in a fresh process, so what one part leaves on the GPU — a failed pass, a fragmented allocator, a CUDA
 context — never reaches the next, and a part that crashes or hangs (`--part-timeout`: killed with its whole process
 group) fails alone. Results stream: a part's table lines are printed and the JSON (`--out`) rewritten as each ends,
 so a run cut short still reports every finished part. Up to `--jobs` parts run at once (default 2), but a part whose
@@ -47,14 +46,25 @@ from gpu_check.plan import DRY, REAL, REPO, Plan
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron_ppo.train.run", "gpu_check.parts"]
 
 
+def part_processes(plan: Plan) -> mp.context.BaseContext:
+    """How a part's process starts. On the CPU (the dry run) forked from a server that has imported torch,
+    megatron-core and the check once: a fork, not ~10 s of imports, per part. On CUDA spawned, each importing anew:
+    importing megatron-core initialises CUDA in the importing process, which a forked child can then not use
+    ("Cannot re-initialize CUDA in forked subprocess", seen on the first H200 run of this driver)."""
+    if plan.device == "cuda":
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
 class Check:
     """The parts, their processes and the results so far."""
 
     def __init__(self, plan: Plan, parts: list[Part], out: Path, work: Path, jobs: int, part_timeout: float) -> None:
         self.plan, self.parts, self.out, self.work = plan, parts, out, work
         self.jobs, self.part_timeout = jobs, part_timeout
-        self.context = mp.get_context("forkserver")
-        self.context.set_forkserver_preload(PRELOAD)
+        self.context = part_processes(plan)
         self.results: dict[str, Any] = {
             "dry_run": plan == DRY, "dtype": plan.dtype, "shape": "tiny (dry run)" if plan == DRY else "1.5B shape",
             "torch": torch.__version__, "device": _device_name(), "parts": {},
