@@ -57,10 +57,11 @@ test-floor: $(FLOOR)/.installed
 	PYTHONPATH=$(abspath $(FLOOR)) $(ALL_TIERS) -m floor -p no:cacheprovider
 
 # The user guide: the configuration reference generated from the schema (docs/reference/config.md), then the site
-# built with --strict (a broken link, or a page missing from the navigation, fails) into site/.
+# built with --strict (a broken link or anchor, or a page missing from the navigation, fails) into site/; not --quiet,
+# which hides the warnings --strict counts (mkdocs 1.6.1).
 docs: setup
 	$(PY) -m megatron_ppo.config.reference docs/reference/config.md
-	$(VENV)/bin/mkdocs build --strict --quiet
+	$(VENV)/bin/mkdocs build --strict
 
 # Rewrite the lock from the environment after changing a range in pyproject.toml (pip install -U ... first).
 lock: setup
