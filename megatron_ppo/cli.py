@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import shlex
+import signal
 import sys
 import traceback
 import warnings
@@ -33,7 +34,7 @@ def _train(args: argparse.Namespace) -> int:
     from megatron_ppo.checkpoint.directory import named_by_latest
     from megatron_ppo.tasks import addition
     from megatron_ppo.train.guards import GuardStopped
-    from megatron_ppo.train.preemption import INTERRUPTED_EXIT, Interrupted, JobStopped, Preempted, watching
+    from megatron_ppo.train.preemption import Interrupted, JobStopped, Preempted, watching
     from megatron_ppo.train.run import train
 
     config = None
@@ -43,13 +44,13 @@ def _train(args: argparse.Namespace) -> int:
             (addition.run if config.data.task == "addition" else train)(config)
     except Interrupted as stop:
         _say_once(f"interrupted: saved {stop}; resume with: {resume_command(args.recipe, args.overrides, config)}")
-        return stop.exit_status
+        return _end_as_interrupted()
     except KeyboardInterrupt:  # before the training loop (nothing to save yet), or a second Ctrl-C in it
         latest = named_by_latest(Path(config.trainer.default_local_dir)) if config is not None else None
         kept = f"`latest` still names {latest}" if latest else "no checkpoint of this run yet"
         _say_once(f"interrupted: nothing new saved ({kept}); resume with: "
                   f"{resume_command(args.recipe, args.overrides, config)}")  # fmt: skip
-        return INTERRUPTED_EXIT
+        return _end_as_interrupted()
     except JobStopped as stop:
         then = "the job is requeued" if isinstance(stop, Preempted) else "the next job resumes from it"
         print(f"stopped early: saved {stop}; exiting with {stop.exit_status}, {then}", file=sys.stderr)
@@ -105,6 +106,15 @@ def _say_once(line: str) -> None:
 
     if dist_env_from_environment().rank == 0:
         print(line, file=sys.stderr, flush=True)
+
+
+def _end_as_interrupted() -> int:
+    """Exit status 130 on every rank: torchrun sends SIGTERM to the ranks still shutting down once the first has
+    exited, which would turn their 130 into -15; this one finishes its exit instead (torchrun kills at 30 s)."""
+    from megatron_ppo.train.preemption import INTERRUPTED_EXIT
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return INTERRUPTED_EXIT
 
 
 def report_guard_stop(stop: GuardStopped) -> None:
@@ -300,9 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# What Megatron-Core and torch announce, when imported, about optional kernels they did not find: the run's first
-# lines already say which layer spec, attention kernel, fusions and optimizer run instead (`describe_kernels`).
-IMPORT_NOTICES = ("Apex is not installed", "Transformer Engine and Apex are not installed", "No CUDA runtime is found")
+# What Megatron-Core and torch announce about optional kernels they did not find (when imported) and, at the first
+# asynchronous save, that Megatron's own writer is deprecated for NVRx's (a CUDA-only package): the run's first lines
+# already say which layer spec, attention kernel, fusions and optimizer run (`describe_kernels`).
+IMPORT_NOTICES = ("Apex is not installed", "Transformer Engine and Apex are not installed", "No CUDA runtime is found",
+                  "MCore's async save is deprecated")  # fmt: skip
+# the loggers that log some of them (the others are Python warnings)
+NOTICE_LOGGERS = ("torch.utils.cpp_extension", "megatron.core.dist_checkpointing.strategies.torch")
 LOG_LEVEL = "MEGATRON_PPO_LOG_LEVEL"  # e.g. DEBUG: the notices above, and every library's debug log
 
 
@@ -319,8 +333,7 @@ def _demote(record: logging.LogRecord) -> bool:
 
 def quiet_import_notices() -> None:
     """Keep the import-time notices off a user's screen: logged at debug level (`megatron_ppo.notices`) instead of
-    printed, the warnings (Megatron's) and the log records (torch's `cpp_extension`) alike; anything else is shown
-    as before."""
+    printed, the warnings and the log records (`NOTICE_LOGGERS`) alike; anything else is shown as before."""
     if level := os.environ.get(LOG_LEVEL):
         logging.basicConfig(level=level.upper())
     show = warnings.showwarning
@@ -333,9 +346,9 @@ def quiet_import_notices() -> None:
 
     if getattr(show, "__name__", "") != show_or_demote.__name__:  # once per process (tests call main many times)
         warnings.showwarning = show_or_demote
-    torch_log = logging.getLogger("torch.utils.cpp_extension")
-    if _demote not in torch_log.filters:
-        torch_log.addFilter(_demote)
+    for name in NOTICE_LOGGERS:
+        if _demote not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_demote)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -366,10 +379,8 @@ def run_reporting_errors(args: argparse.Namespace) -> int:
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C in any other command: one line, no traceback
-        from megatron_ppo.train.preemption import INTERRUPTED_EXIT
-
         _say_once("interrupted")
-        return INTERRUPTED_EXIT
+        return _end_as_interrupted()
     except Exception:
         traceback.print_exc()
         print(BUG, file=sys.stderr, flush=True)
