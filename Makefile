@@ -11,18 +11,18 @@ PYTEST := $(PY) -m pytest -q --durations=25
 # torchrun --standalone: a free port per launch, so two jobs on one machine (two `make train`, or one beside the suite) never collide.
 TORCHRUN = OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone
 
-.PHONY: setup test test-fast test-floor lint lock gpu-wheels validate bench train score figure compare-kl drill faults plan submit report gpu-check profile
+.PHONY: setup test test-fast test-floor lint docs lock gpu-wheels validate bench train score figure compare-kl drill faults plan submit report gpu-check profile
 
 setup: $(STAMP)
 
-# torch first, from the lock, so no dependency ever resolves a second torch; then the package and its test extra,
+# torch first, from the lock, so no dependency ever resolves a second torch; then the package and its test, plot and docs extras,
 # every version held to the lock.
 $(STAMP): pyproject.toml $(LOCK)
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 found: make setup PYTHON=/path/to/python3.12" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c $(LOCK) torch
-	$(PY) -m pip install --quiet -c $(LOCK) -e '.[test,plot]'
+	$(PY) -m pip install --quiet -c $(LOCK) -e '.[test,plot,docs]'
 	$(PY) -c "import importlib.util, sys; sys.exit('PyPI apex is installed: it breaks megatron-core layer specs; pip uninstall apex' if importlib.util.find_spec('apex') else 0)"
 	touch $(STAMP)
 
@@ -55,6 +55,13 @@ test-floor: $(FLOOR)/.installed
 	PYTHONPATH=$(abspath $(FLOOR)) $(PY) -m pip check
 	PYTHONPATH=$(abspath $(FLOOR)) $(PY) -c "import importlib.metadata as md, sys; pins = dict(line.split()[0].split('==') for line in open('requirements/floor.txt') if '==' in line and not line.startswith('#')); off = [f'{n} {md.version(n)}, not {v}' for n, v in pins.items() if md.version(n) != v]; sys.exit(f'the floor leg finds {off}' if off else 0)"
 	PYTHONPATH=$(abspath $(FLOOR)) $(ALL_TIERS) -m floor -p no:cacheprovider
+
+# The user guide: the configuration reference generated from the schema (docs/reference/config.md), then the site
+# built with --strict (a broken link or anchor, or a page missing from the navigation, fails) into site/; not --quiet,
+# which hides the warnings --strict counts (mkdocs 1.6.1).
+docs: setup
+	$(PY) -m megatron_ppo.config.reference docs/reference/config.md
+	$(VENV)/bin/mkdocs build --strict
 
 # Rewrite the lock from the environment after changing a range in pyproject.toml (pip install -U ... first).
 lock: setup

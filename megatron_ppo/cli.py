@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import shlex
+import signal
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +20,7 @@ from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.errors import UserError
 
 if TYPE_CHECKING:
+    from megatron_ppo.config.schema import PPOConfig
     from megatron_ppo.train.guards import GuardStopped
 
 
@@ -25,15 +31,26 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from megatron_ppo.checkpoint.directory import named_by_latest
     from megatron_ppo.tasks import addition
     from megatron_ppo.train.guards import GuardStopped
-    from megatron_ppo.train.preemption import JobStopped, Preempted, watching
+    from megatron_ppo.train.preemption import Interrupted, JobStopped, Preempted, watching
     from megatron_ppo.train.run import train
 
+    config = None
     try:
         with watching():
             config = load_config(args.recipe, args.overrides)
             (addition.run if config.data.task == "addition" else train)(config)
+    except Interrupted as stop:
+        _say_once(f"interrupted: saved {stop}; resume with: {resume_command(args.recipe, args.overrides, config)}")
+        return _end_as_interrupted()
+    except KeyboardInterrupt:  # before the training loop (nothing to save yet), or a second Ctrl-C in it
+        latest = named_by_latest(Path(config.trainer.default_local_dir)) if config is not None else None
+        kept = f"`latest` still names {latest}" if latest else "no checkpoint of this run yet"
+        _say_once(f"interrupted: nothing new saved ({kept}); resume with: "
+                  f"{resume_command(args.recipe, args.overrides, config)}")  # fmt: skip
+        return _end_as_interrupted()
     except JobStopped as stop:
         then = "the job is requeued" if isinstance(stop, Preempted) else "the next job resumes from it"
         print(f"stopped early: saved {stop}; exiting with {stop.exit_status}, {then}", file=sys.stderr)
@@ -61,6 +78,43 @@ def _score(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     return 0
+
+
+# Overrides a resumed job must not repeat: they start a new run (auto continues the run `latest` names)
+NOT_ON_RESUME = ("trainer.resume_mode=", "trainer.resume_from_path=", "trainer.overwrite=", "+trainer.resume_mode=")
+
+
+def resume_command(recipe: str, overrides: Sequence[str], config: PPOConfig | None) -> str:
+    """The command line that continues an interrupted run: the same launch (torchrun with this job's processes per
+    node, when it ran under torchrun) and overrides, less those that would start another run, with
+    `trainer.resume_mode=auto` where the recipe resumes otherwise."""
+    kept = [o for o in overrides if not o.startswith(NOT_ON_RESUME)]
+    if config is not None and config.trainer.resume_mode != "auto":
+        kept.append("trainer.resume_mode=auto")
+    words = ["-m", "megatron_ppo", "train", recipe, *kept]
+    nodes, per_node = int(os.environ.get("GROUP_WORLD_SIZE", "1")), os.environ.get("LOCAL_WORLD_SIZE")
+    if "TORCHELASTIC_RUN_ID" in os.environ and per_node:
+        launch = ["torchrun", *(["--nnodes", str(nodes)] if nodes > 1 else []), "--nproc_per_node", per_node]
+    else:
+        launch = ["python"]
+    return shlex.join([*launch, *words])
+
+
+def _say_once(line: str) -> None:
+    """A line on stderr from the first process only (every rank stops alike)."""
+    from megatron_ppo.parallel import dist_env_from_environment
+
+    if dist_env_from_environment().rank == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _end_as_interrupted() -> int:
+    """Exit status 130 on every rank: torchrun sends SIGTERM to the ranks still shutting down once the first has
+    exited, which would turn their 130 into -15; this one finishes its exit instead (torchrun kills at 30 s)."""
+    from megatron_ppo.train.preemption import INTERRUPTED_EXIT
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return INTERRUPTED_EXIT
 
 
 def report_guard_stop(stop: GuardStopped) -> None:
@@ -163,9 +217,15 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipe_command(commands, name: str, help_text: str, run) -> argparse.ArgumentParser:
+def _command(commands, name: str, help_text: str, example: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help ends with one example command line (kept unwrapped)."""
+    return commands.add_parser(name, help=help_text, description=help_text, epilog=f"example:\n  {example}",
+                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+
+
+def _recipe_command(commands, name: str, help_text: str, run, example: str) -> argparse.ArgumentParser:
     """A subcommand taking a recipe and key=value overrides."""
-    command = commands.add_parser(name, help=help_text)
+    command = _command(commands, name, help_text, example)
     command.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-cpu.yaml")
     command.add_argument("overrides", nargs="*", help="key=value overrides (verl-style paths accepted)")
     command.set_defaults(run=run)
@@ -175,24 +235,65 @@ def _recipe_command(commands, name: str, help_text: str, run) -> argparse.Argume
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron_ppo", description="Offline RLHF with PPO on Megatron-Core.")
     commands = parser.add_subparsers(dest="command", required=True)
-    _recipe_command(commands, "validate", "compose, validate and print a recipe's resolved config", _validate)
-    _recipe_command(commands, "train", "run a recipe (under torchrun for several processes)", _train)
-    _recipe_command(commands, "score", "rewards from reward_model.* for every row of the data files, written to new "
-                    "Parquet files (under torchrun for several processes)", _score)  # fmt: skip
-    comparer = _recipe_command(commands, "compare-kl", "the tiny recipe with KL off, fixed, adaptive and staged",
-                               _compare_kl)  # fmt: skip
+    _recipe_command(
+        commands,
+        "validate",
+        "compose, validate and print a recipe's resolved config",
+        _validate,
+        "megatron-ppo validate recipes/qwen2.5-7b.yaml actor.optim.lr=5e-7 algorithm.kl_ctrl.type=adaptive",
+    )
+    _recipe_command(
+        commands,
+        "train",
+        "run a recipe (under torchrun for several processes)",
+        _train,
+        "torchrun --nproc_per_node 2 -m megatron_ppo train recipes/tiny-cpu.yaml algorithm.kl_ctrl.max_coef=1.0",
+    )
+    _recipe_command(
+        commands,
+        "score",
+        "rewards from reward_model.* for every row of the data files, written to new "
+        "Parquet files (under torchrun for several processes)",
+        _score,
+        "torchrun --nproc_per_node 8 -m megatron_ppo score recipes/qwen2.5-7b.yaml "
+        "reward_model.model.path=/models/Skywork-RM data.train_files=pairs.parquet",
+    )
+    comparer = _recipe_command(
+        commands,
+        "compare-kl",
+        "the tiny recipe with KL off, fixed, adaptive and staged",
+        _compare_kl,
+        "torchrun --nproc_per_node 2 -m megatron_ppo compare-kl recipes/tiny-cpu.yaml --plot",
+    )
     comparer.add_argument("--plot", nargs="?", const="", metavar="FILE", help="also draw the four runs on one figure "
                           "(default: compare-kl.png in the comparison's directory)")  # fmt: skip
-    planner = _recipe_command(commands, "plan", "layout check, per-GPU memory and step-time estimate", _plan)
+    planner = _recipe_command(
+        commands,
+        "plan",
+        "layout check, per-GPU memory and step-time estimate",
+        _plan,
+        "megatron-ppo plan recipes/qwen2.5-32b.yaml --nodes 4",
+    )
     planner.add_argument("--nodes", type=int, help="plan for this many nodes instead of cluster.nodes")
     planner.add_argument("--json", action="store_true", help="machine-readable output")
-    reporter = commands.add_parser("report", help="a run's TensorBoard metrics and events as tables, or a figure")
+    reporter = _command(
+        commands,
+        "report",
+        "a run's TensorBoard metrics and events as tables, or a figure",
+        "megatron-ppo report outputs/tiny/tensorboard --plot",
+    )
     reporter.add_argument("run_or_recipe", help="a TensorBoard log directory, or a recipe (its trainer.log_dir)")
     reporter.add_argument("overrides", nargs="*", help="more runs or recipes, then key=value overrides of the recipes")
     reporter.add_argument("--plot", nargs="?", const="", metavar="FILE", help="draw the runs on one figure (.png, "
                           ".pdf, .svg; default: <trainer.log_dir>/<run id>.png, beside the first run)")  # fmt: skip
     reporter.set_defaults(run=_report)
-    converter = commands.add_parser("convert", help="Hugging Face <-> megatron-ppo checkpoints, and a logit check")
+    converter = _command(
+        commands,
+        "convert",
+        "Hugging Face <-> megatron-ppo checkpoints, and a logit check",
+        "torchrun --nproc_per_node 4 -m megatron_ppo convert hf-to-mcore --hf /models/Qwen2.5-7B-Instruct "
+        "--out ckpt/qwen7b-init --tp 4",
+    )
     converter.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf", "verify"])
     converter.add_argument("--hf", help="Hugging Face directory (config.json + safetensors)")
     converter.add_argument("--megatron", help="megatron-ppo checkpoint directory (mcore-to-hf, verify)")
@@ -209,7 +310,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What Megatron-Core and torch announce about optional kernels they did not find (when imported) and, at the first
+# asynchronous save, that Megatron's own writer is deprecated for NVRx's (a CUDA-only package): the run's first lines
+# already say which layer spec, attention kernel, fusions and optimizer run (`describe_kernels`).
+IMPORT_NOTICES = ("Apex is not installed", "Transformer Engine and Apex are not installed", "No CUDA runtime is found",
+                  "MCore's async save is deprecated")  # fmt: skip
+# the loggers that log some of them (the others are Python warnings)
+NOTICE_LOGGERS = ("torch.utils.cpp_extension", "megatron.core.dist_checkpointing.strategies.torch")
+LOG_LEVEL = "MEGATRON_PPO_LOG_LEVEL"  # e.g. DEBUG: the notices above, and every library's debug log
+
+
+NOTICES = logging.getLogger("megatron_ppo.notices")
+
+
+def _demote(record: logging.LogRecord) -> bool:
+    """A logging filter: an import notice goes to the debug log instead."""
+    if record.getMessage().startswith(IMPORT_NOTICES):
+        NOTICES.debug("%s", record.getMessage())
+        return False
+    return True
+
+
+def quiet_import_notices() -> None:
+    """Keep the import-time notices off a user's screen: logged at debug level (`megatron_ppo.notices`) instead of
+    printed, the warnings and the log records (`NOTICE_LOGGERS`) alike; anything else is shown as before."""
+    if level := os.environ.get(LOG_LEVEL):
+        logging.basicConfig(level=level.upper())
+    show = warnings.showwarning
+
+    def show_or_demote(message, category, filename, lineno, file=None, line=None) -> None:
+        if str(message).startswith(IMPORT_NOTICES):
+            NOTICES.debug("%s (%s:%d)", message, filename, lineno)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    if getattr(show, "__name__", "") != show_or_demote.__name__:  # once per process (tests call main many times)
+        warnings.showwarning = show_or_demote
+    for name in NOTICE_LOGGERS:
+        if _demote not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_demote)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_import_notices()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may also follow options (`plan RECIPE --json k=v`): argparse leaves those over
@@ -235,6 +378,9 @@ def run_reporting_errors(args: argparse.Namespace) -> int:
         if dist_env_from_environment().rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C in any other command: one line, no traceback
+        _say_once("interrupted")
+        return _end_as_interrupted()
     except Exception:
         traceback.print_exc()
         print(BUG, file=sys.stderr, flush=True)

@@ -1,5 +1,7 @@
-"""Schema fields that carry their own rule — the values a key may take, or its valid range — so the schema is the
-one place a rule is written: `validate` walks the fields, and modules ask `choices_of` instead of restating them.
+"""Schema fields that carry their own rule — the values a key may take, or its valid range — and their one-line
+meaning, so the schema is the one place a rule or a meaning is written: `validate` walks the fields, modules ask
+`choices_of` instead of restating them, and the configuration reference (`config/reference.py`,
+docs/reference/config.md) is generated from them.
 """
 
 from __future__ import annotations
@@ -26,20 +28,34 @@ UNIT_INTERVAL = Range(lambda v: 0 <= v <= 1, "in [0, 1]")
 FACTOR = Range(lambda v: 0 < v <= 1, "in (0, 1]")
 
 
-def choice(default: Any, options: Sequence[Any]) -> Any:
-    """A field whose value must be one of `options` (the default among them)."""
+DOC = "doc"  # the metadata key of a field's one-line meaning (what the configuration reference prints)
+
+
+def _doc(doc: str) -> dict[str, str]:
+    return {DOC: doc} if doc else {}
+
+
+def choice(default: Any, options: Sequence[Any], doc: str = "") -> Any:
+    """A field whose value must be one of `options` (the default among them); `doc` is its one-line meaning."""
     assert default in options, f"default {default!r} is not among {options}"
-    return dataclasses.field(default=default, metadata={"choices": tuple(options)})
+    return dataclasses.field(default=default, metadata={"choices": tuple(options), **_doc(doc)})
 
 
-def ranged(default: Any, rule: Range) -> Any:
-    """A field whose value, unless None, must satisfy `rule`."""
-    return dataclasses.field(default=default, metadata={"range": rule})
+def ranged(default: Any, rule: Range, doc: str = "") -> Any:
+    """A field whose value, unless None, must satisfy `rule`; `doc` is its one-line meaning."""
+    return dataclasses.field(default=default, metadata={"range": rule, **_doc(doc)})
+
+
+def described(default: Any = dataclasses.MISSING, doc: str = "", *, default_factory: Any = dataclasses.MISSING,
+              **metadata: Any) -> Any:  # fmt: skip
+    """A field without a rule of its own (any value of its type), with its one-line meaning `doc`; a list default
+    comes as `default_factory`."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={**metadata, **_doc(doc)})
 
 
 def each_of(options: Sequence[Any], **metadata: Any) -> dict[str, Any]:
-    """The metadata of a list field each of whose items must be one of `options`: `field(default_factory=…,
-    metadata=each_of(options))`."""
+    """The metadata of a list field each of whose items must be one of `options`: `described(default_factory=…,
+    doc=…, **each_of(options))`."""
     return {"item_choices": tuple(options), **metadata}
 
 
@@ -56,14 +72,14 @@ def shared_layout(spec: Any) -> Any:
 PER_JOB = "per_job"  # the metadata key of `per_job` fields
 
 
-def per_job(spec: Any, why: str) -> Any:
+def per_job(spec: Any, why: str, doc: str = "") -> Any:
     """A field the jobs of one run may set differently without it being another experiment
     (`run_identity.meant_to_change`); `why` names the kind (run control, the run's length, micro-batching). `spec` is
-    the default, or a field (`choice`, `ranged`) whose rule and default it keeps. (A list default: a
-    `dataclasses.field(default_factory=…, metadata={PER_JOB: why})` of its own.)"""
+    the default (then `doc` is its meaning), or a field (`choice`, `ranged`) whose rule, default and meaning it keeps.
+    (A list default: `described(default_factory=…, doc=…, per_job=why)`.)"""
     if not isinstance(spec, dataclasses.Field):
-        return dataclasses.field(default=spec, metadata={PER_JOB: why})
-    return dataclasses.field(default=spec.default, metadata={**spec.metadata, PER_JOB: why})
+        return dataclasses.field(default=spec, metadata={PER_JOB: why, **_doc(doc)})
+    return dataclasses.field(default=spec.default, metadata={**spec.metadata, PER_JOB: why, **_doc(doc)})
 
 
 def tagged_keys(config: Any, tag: str, prefix: str = "") -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The one list of what cannot run on CPU: each setting with its reason and the `make gpu-check` part that runs it.
 
-Validation refuses each on `cluster.device=cpu` (`validate.py` reads this list); the README's table is this list;
+Validation refuses each on `cluster.device=cpu` (`validate.py` reads this list); docs/gpu.md's table is this list;
 `tests/unit/test_cpu_coverage.py` fails when a shipped recipe sets a layout or feature flag that neither a CPU test
 covers nor this list names. Everything else a recipe sets — TP with sequence parallelism, PP with virtual stages,
 the distributed optimizer with overlapped DP communication, full and selective recompute, EP/expert-TP with the

@@ -1,6 +1,6 @@
 """verl's command-line keys on our config: renamed paths, keys whose value sets several of ours, and refusals.
 
-A verl launch script's overrides are read as verl means them (the README's "verl keys" table lists each one):
+A verl launch script's overrides are read as verl means them (docs/reference/verl-keys.md lists each one):
   - `VERL_ALIASES`: a verl path prefix → ours (`actor_rollout_ref.actor.optim.lr` → `actor.optim.lr`);
   - `expand_verl_values`: keys whose value maps onto several of our keys — `data.filter_overlong_prompts` with
     `data.truncation` onto the over-long row handling, `*.model.enable_gradient_checkpointing` onto that role's
@@ -91,7 +91,7 @@ def expand_verl_values(overrides: list[Override]) -> list[Override]:
     deleted = [o for o in overrides if o.delete and (o.key in GRADIENT_CHECKPOINTING or o.key in overlong)]
     if deleted:
         raise ConfigError([f"~{o.written}: this verl key sets several of ours, so it cannot be deleted; set it, or "
-                           "delete the keys it sets (README, verl keys)" for o in deleted])  # fmt: skip
+                           "delete the keys it sets (docs/reference/verl-keys.md)" for o in deleted])  # fmt: skip
     expanded: list[Override] = []
     for index, override in enumerate(overrides):
         if override.key in GRADIENT_CHECKPOINTING:

@@ -51,9 +51,9 @@ from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff
 from megatron_ppo.train.metrics import MetricsLogger
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, zero_grads
 from megatron_ppo.train.preemption import (
+    Interrupted,
     JobBudget,
     JobBudgetReached,
-    Preempted,
     PreemptionWatch,
     mark_preempted,
     watching,
@@ -406,7 +406,7 @@ class PPOTrainer:
         """Train to `total_steps`. On a preemption signal, save after the current iteration and raise `Preempted`;
         when this job's budget (`trainer.exit_interval`, `exit_duration_in_mins`) is spent, save and raise
         `JobBudgetReached`."""
-        with watching() as watch:
+        with watching() as watch, watch.in_the_loop():
             self._fit(watch, JobBudget(self.config.trainer.exit_interval, self.config.trainer.exit_duration_in_mins))
         return self.history
 
@@ -430,9 +430,13 @@ class PPOTrainer:
                 self.history[-1] |= self.evaluation()
             if watch.agreed():
                 path = self.save(wait=True)
+                stop = watch.stop(str(path))
+                if isinstance(stop, Interrupted):
+                    self.logger.event(self.step, "interrupted", f"Ctrl-C; checkpoint {path}, exiting")
+                    raise stop
                 self.logger.event(self.step, "preempted", f"signal received; checkpoint {path}, exiting to requeue")
                 mark_preempted()
-                raise Preempted(str(path))
+                raise stop
             if self.step < self.total_steps and (reason := budget.reason(self.step)):
                 path = self.save(wait=True)
                 self.logger.event(self.step, "job budget", f"{reason}; checkpoint {path}, the next job resumes")

@@ -8,12 +8,16 @@
   script checks.
 - Job budget (`trainer.exit_interval`, `trainer.exit_duration_in_mins`): one job of a `--dependency=afterok` chain
   saves and exits 0; the next job resumes.
+- Ctrl-C (SIGINT; torchrun forwards it to each of its processes once): in the training loop it ends as a preemption
+  does — the iteration finished, a checkpoint saved — but with `INTERRUPTED_EXIT` and nothing requeued. Before the
+  loop there is nothing to save, and a second Ctrl-C means "now": both raise `KeyboardInterrupt` at once.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +29,7 @@ import psutil
 from megatron_ppo.parallel.collectives import any_rank, global_rank
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later"
+INTERRUPTED_EXIT = 130  # 128 + SIGINT: what a shell reports for a Ctrl-C
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 MARKER_ENV = "MEGATRON_PPO_PREEMPTED_MARKER"
 
@@ -41,22 +46,54 @@ class Preempted(JobStopped):
     exit_status = PREEMPTED_EXIT
 
 
+class Interrupted(JobStopped):
+    """Ctrl-C during the training loop: the checkpoint saved, exit `INTERRUPTED_EXIT`, not requeued."""
+
+    exit_status = INTERRUPTED_EXIT
+
+
 class JobBudgetReached(JobStopped):
     """`trainer.exit_interval` or `trainer.exit_duration_in_mins` reached: exit 0 so the next chained job starts."""
 
 
 class PreemptionWatch:
-    """Records a preemption signal; `agreed()` is true on every rank once any rank got one."""
+    """Records a preemption signal or a Ctrl-C; `agreed()` is true on every rank once any rank got one. A Ctrl-C is
+    deferred to the iteration's end only while `in_loop` (the trainer's loop sets it)."""
 
     def __init__(self) -> None:
         self.signalled: int | None = None
+        self.interrupted = False
+        self.in_loop = False
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signalled = signum
 
+    def _interrupt(self, signum: int, frame: FrameType | None) -> None:
+        if not self.in_loop or self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        if global_rank() == 0:
+            print("interrupt: finishing this iteration and saving a checkpoint (Ctrl-C again to stop at once)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    @contextmanager
+    def in_the_loop(self) -> Iterator[None]:
+        """The training loop: a Ctrl-C inside it is answered after the iteration, with a checkpoint."""
+        self.in_loop = True
+        try:
+            yield
+        finally:
+            self.in_loop = False
+
     def agreed(self) -> bool:
-        return any_rank(self.signalled is not None)
+        return any_rank(self.signalled is not None or self.interrupted)
+
+    def stop(self, checkpoint: str) -> JobStopped:
+        """What an agreed stop raises once `checkpoint` is saved: `Interrupted` when any rank got a Ctrl-C (every
+        rank reaches this together, after `agreed()`), else `Preempted`."""
+        return Interrupted(checkpoint) if any_rank(self.interrupted) else Preempted(checkpoint)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

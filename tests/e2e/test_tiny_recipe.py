@@ -5,6 +5,7 @@ bucket. Six launches share one task cache, and the first run is the uninterrupte
 from __future__ import annotations
 
 import math
+import re
 import signal
 from pathlib import Path
 
@@ -134,10 +135,11 @@ def test_a_run_killed_preempted_and_resumed_at_tp1_and_back_at_tp2_reproduces_th
     """One run in four jobs, each compared with the uninterrupted run:
     1. at TP=2, SIGKILLed (workers included) as soon as `latest` names step_2 (or, on a machine too loaded to look in
        between, a later save);
-    2. resumed, then preempted (SIGUSR1 to the training processes, as Slurm sends it) once the step after it is
-       logged, with the regular saves off, so the checkpoint it leaves is the preemption's own (at the step the signal
-       lands after, by the machine's load) and the job exits 75 for the requeue. Same layout and processes: its steps
-       equal the run's to float precision;
+    2. resumed, then interrupted (SIGINT to each training process, as torchrun forwards a Ctrl-C) once the step
+       after it is logged, with the regular saves off, so the checkpoint it leaves is the interruption's own (at the
+       step the signal lands after, by the machine's load): one line naming it and the command that resumes, exit
+       130 (a preemption, SIGUSR1 or SIGTERM, takes the same path to exit 75: tests/slurm). Same layout and
+       processes: its steps equal the run's to float precision;
     3. the preemption's checkpoint resumed at TP=1 on 1 process for one step, optimizer states included: Megatron
        reshards it, and that step equals the TP=2 run's across layouts (measured 3e-6 relative);
     4. that job's checkpoint (saved at its end) resumed at TP=2 on 2 processes for one step: resharded back, the run
@@ -150,11 +152,16 @@ def test_a_run_killed_preempted_and_resumed_at_tp1_and_back_at_tp2_reproduces_th
     assert killed_step < LAST_STEP - 3, f"the kill came too late in the run (step_{killed_step})"
 
     status = run_and_signal_after_step(2, [*common, "trainer.save_freq=0", f"trainer.log_dir={tmp_path}/tb1"],
-                                       killed_step + 1, signal.SIGUSR1, tmp_path / "b.log")  # fmt: skip
+                                       killed_step + 1, signal.SIGINT, tmp_path / "b.log")  # fmt: skip
     log = (tmp_path / "b.log").read_text()
     assert "resumed from" in log and f"step_{killed_step}" in log, log[-3000:]
-    assert status != 0 and "exiting with 75" in log, f"exit {status}; log tail:\n{log[-3000:]}"
     saved_step = int((ckpt / "latest").read_text().strip().removeprefix("step_"))
+    said = [line for line in log.splitlines() if line.startswith("interrupted:")]
+    resume = f"interrupted: saved {ckpt}/step_{saved_step}; resume with: torchrun --nproc_per_node 2 -m megatron_ppo"
+    assert len(said) == 1 and said[0].startswith(resume) and "trainer.save_freq=0" in said[0], said
+    exits = re.findall(r"exitcode\s*:\s*(-?\d+)", log)  # torchrun's report of each rank that had ended
+    assert status != 0 and exits and set(exits) == {"130"}, f"exit {status}, ranks {exits}; log:\n{log[-3000:]}"
+    assert "KeyboardInterrupt" not in log, log[-3000:]
     assert killed_step < saved_step < LAST_STEP - 1, f"the preemption checkpoint is at step {saved_step}"
     _assert_same_after(scalars(tmp_path / "tb1"), uninterrupted, steps=range(killed_step + 1, saved_step + 1))
 

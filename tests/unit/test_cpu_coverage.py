@@ -1,5 +1,5 @@
 """Every layout and feature flag a shipped recipe sets is either run by a named CPU test or named in the one list
-of what cannot run on CPU (`config/gpu_only.py`), which the README's table repeats."""
+of what cannot run on CPU (`config/gpu_only.py`), which the guide's table (docs/gpu.md) repeats."""
 
 from __future__ import annotations
 
@@ -167,15 +167,15 @@ def test_each_named_cpu_test_exercises_its_flag(flag: str) -> None:
     )
 
 
-def test_readme_lists_every_gpu_only_setting_with_its_gpu_check_part() -> None:
-    readme = (REPO / "README.md").read_text()
+def test_the_guide_lists_every_gpu_only_setting_with_its_gpu_check_part() -> None:
+    readme = (REPO / "docs" / "gpu.md").read_text()
     for entry in GPU_ONLY:
         row = next((line for line in readme.splitlines() if line.startswith(f"| `{entry.setting}`")), None)
-        assert row is not None and entry.gpu_check in row, f"README's GPU-only table lacks {entry.setting}"
+        assert row is not None and entry.gpu_check in row, f"docs/gpu.md's GPU-only table lacks {entry.setting}"
 
 
-def test_every_cuda_branch_names_cpu_tests_that_exist_and_the_readme_lists_it() -> None:
-    readme = (REPO / "README.md").read_text()
+def test_every_cuda_branch_names_cpu_tests_that_exist_and_the_guide_lists_it() -> None:
+    readme = (REPO / "docs" / "gpu.md").read_text()
     for branch in CUDA_BRANCHES:
         nodes = [part.strip().split(" ")[0] for part in branch.test.split(";")]
         for node in nodes:

@@ -30,9 +30,10 @@ from megatron_ppo.data.tokenizer import train_char_tokenizer
 INTERNAL = {
     "BadRow": "one row's rejection: `read_rows` turns it into a DataError or a rejects-file line",
     "ScoreError": "a scorer's bad result: rejects the row (BadRow)",
-    "JobStopped": "preemption and job budgets: a checkpoint saved, exit 75 / 0 (`cli._train`)",
+    "JobStopped": "preemption, Ctrl-C and job budgets: a checkpoint saved, exit 75 / 130 / 0 (`cli._train`)",
     "Preempted": "a JobStopped",
     "JobBudgetReached": "a JobStopped",
+    "Interrupted": "a JobStopped (Ctrl-C in the training loop: exit 130)",
     "GuardStopped": "a guard's stop: its own one line and exit status (`cli.report_guard_stop`)",
 }
 
@@ -69,6 +70,13 @@ def test_each_user_error_type_reaches_the_user_as_one_error_block(error_type, ca
     err = capsys.readouterr().err
     assert err == f"error: {error}\n", err
     assert "Traceback" not in err
+
+
+def test_the_troubleshooting_page_names_every_error_a_user_can_meet() -> None:
+    page = (Path(megatron_ppo.__file__).parents[1] / "docs" / "troubleshooting.md").read_text()
+    user = [t.__qualname__ for t in _package_exception_types() if issubclass(t, UserError) and t is not UserError]
+    missing = [name for name in user if f"### `{name}`" not in page]
+    assert user and not missing, f"docs/troubleshooting.md has no section on {missing}: what it means, what to do"
 
 
 def test_a_bug_shows_its_traceback_and_says_it_is_one(capsys) -> None:
