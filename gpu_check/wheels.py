@@ -9,7 +9,7 @@ versions of `requirements/lock.txt`.
     python -m gpu_check.wheels --target gpu_check/targets/nvidia-h200.txt   # only what that machine lacks
     python -m gpu_check.wheels --check    # on the GPU machine: exit 1 naming each module that does not import
 
-`--check` needs nothing but the source tree and the standard library (`gpu_check.py` runs it before part (a))."""
+`--check` needs nothing but the source tree and the standard library (`make gpu-check` runs it before the check)."""
 
 from __future__ import annotations
 
