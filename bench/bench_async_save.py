@@ -13,8 +13,8 @@ writer. A synchronous save adds the write itself, which at the tiny recipe's siz
 those. `--hidden-size H` widens the model (and narrows the batch to keep iterations short) to show the two apart
 at a checkpoint whose write takes seconds.
 
-Measured (2 CPU processes on a 2-core machine shared with a test-suite run, medians of 5 saves each; the runs are
-in docs/performance.md, "Asynchronous checkpoint saves"): tiny 0.30 at load 1–3 and 0.44–0.72 at load 7–13 (0.42–0.85 with
+Measured (2 CPU processes on a 2-core machine shared with a test-suite run, medians of 5 saves; the runs are in
+docs/performance.md, "Asynchronous checkpoint saves"): tiny 0.30 at load 1–3 and 0.44–0.72 at load 7–13 (0.42–0.85 with
 the finalisation of 26–47 ms), its synchronous save now 150–220 ms, of which the fork, Megatron's plan and the
 sharded state dicts alone take 40–70; `--hidden-size 1024` (578 MiB per checkpoint) 0.07, 0.10 with the
 finalisation (last measured: 0.13–0.20, 0.31–0.36 with the finalisation).

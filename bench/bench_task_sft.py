@@ -3,7 +3,7 @@ replica), side by side in one run: the same demonstrations, the same steps, alte
 CPU processes; milliseconds per SFT step of each and their ratio. The SFT (1000 steps) is most of the time `make
 train` and the end-to-end tests spend building the task.
 
-Measured (2 CPU processes, a quiet 2-core machine; docs/performance.md, "The tiny recipe"): 159 ms per step at the recipe's TP 2, 78
+Measured (2 CPU processes, a quiet 2-core machine; docs/performance.md): 159 ms per step at the recipe's TP 2, 78
 ms data-parallel (0.49). Tensor parallelism over gloo pays two all-reduces per layer and pass for a model whose
 matrices are 128 wide; data parallelism pays one gradient all-reduce per step.
 
