@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gpu_check.plan import Plan, device_memory, ppo_config, reset_peak_memory, synthetic_rows, timed
 
 
@@ -40,6 +42,28 @@ def bare_passes(trainer, batch) -> None:
         zero_grads(model, trainer.optimizers[role])
 
 
+def profile_iteration(trainer, top: int = 8) -> dict[str, Any]:
+    """One more iteration under torch's profiler: the `top` kernels by device time (on the CPU: operators by self
+    time) with their share of it, and the device's busy share of the wall time (kernel time over wall time; below 1
+    is time the GPU waited for the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as profiler:
+        wall_s = timed(trainer.iteration)
+    events = profiler.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    kernels = [e for e in events if getattr(e, key, 0) > 0 and (not cuda or e.device_type.name == "CUDA")]
+    busy_us = sum(getattr(e, key) for e in kernels)
+    ranked = sorted(kernels, key=lambda e: getattr(e, key), reverse=True)[:top]
+    return {
+        "wall_s": wall_s, "device_busy_share": busy_us / 1e6 / wall_s if cuda else float("nan"),
+        "top": [{"name": e.key[:120], "ms": getattr(e, key) / 1e3, "share": getattr(e, key) / max(busy_us, 1),
+                 "calls": e.count} for e in ranked],
+    }  # fmt: skip
+
+
 def check_ppo_iteration(plan: Plan, work: Path, seq: int) -> dict[str, Any]:
     from megatron_ppo.config.gpus import gpu_spec
     from megatron_ppo.models.kernels import describe_kernels
@@ -63,6 +87,10 @@ def check_ppo_iteration(plan: Plan, work: Path, seq: int) -> dict[str, Any]:
         metrics: dict[str, float] = {}
         iteration_s = timed(lambda: metrics.update(trainer.iteration()))
         memory = device_memory()
+        profiled = None
+        if seq == plan.seq_lengths[0]:
+            trainer.sampler.load_state_dict(state)
+            profiled = profile_iteration(trainer)
         packed_passes = sorted(note for model in models for note in model.pass_notes)
         batch = to_device(collate(trainer.rows[:rows], pad_id=0), current_device(), "the bare passes' batch")
         bare_s = timed(lambda: bare_passes(trainer, batch))
@@ -91,7 +119,7 @@ def check_ppo_iteration(plan: Plan, work: Path, seq: int) -> dict[str, Any]:
         "actor_parameters": sum(p.numel() for c in trainer.actor.chunks for p in c.parameters()),
         "pass_notes": packed_passes, "computed_over_real": metrics["perf/padded_over_real_tokens"],
         "perf": {key: value for key, value in metrics.items() if key.startswith(("perf/", "timing/"))},
-        "padded_iteration_s": padded_s, "packed_over_padded": iteration_s / padded_s,
+        "padded_iteration_s": padded_s, "packed_over_padded": iteration_s / padded_s, "profile": profiled,
         "padded_computed_over_real": padded_metrics.get("perf/padded_over_real_tokens", float("nan")),
         **memory,
     }  # fmt: skip
@@ -117,4 +145,8 @@ def table_lines(b: dict[str, Any], shape: str) -> list[str]:
                        if key.startswith("perf/mfu/"))  # fmt: skip
     if phases:
         lines.append(f"      MFU by phase: {phases}")
+    if b.get("profile"):
+        profiled = b["profile"]
+        top = "; ".join(f"{k['name'][:48]} {k['share']:.0%}" for k in profiled["top"][:5])
+        lines.append(f"      profiled: device busy {profiled['device_busy_share']:.0%} of the wall time; top: {top}")
     return lines
