@@ -188,7 +188,7 @@ def test_packed_rope_takes_per_token_angles_on_every_stage_and_chunk(parity, nam
     for layout, packed in ((name, True), (padded, False)):
         for rank, report in enumerate(parity["reports"][layout]):
             seen = report["rope_angles_per_token"]  # chunk → {(packed, one angle row per token)}
-            assert len(seen) == len(report["chunks"]), f"{layout}, rank {rank}: RoPE ran on chunks {sorted(seen)}"
+            assert len(seen) == report["chunks"], f"{layout}, rank {rank}: RoPE ran on chunks {sorted(seen)}"
             assert all(kinds == {(packed, True)} for kinds in seen.values()), f"{layout}, rank {rank}: {seen}"
 
 
