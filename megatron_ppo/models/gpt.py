@@ -31,6 +31,7 @@ from megatron_ppo.models.transformer_config import build_transformer_config, pad
 from megatron_ppo.models.value_head import ValueHead
 from megatron_ppo.models.widths import PaddingTally, width_bucket
 from megatron_ppo.parallel.device import current_device, on_cuda
+from megatron_ppo.parallel.megatron_compat import rotary_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, rout
             rope_scaling_factor=model.rope_scaling_factor or 1.0,  # read only with rope_scaling
             vp_stage=stage,
         )
+        rotary_per_token(gpt)  # a pack's RoPE from its per-token positions, once per forward (no host read)
         if role in VALUE_HEAD_ROLES and post_process:
             gpt.output_layer = ValueHead(config)
         elif post_process:

@@ -173,7 +173,22 @@ def describe_kernels(config: PPOConfig) -> str:
     )
 
 
+def packed_attention(config: PPOConfig) -> str:
+    """How the local spec's attention runs a pack on this device (`models.attention.packed_attention_path`, the
+    choice `SDPAttention` makes at each call): one torch `varlen_attn` call per layer, or one SDPA call per
+    sequence; for the actor's heads and dtype, without dropout (the layers are built with none)."""
+    from megatron_ppo.models.attention import PACKED_PATHS, packed_attention_path
+    from megatron_ppo.models.dtypes import DTYPES
+    from megatron_ppo.parallel.device import current_device
+
+    model = config.model
+    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+    grouped = (model.num_query_groups or model.num_attention_heads) != model.num_attention_heads
+    path = packed_attention_path(current_device(), DTYPES[model.params_dtype], head_dim, head_dim**-0.5, grouped, 0.0)
+    return PACKED_PATHS[path]
+
+
 def _sequence_layout(config: PPOConfig, te: bool) -> str:
     if not config.model.pack_sequences:
         return "sequences as padded rows"
-    return f"sequences packed (THD, {'TE THD attention' if te else 'one SDPA call per sequence'})"
+    return f"sequences packed (THD, {'TE THD attention' if te else packed_attention(config)})"

@@ -13,10 +13,15 @@ Megatron's `PackedSeqParams(qkv_format="thd")` carries cu_seqlens_q = cu_seqlens
 tokens) and cu_seqlens_*_padded = [0, p_0, p_0 + p_1, …, T] — the same tensor as cu_seqlens_* when the pack holds
 no padding at all, and `pad_between_seqs` set from the host otherwise (`build_pack`); max_seqlen_* = max_i p_i, and
 a host copy of the padded bounds (`HostPackedSeqParams.segment_bounds`) for our SDPA. Attention is causal inside
-each segment (`models.attention.SDPAttention`, Transformer Engine's THD kernels on GPU), RoPE restarts at every
-segment start (Megatron's `_apply_rotary_pos_emb_thd` cuts by cu_seqlens_q_padded), and the position ids (read by
-learned absolute embeddings) restart too. A segment's padding comes after its real tokens, so under causal
-attention no real token sees it.
+each segment (`models.attention.SDPAttention`, Transformer Engine's THD kernels on GPU). A segment's padding comes
+after its real tokens, so under causal attention no real token sees it.
+
+The positions of a pack are one fact, `Pack.position_ids` `[1, T]`: token t of sequence i at t − start_i, every
+padding token (a sequence's padding to m, the tail) at 0. The learned absolute embedding reads them on the first
+pipeline stage, and RoPE on every stage and chunk (`parallel.megatron_compat.rotary_per_token`: the angles
+freqs[position_ids] gathered once per forward, the pack rotated whole). Padding at 0 keeps every id inside the
+position table: the tail of a pass's shape (PP: every pack as wide as the pass's largest) would otherwise count on
+past `max_position_embeddings` in the last segment.
 
 The model's last-stage output `[1, T, …]` (logits, values) is turned into per-token results inside the packed
 layout (log-probs over the vocabulary: only real and per-sequence padding tokens), then `Pack.unpack` gathers them
@@ -67,9 +72,9 @@ class Pack:
     `index` `[b, s]` long: the pack position of row r's token t (0 where t ≥ l_r, masked by `real`); `real`
     `[b, s]` bool: t < l_r; `source` `[width]` long: the flat row position r·s + t each pack position holds (0 at
     padding, masked by `token_is_real`); `token_is_real` `[1, width]` bool; `position_ids` `[1, width]`: restart at
-    each segment; `params`: Megatron's THD description (tensors on the pack's device). Both directions are gathers
-    by these precomputed indices (`index_select`, whose backward is an `index_add`): no boolean indexing, so no
-    device read on a GPU."""
+    each segment, 0 at padding; `params`: Megatron's THD description (tensors on the pack's device). Both directions
+    are gathers by these precomputed indices (`index_select`, whose backward is an `index_add`): no boolean
+    indexing, so no device read on a GPU."""
 
     lengths: list[int]
     segments: list[int]  # p_i, the last one with the tail: Σ = width
@@ -117,7 +122,7 @@ def build_pack(lengths: Sequence[int], row_width: int, multiple: int, width: int
     source = torch.zeros(width, dtype=torch.long)
     source[index[real]] = torch.arange(real.numel()).view_as(real)[real]
     segment_of = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(segments))
-    position_ids = torch.arange(width) - offsets[segment_of]
+    position_ids = torch.where(token_is_real, torch.arange(width) - offsets[segment_of], 0)
     on = dict(device=device, non_blocking=True)
     cu_padded = torch.tensor(starts, dtype=torch.int32).to(**on)
     # No padding anywhere (every p_i = l_i, no tail): the padded cu_seqlens are the real ones, the same tensor, which

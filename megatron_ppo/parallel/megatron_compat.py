@@ -1,6 +1,7 @@
 """Differences between the megatron-core releases the package admits (0.16.1 to 0.19.x), each bent once here,
-named by the release it follows, and how this package hands Megatron's checkpoint writer its results queue
-(synchronous and asynchronous saves).
+named by the release it follows; how this package hands Megatron's checkpoint writer its results queue
+(synchronous and asynchronous saves); and RoPE on a pack of sequences from per-token positions (`rotary_per_token`),
+where every release admitted loops over the pack's sequences with host reads.
 Device stand-ins (Megatron on a machine without CUDA) are `cpu_compat`'s job."""
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 import megatron.core
+import torch
+from megatron.core import parallel_state
 from megatron.core import utils as megatron_utils
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer import attention as megatron_attention
 
 MEGATRON_CORE_VERSION: str = megatron.core.__version__
 
@@ -165,3 +171,72 @@ def writing_first_in_the_writer(request: Any, write: Callable[[], None]) -> Any:
         shards(*args, **kwargs)
 
     return request._replace(async_fn=write_then_shards)
+
+
+def rotary_per_token(gpt: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+    """RoPE on a pack (THD) rotated once, from per-token positions, with no loop over its sequences and no host read.
+
+    Every release admitted (0.16.1 to 0.19.x) rotates a pack's queries and keys in each layer with
+    `rope_utils._apply_rotary_pos_emb_thd` unless Transformer Engine's fused RoPE is on: it reads `cu_seqlens` on the
+    host (`.tolist()`, and `.item()` per sequence or for the total), four device→host syncs per layer on a GPU, and
+    0.19 rotates sequence by sequence. Here the pack's angles are gathered once per forward of `gpt` (a
+    `GPTModel`), shared by its layers,
+
+        freqs_pack = freqs[position_ids]        [T, 1, 1, d]   (freqs [max_seqlen, 1, 1, d], Megatron's table)
+
+    from the position ids the chunk is called with (`models.packing.Pack.position_ids`: restarting at each
+    sequence; the same ids its learned position embedding reads on the first stage), and each layer rotates the
+    whole pack at once with Megatron's own non-packed RoPE (`apply_rotary_pos_emb` without cu_seqlens: fused when
+    `apply_rope_fusion` is on, else `_apply_rotary_pos_emb_bshd`) on the pack seen as `[T, 1, heads, d]`:
+
+        rope(t)[j] = t[j]·cos(freqs_pack[j]) + rotate_half(t[j])·sin(freqs_pack[j])
+
+    which is Megatron's THD rotation token for token (a token j of segment i at position p_j = j − start_i gets
+    freqs[p_j] there too). It is also what Megatron computes when its `freqs` cover the whole pack ("CASE 1" of
+    0.19's `_apply_rotary_pos_emb_thd`, offsets per sequence) without context parallelism, so the attention module's
+    `apply_rotary_pos_emb` is replaced (once per process) by `apply_rotary_pos_emb_whole_pack`, which takes that
+    case whole-pack and hands every other call to Megatron unchanged.
+    Only Megatron's plain `RotaryEmbedding` (`position_embedding_type: rope`) is served; a chunk without one (learned
+    positions, a later pipeline stage without RoPE) gets no hooks. Returns the hooks' handles."""
+    rotary = getattr(gpt, "rotary_pos_emb", None)
+    if type(rotary) is not RotaryEmbedding:
+        return []
+    if megatron_attention.apply_rotary_pos_emb is not apply_rotary_pos_emb_whole_pack:
+        megatron_attention.apply_rotary_pos_emb = apply_rotary_pos_emb_whole_pack
+    pack_positions: list[torch.Tensor | None] = [None]  # this forward's per-token positions [T], None unpacked
+
+    def take_positions(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        params = kwargs.get("packed_seq_params")
+        positions = kwargs["position_ids"] if "position_ids" in kwargs else args[1] if len(args) > 1 else None
+        thd = params is not None and params.qkv_format == "thd" and positions is not None
+        pack_positions[0] = positions.reshape(-1) if thd else None
+
+    def per_token(_module: torch.nn.Module, _args: tuple, kwargs: dict, freqs: torch.Tensor) -> torch.Tensor | None:
+        positions = pack_positions[0]
+        if positions is None or not kwargs.get("packed_seq", False):
+            return None
+        return freqs.index_select(0, positions)
+
+    return [
+        gpt.register_forward_pre_hook(take_positions, with_kwargs=True),
+        rotary.register_forward_hook(per_token, with_kwargs=True),
+    ]
+
+
+def apply_rotary_pos_emb_whole_pack(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    config: Any,
+    cu_seqlens: torch.Tensor | None = None,
+    mscale: float = 1.0,
+    cp_group: Any = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Megatron's `apply_rotary_pos_emb` (same arguments), with a pack `t` `[T, heads, d]` whose `freqs` hold one
+    angle row per token (`[T, 1, 1, d]`, `rotary_per_token`) rotated whole, as the non-packed `[T, 1, heads, d]`:
+    no host read. Without context parallelism only (a CP rank's freqs would need its share of each sequence);
+    every other call is Megatron's."""
+    group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
+    if cu_seqlens is not None and freqs.dim() >= 1 and freqs.size(0) == t.size(0) and group.size() == 1:
+        return rope_utils.apply_rotary_pos_emb(t.unsqueeze(1), freqs, config, None, mscale, group, **kwargs).squeeze(1)
+    return rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens, mscale, group, **kwargs)

@@ -54,10 +54,16 @@ def flop_parameter_count(model: ModelConfig, role: str) -> int:
 def pass_flops(model: ModelConfig, params: int, tokens: float, tokens_times_seq: float, *, train: bool,
                full_recompute: bool = False) -> float:  # fmt: skip
     """FLOPs of one pass of a model with `params` parameters over `tokens` tokens, where `tokens_times_seq` is
-    Σ over rows of (row length)² (B·S² for B rows of S tokens). Forward: 2·N per token for the matrix products
-    plus attention 4·L·h·s (q·kᵀ and p·v, causal masking not discounted); a training pass adds the backward
-    (2× the forward), and full recompute one more forward."""
-    forward = 2 * params * tokens + 4 * model.num_layers * model.hidden_size * tokens_times_seq
+    Σ over rows of (row length)² (B·S² for B rows of S tokens). Forward:
+
+        2·N·tokens  +  2·L·(heads·head_dim)·Σ s²
+
+    the matrix products (2 FLOPs per parameter and token) and the core attention, q·kᵀ and p·v at 2·(heads·head_dim)
+    FLOPs each per query–key pair over the causal half of the pairs, s²/2 per row of s tokens — as Megatron-LM
+    counts it (`num_floating_point_operations`: `query_projection_size · seq_length / 2 · 2` per token and layer).
+    A training pass adds the backward (2× the forward), and full recompute one more forward."""
+    query_width = model.num_attention_heads * (model.kv_channels or model.hidden_size // model.num_attention_heads)
+    forward = 2 * params * tokens + 2 * model.num_layers * query_width * tokens_times_seq
     if not train:
         return forward
     return forward * (4 if full_recompute else 3)

@@ -1,13 +1,16 @@
 """Measured throughput of a PPO iteration: model FLOPs utilisation per phase, from the planner's FLOP count.
 
+    perf/mfu/experience = FLOPs(experience) / (timing/experience_s · GPUs · peak)
     perf/mfu/actor      = FLOPs(actor update) / (timing/update_actor_s · GPUs · peak)
     perf/mfu/critic     = FLOPs(critic update) / (timing/update_critic_s · GPUs · peak)
     perf/tflops_per_gpu = FLOPs(iteration) / (iteration seconds · GPUs) / 10¹²
     perf/padded_over_real_tokens = Σ tokens the models computed / Σ real tokens (1: no padding)
 
 FLOPs come from `megatron_ppo.flops.iteration_flops` (the same function the planner's step-time estimate uses),
-over the batch's real tokens: Σ row lengths, with attention by Σ (row length)². The peak is the dense bf16
-tensor-core peak of `cluster.gpu_type` (`config/gpus.py`).
+over the batch's real tokens: Σ row lengths, with causal attention by Σ (row length)² / 2 as Megatron-LM counts it
+(`planner.flops.pass_flops`). The experience is the forward passes of every built role (reference, actor, critic);
+each phase's MFU is over the trainer's own timer of that phase. The peak is the dense bf16 tensor-core peak of
+`cluster.gpu_type` (`config/gpus.py`).
 
 The trainer calls, once per iteration, after timing its phases on the host:
 
@@ -32,7 +35,7 @@ import torch
 
 from megatron_ppo.config.gpus import gpu_spec
 from megatron_ppo.config.layout import world_size
-from megatron_ppo.config.schema import TRAINED_ROLES, PPOConfig
+from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.models.gpt import RoleModel
 from megatron_ppo.parallel.device import on_cuda
 from megatron_ppo.planner.flops import flop_parameter_count, iteration_flops
@@ -44,7 +47,8 @@ TIMED = (Phase.EXPERIENCE, Phase.UPDATE_ACTOR, Phase.UPDATE_CRITIC)  # the phase
 def throughput_metrics(
     config: PPOConfig, roles: Sequence[str], lengths: Sequence[int] | torch.Tensor, timings: dict[str, float]
 ) -> dict[str, float]:
-    """`perf/mfu/actor`, `perf/mfu/critic` (for the updates that ran) and `perf/tflops_per_gpu` of one iteration
+    """`perf/mfu/experience`, `perf/mfu/actor`, `perf/mfu/critic` (for the phases that ran) and
+    `perf/tflops_per_gpu` of one iteration
     of the built `roles` over rows of `lengths` tokens (the whole batch, all data-parallel ranks); `timings` holds
     the seconds of each phase that ran and of the whole iteration."""
     params = {role: flop_parameter_count(config.model, role) for role in roles}
@@ -54,10 +58,11 @@ def throughput_metrics(
     ran = {phase: flops[phase] for phase in TIMED if phase in flops and phase.metric in timings}
     out = {"perf/tflops_per_gpu": sum(ran.values()) / (timings["iteration"] * gpus) / 1e12}
     peak = gpu_spec(config.cluster.gpu_type).peak_bf16_tflops
-    for role in TRAINED_ROLES:
-        phase = Phase.update(role)
+    for phase in TIMED:
         if phase in ran and timings[phase.metric] > 0:
-            out[f"perf/mfu/{role}"] = ran[phase] / (timings[phase.metric] * gpus * peak * 1e12)
+            out[f"perf/mfu/{phase.trained_role or phase.metric}"] = ran[phase] / (
+                timings[phase.metric] * gpus * peak * 1e12
+            )
     return out
 
 

@@ -180,6 +180,18 @@ def test_packed_pipeline_passes_send_one_pack_shape_without_a_shape_exchange(par
         ], report["pass_notes"]
 
 
+@pytest.mark.parametrize(("name", "padded"), [("pp2-packed", "pp2"), ("pp2-vpp2-dynamic-packed", "pp2-vpp2-dynamic")])
+def test_packed_rope_takes_per_token_angles_on_every_stage_and_chunk(parity, name: str, padded: str) -> None:
+    """Packed, every chunk of every pipeline stage rotates its pack by per-token angles (`freqs[position_ids]`,
+    `megatron_compat.rotary_per_token`: no per-sequence loop, no host read); padded rows by Megatron's table of the
+    longest row (packed=False). That either equals the single-process reference: the parity tests above."""
+    for layout, packed in ((name, True), (padded, False)):
+        for rank, report in enumerate(parity["reports"][layout]):
+            seen = report["rope_angles_per_token"]  # chunk → {(packed, one angle row per token)}
+            assert len(seen) == report["chunks"], f"{layout}, rank {rank}: RoPE ran on chunks {sorted(seen)}"
+            assert all(kinds == {(packed, True)} for kinds in seen.values()), f"{layout}, rank {rank}: {seen}"
+
+
 @pytest.mark.parametrize(("name", "padded"), [("tp2-sp-packed", "tp2-sp"), ("pp2-packed", "pp2")])
 def test_packing_computes_fewer_tokens_than_padding(parity, name: str, padded: str) -> None:
     """The same rows and micro-batches of 2 rows: packed, the model computed each sequence rounded up to an even

@@ -233,6 +233,7 @@ def parallel_layout(
     forwards = {"layer": 0, "core_attention": 0}  # activation recompute runs them again in the backward
     for part, module in (("layer", first_layer), ("core_attention", first_layer.self_attention.core_attention)):
         module.register_forward_hook(lambda *_, part=part: forwards.__setitem__(part, forwards[part] + 1))
+    rope_per_token = rope_angles_seen(actor)
     config = ppo_config(layout, model)
     if max_tokens is not None:
         for role in (config.actor, config.critic):
@@ -249,6 +250,8 @@ def parallel_layout(
         "ref_weights_unchanged": all(torch.equal(v, frozen_before[k]) for k, v in weights(ref).items()),
         "ref_has_no_grad": all(not p.requires_grad for c in ref.chunks for p in c.parameters()),
         "actor_first_layer_forwards": forwards,
+        "rope_angles_per_token": rope_per_token,
+        "chunks": len(actor.chunks),
         "pipeline_passes": passes_seen,
         "actor_tokens_computed": actor.padding.padded,
         "actor_tokens": (actor.padding.padded, int(actor.padding.real)),
@@ -262,6 +265,27 @@ def parallel_layout(
     save(actor, workdir / name / "actor")
     save(critic, workdir / name / "critic")
     return report
+
+
+def rope_angles_seen(role_model) -> dict[int, set[tuple[bool, bool]]]:
+    """For each chunk of `role_model` with RoPE, per forward (filled as the chunks run): (packed, whether the angles
+    its rotary embedding handed the layers had one row per token of the `[1, T]` pack, `[T, 1, 1, d]`). A pack of
+    several sequences rotated by Megatron's THD table would have a row per position of its longest sequence."""
+    seen: dict[int, set[tuple[bool, bool]]] = {}
+    for index, chunk in enumerate(role_model.chunks):
+        gpt = unwrap(chunk)
+        if getattr(gpt, "rotary_pos_emb", None) is None:
+            continue
+        width: list[int] = [0]
+        gpt.register_forward_pre_hook(lambda _m, args, _k, width=width: width.__setitem__(0, args[1].shape[-1]),
+                                      with_kwargs=True)  # fmt: skip
+        gpt.rotary_pos_emb.register_forward_hook(
+            lambda _m, _a, kwargs, angles, i=index, width=width: seen.setdefault(i, set()).add(
+                (kwargs.get("packed_seq", False), angles.shape[0] == width[0])
+            ),
+            with_kwargs=True,
+        )
+    return seen
 
 
 @contextmanager

@@ -25,7 +25,9 @@ def test_a_pack_holds_whole_sequences_each_padded_to_the_multiple() -> None:
     assert pack.params.cu_seqlens_q_padded.tolist() == [0, 6, 8, 18]
     assert pack.params.cu_seqlens_kv_padded.tolist() == pack.params.cu_seqlens_q_padded.tolist()
     assert pack.params.max_seqlen_q == pack.params.max_seqlen_kv == 10
-    assert pack.position_ids[0].tolist() == [*range(6), *range(2), *range(10)]
+    # positions restart at each sequence; padding (a sequence's to the multiple, the tail) sits at 0, inside any
+    # position table whatever the pass's width
+    assert pack.position_ids[0].tolist() == [*range(5), 0, *range(2), *range(7), 0, 0, 0]
     assert pack.token_is_real[0].tolist() == [True] * 5 + [False] + [True] * 2 + [True] * 7 + [False] * 3
     assert pack.params.segment_bounds == (0, 6, 8, 18)  # the host copy our SDPA cuts by (no device read)
     # Transformer Engine: padding between sequences is said (no torch.equal of device tensors to infer it) ...
