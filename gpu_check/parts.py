@@ -18,7 +18,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from gpu_check import decode, first_update, grad_cut, layouts, logprobs, offload, ppo_iteration, resume
+from gpu_check import (
+    decode,
+    first_update,
+    grad_cut,
+    layouts,
+    logprobs,
+    offload,
+    packed_attention,
+    ppo_iteration,
+    resume,
+)
 from gpu_check.plan import Plan, tiny_recipe
 
 Result = dict[str, Any]
@@ -56,6 +66,7 @@ def parts_of(plan: Plan) -> list[Part]:
         for seq in plan.seq_lengths
     ]  # fmt: skip
     return [
+        Part("j", "j", packed_attention.check_packed_attention, packed_attention.table_lines, exclusive=True),
         *iterations,
         Part("a", "a", check_tiny_recipe, tiny_recipe_table, distributed=False),
         Part("c", "c", logprobs.check_logprobs, logprobs.table_lines),

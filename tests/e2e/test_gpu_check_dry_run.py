@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PARTS = ["b32", "b64", "a", "c", "d", "e", "f", "g", "i", "h", "h_recipe"]
+PARTS = ["j", "b32", "b64", "a", "c", "d", "e", "f", "g", "i", "h", "h_recipe"]
 
 
 def test_gpu_check_dry_run_runs_every_part_in_its_own_process_and_streams_its_table(tmp_path: Path) -> None:
