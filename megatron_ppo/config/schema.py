@@ -242,6 +242,27 @@ class RouterReplaySettings(Freezable):
     mode: str = choice("disabled", ROUTER_REPLAY_MODES)
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron's names (verl's Megatron LoRA)
+
+
+@dataclass
+class LoraSettings(Freezable):
+    """LoRA adapters on the role's linear layers (verl `actor_rollout_ref.model.lora.*`, `critic.model.lora.*`;
+    `models.lora`): the base frozen, W x + (alpha / rank) · B A x trained; for the actor, the reference is its base
+    with the adapters off (no third model)."""
+
+    rank: int = ranged(0, NON_NEGATIVE)  # 0: off (full fine-tune); verl's lora_rank
+    alpha: float = ranged(16.0, POSITIVE)  # the update is scaled by alpha / rank
+    dropout: float = ranged(0.0, Range(lambda v: 0 <= v < 1, "in [0, 1)"))  # on the adapter's input only
+    # QKV, attention output, FC1 (gate and up), FC2 (down); the experts' layers are not supported
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS), metadata=each_of(LORA_TARGETS))
+    merge: bool = False  # `convert mcore-to-hf` writes merged Hugging Face weights instead of a peft adapter
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 @dataclass
 class ActorConfig(Freezable):
     """The trained policy: PPO objective (verl `actor_rollout_ref.actor.*` leaves), layout and optimizer."""
@@ -271,6 +292,7 @@ class ActorConfig(Freezable):
     # seq-mean-token-sum-norm divisor; None: data.max_response_length
     loss_scale_factor: int | None = ranged(None, AT_LEAST_ONE)
     router_replay: RouterReplaySettings = field(default_factory=RouterReplaySettings)  # MoE only
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass
@@ -298,6 +320,7 @@ class CriticConfig(Freezable):
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1.0e-5))
+    lora: LoraSettings = field(default_factory=LoraSettings)  # the value head is trained whole
     ppo_mini_batch_size: int = ranged(128, AT_LEAST_ONE)
     ppo_micro_batch_size_per_gpu: int | None = per_job(ranged(16, AT_LEAST_ONE), MICRO_BATCHING)
     # values in the experience pass; None: ppo_micro_...
