@@ -29,12 +29,28 @@ def lora_problems(c: PPOConfig) -> list[str]:
     if c.critic.lora.merge:
         p.append("critic.lora.merge=true: `convert mcore-to-hf` exports the actor only; drop critic.lora.merge")
     if c.actor.lora.enabled and c.needs_reference:
-        # the reference is the actor's own chunks with the adapters off: it runs at the actor's layout
-        differing = [f.name for f in dataclasses.fields(c.ref.megatron)
-                     if getattr(c.ref.megatron, f.name) != getattr(c.actor.megatron, f.name)]  # fmt: skip
-        if differing:
-            shown = ", ".join(f"ref.megatron.{n}={getattr(c.ref.megatron, n)!r} (actor: "
-                              f"{getattr(c.actor.megatron, n)!r})" for n in differing)  # fmt: skip
-            p.append(f"with actor.lora.rank={c.actor.lora.rank} the reference is the actor's base model (its adapters "
-                     f"off), run on the actor's layout, but {shown}; set ref.megatron like actor.megatron")  # fmt: skip
+        p += _base_reference_problems(c)
+    return p
+
+
+# The layout keys a base reference may set apart from the actor's: the host-offload switches (it has no weights of
+# its own to move), and what a forward without gradients never uses (the optimizer's sharding, recompute)
+NOT_COMPARED = ("param_offload", "grad_offload", "optimizer_offload", "use_distributed_optimizer",
+                "recompute_granularity", "recompute_method", "recompute_num_layers")  # fmt: skip
+
+
+def _base_reference_problems(c: PPOConfig) -> list[str]:
+    """The reference of a LoRA actor is the actor's own chunks with the adapters off: it runs at the actor's layout,
+    and its weights move with the actor's (`actor.megatron.param_offload`)."""
+    ref, actor, rank = c.ref.megatron, c.actor.megatron, c.actor.lora.rank
+    differing = [f.name for f in dataclasses.fields(ref)
+                 if f.name not in NOT_COMPARED and getattr(ref, f.name) != getattr(actor, f.name)]  # fmt: skip
+    p = []
+    if differing:
+        shown = ", ".join(f"ref.megatron.{n}={getattr(ref, n)!r} (actor: {getattr(actor, n)!r})" for n in differing)
+        p.append(f"with actor.lora.rank={rank} the reference is the actor's base model (its adapters off), run at the "
+                 f"actor's layout, but {shown}; set ref.megatron like actor.megatron")  # fmt: skip
+    if ref.param_offload:
+        p.append(f"ref.megatron.param_offload=true: with actor.lora.rank={rank} the reference's weights are the "
+                 "actor's; drop it (actor.megatron.param_offload moves them)")  # fmt: skip
     return p
