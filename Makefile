@@ -138,6 +138,7 @@ validate: setup
 bench: setup
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_logprobs
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_actor_step
+	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_lora_step
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_ppo_step
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_pipeline_shapes
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_async_save

@@ -24,6 +24,7 @@ from megatron_ppo.checkpoint.async_save import AsyncSaves
 from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.models import RoleModel, unwrap
 from megatron_ppo.models.gpt import sync_parameters
+from megatron_ppo.models.lora import ADAPTER_KEYS, is_adapter
 from megatron_ppo.parallel.collectives import any_rank, barrier, global_rank
 from megatron_ppo.parallel.cpu_compat import without_device_mode
 from megatron_ppo.parallel.megatron_compat import (
@@ -55,13 +56,17 @@ def model_sharded_state(model: RoleModel, prefix: str, drop: tuple[str, ...] = (
     return state
 
 
-def _load_model_state(model: RoleModel, state: dict[str, Any], prefix: str, strict: bool) -> None:
+def _load_model_state(
+    model: RoleModel, state: dict[str, Any], prefix: str, strict: bool, fresh_adapters: bool = False
+) -> None:
     """Load `state` into the model's chunks; `strict`: every weight must be there (a missing `*_extra_state`, which
-    a local-spec checkpoint never wrote, keeps the module's own)."""
+    a local-spec checkpoint never wrote, keeps the module's own; with `fresh_adapters`, LoRA adapters keep their
+    initialisation)."""
     for index, chunk in enumerate(model.chunks):
         chunk_state = {key.removeprefix(prefix): value for key, value in state[f"model{index}"].items()}
         result = unwrap(chunk).load_state_dict(chunk_state, strict=False)
-        missing = [key for key in result.missing_keys if not key.endswith(EXTRA_STATE)]
+        missing = [key for key in result.missing_keys
+                   if not key.endswith(EXTRA_STATE) and not (fresh_adapters and is_adapter(key))]  # fmt: skip
         if strict and (missing or result.unexpected_keys):
             raise verify.CheckpointError(
                 f"the {model.role} model's chunk {index} does not match the checkpoint: missing {missing}, "
@@ -349,6 +354,9 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 def load_weights(model: RoleModel, path: str | Path, source_role: str, drop: tuple[str, ...] = ()) -> None:
     """Initialise `model` from `source_role`'s weights in a checkpoint (any layout; `path` may be a checkpoint
-    root), except keys containing `drop` (the critic takes the actor's trunk but not its vocabulary output)."""
-    state = _load_sharded(model_sharded_state(model, f"{source_role}.", drop), directory.resolve(path))
-    _load_model_state(model, state, f"{source_role}.", strict=not drop)
+    root), except keys containing `drop` (the critic takes the actor's trunk but not its vocabulary output). A LoRA
+    model's adapters are not read: initial weights are the base they start on (resuming reads them:
+    `load_checkpoint`)."""
+    asked = model_sharded_state(model, f"{source_role}.", (*drop, *ADAPTER_KEYS))
+    state = _load_sharded(asked, directory.resolve(path))
+    _load_model_state(model, state, f"{source_role}.", strict=not drop, fresh_adapters=True)

@@ -344,6 +344,31 @@ class RouterReplaySettings(Freezable):
     )
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron's names (verl's Megatron LoRA)
+
+
+@dataclass
+class LoraSettings(Freezable):
+    """LoRA adapters on the role's linear layers (verl `actor_rollout_ref.model.lora.*`, `critic.model.lora.*`;
+    `models.lora`): the base frozen, W x + (alpha / rank) · B A x trained; for the actor, the reference is its base
+    with the adapters off (no third model)."""
+
+    rank: int = ranged(0, NON_NEGATIVE, "adapter rank r; 0: off (a full fine-tune); verl's lora_rank")
+    alpha: float = ranged(16.0, POSITIVE, "the adapters' update is scaled by alpha / rank")
+    dropout: float = ranged(0.0, Range(lambda v: 0 <= v < 1, "in [0, 1)"), "dropout on the adapter's input only")
+    target_modules: list[str] = described(
+        default_factory=lambda: list(LORA_TARGETS),
+        doc="the linear layers that get adapters: QKV, attention output, FC1 (gate and up), FC2 (down); the experts' "
+        "layers are not supported",
+        **each_of(LORA_TARGETS),
+    )
+    merge: bool = described(False, "`convert mcore-to-hf` writes merged Hugging Face weights instead of a peft adapter")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 @dataclass
 class ActorConfig(Freezable):
     """The trained policy: PPO objective (verl `actor_rollout_ref.actor.*` leaves), layout and optimizer."""
@@ -391,6 +416,7 @@ class ActorConfig(Freezable):
         None, AT_LEAST_ONE, "seq-mean-token-sum-norm divisor; null: data.max_response_length"
     )
     router_replay: RouterReplaySettings = field(default_factory=RouterReplaySettings)  # MoE only
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass
@@ -426,6 +452,7 @@ class CriticConfig(Freezable):
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1.0e-5))
+    lora: LoraSettings = field(default_factory=LoraSettings)  # the value head is trained whole
     ppo_mini_batch_size: int = ranged(128, AT_LEAST_ONE, "rows per critic optimizer step")
     ppo_micro_batch_size_per_gpu: int | None = per_job(
         ranged(16, AT_LEAST_ONE, "rows per forward/backward pass on one data-parallel rank"), MICRO_BATCHING

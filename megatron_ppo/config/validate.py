@@ -21,6 +21,7 @@ from megatron_ppo.config.gpu_only import cpu_problems
 from megatron_ppo.config.hf_rope import hf_rope_scaling
 from megatron_ppo.config.layout import data_parallel_size, divisors, model_parallel_size, world_size
 from megatron_ppo.config.layout_rules import layout_problems
+from megatron_ppo.config.lora_rules import lora_problems
 from megatron_ppo.config.schema import TRAINED_ROLES, GuardsConfig, KLStageConfig, PPOConfig
 
 
@@ -63,6 +64,7 @@ def validate(config: PPOConfig) -> list[str]:
     problems += cpu_problems(config)  # the settings that need CUDA (`gpu_only.GPU_ONLY`)
     problems += _model_problems(config)
     problems += layout_problems(config)  # TP/PP/VPP/CP, the shared layout, experts, offload (`layout_rules.py`)
+    problems += lora_problems(config)  # actor.lora.*, critic.lora.* (`lora_rules.py`)
     problems += _batch_problems(config)
     problems += _kl_problems(config)
     problems += _reward_problems(config)

@@ -21,6 +21,9 @@ VERL_ALIASES = {
     "actor_rollout_ref.ref.": "ref.",
     "actor_rollout_ref.model.path": "model.hf_checkpoint",
     "critic.model.path": "critic.model.hf_checkpoint",
+    # verl's LoRA (`lora.rank`, `lora.alpha`, `lora.target_modules`, `lora.merge`): the actor's and the critic's
+    "actor_rollout_ref.model.lora.": "actor.lora.",
+    "critic.model.lora.": "critic.lora.",
     # verl's remove-padding (packed sequences); ours is one switch for actor, reference and critic
     "actor_rollout_ref.model.use_remove_padding": "model.pack_sequences",
     "critic.model.use_remove_padding": "model.pack_sequences",

@@ -25,6 +25,7 @@ from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import ROLES, ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate
+from megatron_ppo.convert import peft_adapter
 from megatron_ppo.models import RoleModel, build_role_model, run_micro_batches, unwrap
 from megatron_ppo.models.hf_conversion import (
     SafetensorsReader,
@@ -36,6 +37,7 @@ from megatron_ppo.models.hf_conversion import (
     to_hf,
 )
 from megatron_ppo.models.hf_shards import DEFAULT_MAX_SHARD_BYTES, OutputExistsError, ShardedSafetensorsWriter
+from megatron_ppo.models.lora import is_adapter
 from megatron_ppo.parallel.device import on_cuda
 from megatron_ppo.parallel.ranks import expert_parallel, expert_tensor_parallel, is_first_of_last_stage, tensor_parallel
 
@@ -198,17 +200,27 @@ def mcore_to_hf(
     table (`to_hf`: vocabulary padding dropped) and written into their shard (`ShardedSafetensorsWriter`), so a
     process holds one layer's weights (or the embedding's) at a time, never the model. The output dtype is the one
     `hf_config_dir`'s config.json declares, else the checkpoint's; `megatron_dir` may be a checkpoint root (its
-    newest complete checkpoint)."""
+    newest complete checkpoint). A LoRA run's actor (`actor.lora.*` in its run.json) is written as a peft adapter
+    for the model at `hf_config_dir`, or with `actor.lora.merge` as merged weights (`peft_adapter`)."""
     model = hf_model_config(hf_config_dir)
     shapes, dtype = Shapes.of(model), hf_dtype(hf_config_dir)
     source = CheckpointWeights(directory.resolve(megatron_dir), "actor")
     if problems := _export_mismatches(source, model):
         raise ConfigError(problems, source=str(Path(hf_config_dir) / "config.json"))
-    planned = {hf: (part.shape, dtype or weight.dtype) for weight in source.weights()
+    lora = peft_adapter.adapter_settings(source)  # a LoRA run's actor: its adapters, or merged weights
+    if lora is not None and not lora[2]:
+        check_new_output(out_dir)
+        written = peft_adapter.write_peft_adapter(source, hf_config_dir, out_dir, lora[0], lora[1], shapes)
+        return Export(Path(out_dir), (peft_adapter.ADAPTER_WEIGHTS,), written, source.largest_group_bytes)
+    planned = {hf: (part.shape, dtype or weight.dtype) for weight in source.weights() if not is_adapter(weight.name)
                for hf, part in to_hf(weight.name, torch.empty(weight.shape, device="meta"), shapes)}  # fmt: skip
     with ShardedSafetensorsWriter(out_dir, planned, hf_config_dir, max_shard_bytes) as writer:
         for group in source.groups:
-            for name, tensor in source.read(group, dtype).items():
+            tensors = source.read(group, None if lora else dtype)
+            if lora is not None:  # merged in the checkpoint's precision (fp32 at least), then cast
+                merged = peft_adapter.merge_adapters(tensors, lora[1] / lora[0])
+                tensors = {name: tensor.to(dtype or tensor.dtype) for name, tensor in merged.items()}
+            for name, tensor in tensors.items():
                 for hf, part in to_hf(name, tensor, shapes):
                     writer.write(hf, part)
     return Export(Path(out_dir), tuple(writer.files), writer.total_bytes, source.largest_group_bytes)

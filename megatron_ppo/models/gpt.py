@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +21,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_ppo.config.errors import ConfigError
-from megatron_ppo.config.schema import ROLES, MegatronConfig, ModelConfig
+from megatron_ppo.config.schema import ROLES, LoraSettings, MegatronConfig, ModelConfig
 from megatron_ppo.models.attention import with_sdpa_attention
 from megatron_ppo.models.kernels import transformer_engine_importable, transformer_engine_usable
+from megatron_ppo.models.lora import adapters_disabled, freeze_base, with_lora
 from megatron_ppo.models.norms import LocalNorm, with_local_norms
 from megatron_ppo.models.packing import pack_multiple
 from megatron_ppo.models.router_replay import RouterReplayBinding, replay_bypasses
@@ -56,6 +57,8 @@ class RoleModel:
     router_replay: RouterReplayBinding | None = None  # this model's routers, when routing replay is on
     pack_sequences: bool = False  # model.pack_sequences: micro-batches enter as [1, T] packs (models.packing)
     pass_notes: set[str] = field(default_factory=set)  # the kinds of pass logged so far (models.schedule)
+    lora: LoraSettings | None = None  # the adapters on this model's linear layers (models.lora), None: none
+    adapters_off: bool = False  # the actor's chunks run as its base model: the reference of a LoRA actor
     # The DDP chunks' gradient-accumulator nodes (each carries the hook that puts a parameter's gradient in its
     # bucket), held here instead of by the chunks: a node's hook is a closure over its chunk, so a chunk holding its
     # nodes is a cycle through C++ autograd nodes, freed only by the collector. A parameter holds its node weakly.
@@ -73,6 +76,23 @@ class RoleModel:
     def is_trained(self) -> bool:
         return self.role not in FROZEN_ROLES
 
+    @contextmanager
+    def as_built(self) -> Iterator[None]:
+        """While inside, forward passes compute this role's model: with `adapters_off` (the LoRA actor's base as its
+        reference) the chunks' adapters are skipped."""
+        with adapters_disabled(self.chunks) if self.adapters_off else nullcontext():
+            yield
+
+
+def base_reference(actor: RoleModel) -> RoleModel:
+    """The reference of a LoRA actor: the actor's own chunks run with their adapters off (`RoleModel.as_built`) — the
+    frozen base the adapters sit on, which the reference equals (it starts from the actor's weights), with no
+    weights of its own."""
+    return RoleModel(
+        "ref", actor.chunks, actor.config, actor.vocab_size, actor.padded_vocab_size, actor.logprob_chunk_tokens,
+        actor.width_multiple, pack_sequences=actor.pack_sequences, lora=actor.lora, adapters_off=True,
+    )  # fmt: skip
+
 
 @contextmanager
 def eval_mode(*models: RoleModel | None) -> Iterator[None]:
@@ -80,6 +100,8 @@ def eval_mode(*models: RoleModel | None) -> Iterator[None]:
     generation); afterwards, also after an error, back in train mode where the role is trained (the frozen
     reference stays in eval). `None` entries (roles not built) are skipped."""
     built = [model for model in models if model is not None]
+    # a chunk two models share (a LoRA actor and its base reference) goes back to train mode if either is trained
+    trained = {id(chunk) for model in built if model.is_trained for chunk in model.chunks}
     for model in built:
         for chunk in model.chunks:
             chunk.eval()
@@ -88,13 +110,14 @@ def eval_mode(*models: RoleModel | None) -> Iterator[None]:
     finally:
         for model in built:
             for chunk in model.chunks:
-                chunk.train(model.is_trained)
+                chunk.train(id(chunk) in trained)
 
 
-def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
+def select_layer_spec(model: ModelConfig, lora: LoraSettings | None = None) -> tuple[ModuleSpec, bool]:
     """Transformer Engine's fused layers on CUDA when installed (or demanded), Megatron's local spec otherwise; with
     `model.num_experts`, each layer's MLP is a MoE layer (TE's grouped-GEMM experts, or the local SequentialMLP).
-    The local spec's norms are `LocalNorm` (sequence-parallel capable).
+    The local spec's norms are `LocalNorm` (sequence-parallel capable). With `lora` (enabled), the local spec (under
+    `auto` also where TE is usable: the adapters sit on Megatron's own linear layers), its targets carrying adapters.
 
     Returns (spec, uses_te). Demanding TE where it cannot run fails with the fix in the message."""
     if model.transformer_impl == "transformer_engine" and not transformer_engine_usable():
@@ -105,7 +128,7 @@ def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
             "machine or set model.transformer_impl=local"
         )
     use_te = model.transformer_impl == "transformer_engine" or (
-        model.transformer_impl == "auto" and transformer_engine_usable()
+        model.transformer_impl == "auto" and transformer_engine_usable() and not (lora and lora.enabled)
     )
     num_experts = model.num_experts or None  # MoE layers: the router, the token dispatcher and the experts
     spec = (
@@ -121,15 +144,24 @@ def select_layer_spec(model: ModelConfig) -> tuple[ModuleSpec, bool]:
             )
         )
     )
+    if lora and lora.enabled:
+        spec = with_lora(spec, lora)
     logger.info(
-        "layer spec: %s%s",
+        "layer spec: %s%s%s",
         "Transformer Engine" if use_te else "Megatron local, attention through SDPA",
         f"; {model.num_experts} experts per layer, top-{model.num_experts_per_tok}" if num_experts else "",
+        f"; LoRA rank {lora.rank} on {', '.join(lora.target_modules)}" if lora and lora.enabled else "",
     )
     return spec, use_te
 
 
-def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, routing_replay: bool = False) -> RoleModel:
+def build_role_model(
+    role: str,
+    model: ModelConfig,
+    layout: MegatronConfig,
+    routing_replay: bool = False,
+    lora: LoraSettings | None = None,
+) -> RoleModel:
     """This rank's chunks of `role`'s GPT.
 
     actor: the policy, wrapped in Megatron's DDP (grad buffers, data-parallel reduction).
@@ -138,11 +170,16 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, rout
     reward_model: the critic's shape (trunk and `ValueHead`), frozen as the reference is (`megatron-ppo score`).
     `routing_replay` (the actor under `actor.router_replay.mode` R2/R3): Megatron's router replay on this model's
     routers, bound to it (`RoleModel.router_replay`); a router path that would bypass it is refused first.
+    `lora` (enabled; a trained role): adapters on its linear layers (`models.lora`), everything else frozen but the
+    critic's value head, so DDP and the optimizer hold the adapters (and the head) alone.
     Parallel state must already hold `layout` (see `megatron_ppo.parallel.init_distributed`).
     """
+    lora = lora if lora is not None and lora.enabled else None
+    if lora and role in FROZEN_ROLES:
+        raise ValueError(f"the {role} model is frozen: it takes no adapters")
     if role not in (*ROLES, REWARD_MODEL):
         raise ValueError(f"unknown role {role!r}; expected one of {(*ROLES, REWARD_MODEL)}")
-    spec, uses_te = select_layer_spec(model)
+    spec, uses_te = select_layer_spec(model, lora)
     config = build_transformer_config(model, layout, with_aux_loss=role == "actor", routing_replay=routing_replay)
     bypasses = replay_bypasses(config) if routing_replay else []
     if bypasses:
@@ -194,6 +231,9 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, rout
             chunk.requires_grad_(False)
             chunk.eval()
     else:
+        if lora:
+            for chunk in chunks:
+                freeze_base(chunk, trained=("output_layer.",) if role in VALUE_HEAD_ROLES else ())
         ddp_config = data_parallel_config(layout)
         chunks = [
             DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0)
@@ -204,7 +244,7 @@ def build_role_model(role: str, model: ModelConfig, layout: MegatronConfig, rout
     replay = RouterReplayBinding(chunks, config) if routing_replay else None
     return RoleModel(
         role, chunks, config, model.vocab_size, vocab, model.logprob_chunk_tokens, bucket,
-        router_replay=replay, pack_sequences=model.pack_sequences, grad_accumulators=accumulators,
+        router_replay=replay, pack_sequences=model.pack_sequences, lora=lora, grad_accumulators=accumulators,
     )  # fmt: skip
 
 

@@ -176,15 +176,16 @@ def run_micro_batches(
     if replay is not None:
         replay.start(routing)
     try:
-        results = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=model.chunks if len(model.chunks) > 1 else model.chunks[0],
-            num_microbatches=num_micro_batches,
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            forward_only=forward_only,
-        )
+        with model.as_built():  # a LoRA actor's base reference: its adapters off for this pass
+            results = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=model.chunks if len(model.chunks) > 1 else model.chunks[0],
+                num_microbatches=num_micro_batches,
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                forward_only=forward_only,
+            )
     finally:
         if replay is not None:
             replay.end_pass()

@@ -9,6 +9,9 @@ Memory model (per GPU; see docs/planner.md for the sources):
     gradients    4 (Megatron DDP reduces gradients in fp32)
     optimizer    12 (fp32 master weights + Adam m and v; 8 when the weights are fp32 already), divided by DP with
                  the distributed optimizer
+    LoRA         (`<role>.lora.rank` > 0) gradients and optimizer states of the adapters alone (`lora_parameters`;
+                 the critic's value head too), the base's weights kept; a LoRA actor's reference holds no weights
+                 (it is the actor's base with the adapters off)
     activations  what each transformer layer saves for its backward, counted tensor by tensor
                  (`layer_activation_bytes`, measured with saved-tensor hooks on the real model), times the layers a
                  stage keeps (all of them; with full recompute each layer's input, plus one layer's set while it is
@@ -48,7 +51,7 @@ from dataclasses import dataclass
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.gpus import gpu_spec
 from megatron_ppo.config.layout import data_parallel_size, expert_layout, padded_vocab_size, world_size
-from megatron_ppo.config.schema import ROLES, ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
+from megatron_ppo.config.schema import ROLES, ClusterConfig, LoraSettings, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate
 from megatron_ppo.planner.flops import (
     active_parameter_count,
@@ -289,6 +292,20 @@ def stage_parameters(model: ModelConfig, layout: MegatronConfig, role: str) -> l
     return [(dense + first, experts), *[(dense, experts)] * (pp - 2), (dense + last, experts)]
 
 
+def lora_parameters(model: ModelConfig, layout: MegatronConfig, lora: LoraSettings) -> int:
+    """Adapter parameters on one GPU of the most loaded stage (`models.lora`): per layer and target of input width
+    `n` and output width `m`, r·n + r·m/TP on a column-parallel layer (A whole, B split), r·n/TP + r·m on a
+    row-parallel one (A split, B whole)."""
+    h, a = model.hidden_size, model.num_attention_heads
+    g, d = model.num_query_groups or a, model.kv_channels or h // a
+    tp, r = layout.tensor_model_parallel_size, lora.rank
+    ffn = model.ffn_hidden_size or 4 * h
+    fc1 = (2 if model.activation == "swiglu" else 1) * ffn
+    per_layer = {"linear_qkv": r * h + r * (a + 2 * g) * d // tp, "linear_proj": r * a * d // tp + r * h,
+                 "linear_fc1": r * h + r * fc1 // tp, "linear_fc2": r * ffn // tp + r * h}  # fmt: skip
+    return model.num_layers // layout.pipeline_model_parallel_size * sum(per_layer[t] for t in lora.target_modules)
+
+
 def plan_role(config: PPOConfig, role: str) -> RolePlan:
     layout: MegatronConfig = getattr(config, role).megatron
     m = config.model
@@ -301,14 +318,25 @@ def plan_role(config: PPOConfig, role: str) -> RolePlan:
     stages = stage_parameters(m, layout, role)
     stage = max(range(len(stages)), key=lambda i: sum(stages[i]))
     dense_per_gpu, experts_per_gpu = stages[stage]
-    per_gpu = dense_per_gpu + experts_per_gpu
     weight_bytes = 4 if config.model.params_dtype == "fp32" else 2
     trained = role != "ref"
-    grads = 4 * per_gpu if trained else 0
+    # With LoRA (`<role>.lora`) the base is frozen: gradients and optimizer states are the adapters' (and the
+    # critic's value head's, h + 1), and a LoRA actor's reference is its own base: no weights of its own
+    lora = config.critic.lora if role == "critic" else config.actor.lora
+    adapters = lora_parameters(m, layout, lora) if lora.enabled else 0
+    if role == "ref" and lora.enabled:
+        dense_per_gpu = experts_per_gpu = 0
+    elif adapters:
+        dense_per_gpu += adapters
+    per_gpu = dense_per_gpu + experts_per_gpu
+    trained_dense, trained_experts = dense_per_gpu, experts_per_gpu
+    if adapters:
+        trained_dense, trained_experts = adapters + (m.hidden_size + 1 if role == "critic" else 0), 0
+    grads = 4 * (trained_dense + trained_experts) if trained else 0
     # Adam m and v in fp32, plus fp32 main weights unless the weights are fp32 already (then they are the main ones)
     optimizer_bytes = 8 if config.model.params_dtype == "fp32" else 12
     shards = (dp, expert_dp) if layout.use_distributed_optimizer else (1, 1)
-    optimizer = optimizer_bytes * (dense_per_gpu / shards[0] + experts_per_gpu / shards[1]) if trained else 0
+    optimizer = optimizer_bytes * (trained_dense / shards[0] + trained_experts / shards[1]) if trained else 0
     return RolePlan(
         role=role,
         params=params,
@@ -478,7 +506,10 @@ def _expert_parallel_sizes(model: ModelConfig, world: int) -> tuple[int, ...]:
 
 def copy_with_layout(config: PPOConfig, layout: MegatronConfig) -> PPOConfig:
     """`config` with `layout` for every role (the frozen reference offloads only its weights)."""
-    frozen_reference = dataclasses.replace(layout, grad_offload=False, optimizer_offload=False)
+    own_weights = not config.actor.lora.enabled  # a LoRA actor's reference is its base: nothing of its own to offload
+    frozen_reference = dataclasses.replace(
+        layout, grad_offload=False, optimizer_offload=False, param_offload=layout.param_offload and own_weights
+    )
     return with_changes(config, {f"{role}.megatron": frozen_reference if role == "ref" else layout for role in ROLES})
 
 

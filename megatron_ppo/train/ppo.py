@@ -26,7 +26,7 @@ from megatron_ppo.convert.critic_init import load_critic
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import build_role_model, copy_weights
 from megatron_ppo.models.failed_pass import release_failed_pass
-from megatron_ppo.models.gpt import RoleModel
+from megatron_ppo.models.gpt import RoleModel, base_reference
 from megatron_ppo.models.kernels import describe_kernels
 from megatron_ppo.models.offload import HostOffload
 from megatron_ppo.models.widths import PaddingTally
@@ -90,15 +90,21 @@ class PPOTrainer:
             self.run.log_dir, trainer.logger, self.total_steps, config=config, run_id=self.run.identity.run_id
         )
         replay = config.actor.router_replay.mode != "disabled"
-        self.actor = build_role_model("actor", config.model, layout, routing_replay=replay)
-        self.ref = build_role_model("ref", config.model, config.ref.megatron) if config.needs_reference else None
-        self.critic = build_role_model("critic", config.model, config.critic.megatron) if config.needs_critic else None
+        self.actor = build_role_model("actor", config.model, layout, routing_replay=replay, lora=config.actor.lora)
+        self.ref = None
+        if config.needs_reference and config.actor.lora.enabled:  # no third model: the actor's base, adapters off
+            self.ref = base_reference(self.actor)
+        elif config.needs_reference:
+            self.ref = build_role_model("ref", config.model, config.ref.megatron)
+        self.critic = build_role_model("critic", config.model, config.critic.megatron, lora=config.critic.lora) \
+            if config.needs_critic else None  # fmt: skip
+        own_ref = self.ref if self.ref is not None and not self.ref.adapters_off else None
         if weights.actor:
-            for model in (self.actor, self.ref):
+            for model in (self.actor, own_ref):
                 if model is not None:
                     store.load_weights(model, weights.actor, "actor")
-        elif self.ref is not None:  # model.allow_random_init: the reference is the actor's starting point
-            copy_weights(self.actor, self.ref)
+        elif own_ref is not None:  # model.allow_random_init: the reference is the actor's starting point
+            copy_weights(self.actor, own_ref)
         critic_source = load_critic(self.critic, weights) if self.critic is not None else None
         self.models = {"actor": self.actor} | ({"critic": self.critic} if self.critic else {})
         self.logger.event(0, "kernels", describe_kernels(config))
@@ -116,7 +122,7 @@ class PPOTrainer:
         # host offload between phases: each role's weights, gradients, optimizer states by its megatron.*_offload
         self.offload = HostOffload(
             {role: (model, self.optimizers.get(role), getattr(config, role).megatron)
-             for role, model in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)) if model},
+             for role, model in (("actor", self.actor), ("ref", own_ref), ("critic", self.critic)) if model},
             report=weak_callback(self._offload_event),
         )  # fmt: skip
         self.kl = KLCoefficients(config, self.total_steps)

@@ -22,6 +22,7 @@ from megatron_ppo.config.schema import PPOConfig
 REPO = Path(__file__).resolve().parents[2]
 READ_ELSEWHERE = {
     "actor.clip_ratio": "the default of clip_ratio_low/high, filled in by config.validate.resolve",
+    "critic.lora.merge": "refused unless false (config/lora_rules.py): `convert mcore-to-hf` exports the actor only",
 }
 
 
