@@ -66,6 +66,7 @@ def profile_iteration(trainer, top: int = 8) -> dict[str, Any]:
 
 def check_ppo_iteration(plan: Plan, work: Path, seq: int) -> dict[str, Any]:
     from megatron_ppo.config.gpus import gpu_spec
+    from megatron_ppo.models.attention import PACKED_PATHS_RUN
     from megatron_ppo.models.kernels import describe_kernels
     from megatron_ppo.parallel.device import current_device, to_device
     from megatron_ppo.planner import plan as planner
@@ -118,6 +119,7 @@ def check_ppo_iteration(plan: Plan, work: Path, seq: int) -> dict[str, Any]:
         "planned_phases_gib": planned.phases_gib,
         "actor_parameters": sum(p.numel() for c in trainer.actor.chunks for p in c.parameters()),
         "pass_notes": packed_passes, "computed_over_real": metrics["perf/padded_over_real_tokens"],
+        "packed_attention_paths_run": sorted(PACKED_PATHS_RUN),
         "perf": {key: value for key, value in metrics.items() if key.startswith(("perf/", "timing/"))},
         "padded_iteration_s": padded_s, "packed_over_padded": iteration_s / padded_s, "profile": profiled,
         "padded_computed_over_real": padded_metrics.get("perf/padded_over_real_tokens", float("nan")),
@@ -144,7 +146,9 @@ def table_lines(b: dict[str, Any], shape: str) -> list[str]:
     phases = ", ".join(f"{key.removeprefix('perf/mfu/')} {value:.1%}" for key, value in b["perf"].items()
                        if key.startswith("perf/mfu/"))  # fmt: skip
     if phases:
-        lines.append(f"      MFU by phase: {phases}")
+        lines.append(
+            f"      MFU by phase: {phases}; packed attention ran: {', '.join(b['packed_attention_paths_run'])}"
+        )
     if b.get("profile"):
         profiled = b["profile"]
         top = "; ".join(f"{k['name'][:48]} {k['share']:.0%}" for k in profiled["top"][:5])
