@@ -137,6 +137,54 @@ CUDA_BRANCHES: tuple[CudaBranch, ...] = (
         "tests/distributed/test_kv_cache_decoding.py (the cached decoder's stride-0 positions)",
     ),
     CudaBranch(
+        "models/failed_pass.py release_failed_pass: a pass that ran out of memory on the GPU releases what Megatron's "
+        "layers keep",
+        "an OutOfMemoryError raised in linear_fc1 during an update (a forward pre-hook), the collector off",
+        "tests/distributed/test_memory_release.py::test_a_failed_pass_is_released_before_its_retry; "
+        "tests/distributed/test_memory_release.py::test_without_the_release_megatron_keeps_the_failed_pass",
+    ),
+    CudaBranch(
+        "models/gpt.py, train/callbacks.py: a dropped trainer's CUDA memory back without the collector",
+        "none needed: the same references on the CPU (weak references with the collector off); the GPU check's (g) "
+        "reads memory_allocated",
+        "tests/distributed/test_memory_release.py::test_dropped_trainers_and_the_sft_model_are_freed_without_the_collector",
+    ),
+    CudaBranch(
+        "models/attention.py packed_attention_path: one torch varlen_attn (flash) call per layer on CUDA (sm80+, "
+        "bf16/fp16)",
+        "the choice forced both ways; a stand-in computing what torch documents for varlen_attn (no CPU kernel); the "
+        "GPU check's (j) runs the real one",
+        "tests/unit/test_packed_attention.py::test_the_varlen_path_is_chosen_only_where_torch_varlen_runs; "
+        "tests/unit/test_packed_attention.py::test_a_pack_runs_as_one_causal_varlen_call_equal_to_the_per_sequence_path",
+    ),
+    CudaBranch(
+        "models/kernels.py: the compiled fusions, recompiles across pack widths (TorchInductor emits Triton on CUDA, "
+        "C++ on the CPU)",
+        "every CPU run compiles them (dynamic shapes)",
+        "tests/unit/test_fusion_recompiles.py::test_the_compiled_fusions_compile_at_most_twice_over_many_pack_widths",
+    ),
+    CudaBranch(
+        "checkpoint/store.py rng_states: the CUDA generator and Megatron's CUDA RNG tracker saved and restored",
+        "the CPU twins (host generator, the CPU tracker); the GPU check's (f) resumes on CUDA bitwise",
+        "tests/unit/test_checkpoint_rng.py::test_rng_states_resume_host_and_tracked_streams",
+    ),
+    CudaBranch(
+        "checkpoint/async_save.py: the writer forked from a process with a CUDA context (shards copied to host first)",
+        "none: a CPU process has no CUDA context to fork; the same forked writer runs on the CPU",
+        "tests/distributed/test_async_save.py::test_an_async_save_returns_before_its_write_and_resumes_like_a_sync_save",
+    ),
+    CudaBranch(
+        "gpu_check/__main__.py part_processes: parts spawned on CUDA (megatron-core's import initialises CUDA), forked"
+        " on the CPU",
+        "the spawn start method forced on the CPU by hand (2026-12-04); the dry run forks",
+        "tests/e2e/test_gpu_check_dry_run.py::test_gpu_check_dry_run_runs_every_part_in_its_own_process_and_streams_its_table",
+    ),
+    CudaBranch(
+        "models/generation.py cache_rows: the KV cache's rows sized from the free device memory",
+        "none: the CPU has no device memory query; at_most rows there",
+        "tests/distributed/test_kv_cache_decoding.py",
+    ),
+    CudaBranch(
         "models/offload.py: pinned host buffers, non_blocking copies",
         "none: pinning needs a CUDA context; the same copies run unpinned on CPU",
         "tests/distributed/test_host_offload.py::test_an_offloaded_run_equals_one_without_offload (unpinned)",
