@@ -311,6 +311,11 @@ class CriticConfig(Freezable):
     loss_scale_factor: int | None = ranged(None, AT_LEAST_ONE)
 
 
+# the PI rule's most change of β in one step, as a factor (β within [β/r, β·r] per step)
+RATE_LIMIT = Range(lambda v: v > 1, "> 1 (β's largest change in one step, as a factor)")
+KL_FEEDBACK = ("experience", "update")  # the KL the controllers read: `kl/mean` or the update's `actor/ref_kl`
+
+
 @dataclass
 class KLStageConfig(Freezable):
     """One phase of a staged KL schedule; `end` in `kl_ctrl.stage_unit` (fraction of the run, or step)."""
@@ -322,6 +327,9 @@ class KLStageConfig(Freezable):
     band: list[float] | None = None  # [low, high] for the band rule; default [target/1.5, target·1.5]
     horizon: float = 10000.0
     alpha: float = 1.5
+    kp: float = 1.0  # pi: proportional gain, Δlog β per unit change of log KL
+    ki: float = 0.3  # pi: integral gain, Δlog β per unit of log(KL/target)
+    rate_limit: float = 2.0  # pi: β's largest change in one step, as a factor
     guards: dict[str, float] = field(default_factory=dict)  # overrides of `guards.*` thresholds in this stage
 
 
@@ -336,6 +344,12 @@ class KLControlConfig(Freezable):
     horizon: float = ranged(10000.0, POSITIVE)
     alpha: float = ranged(1.5, POSITIVE)
     band: list[float] | None = None
+    kp: float = ranged(1.0, COEFFICIENT)  # pi: proportional gain, Δlog β per unit change of log KL
+    ki: float = ranged(0.3, POSITIVE)  # pi: integral gain, Δlog β per unit of log(KL/target)
+    rate_limit: float = ranged(2.0, RATE_LIMIT)  # pi: β's largest change in one step, as a factor
+    # the KL every controller reads: "experience" (`kl/mean`, the policy before this iteration's update, verl's
+    # input) or "update" (`actor/ref_kl`, the update's own KL: one iteration fresher)
+    feedback: str = choice("experience", KL_FEEDBACK)
     min_coef: float = ranged(1.0e-6, COEFFICIENT)
     max_coef: float = 1.0
     apply_to: list[str] = field(default_factory=lambda: ["loss", "reward"])
