@@ -204,7 +204,7 @@ class ControllerSettings:
     alpha: float = 1.5
     band: tuple[float, float] | None = None
     kp: float = 1.0
-    ki: float = 0.3
+    ki: float = 0.5
     rate_limit: float = 2.0
     previous_kl: float | None = None
 

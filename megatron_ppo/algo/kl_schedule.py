@@ -42,7 +42,7 @@ class KLStage:
     horizon: float = 10000.0
     alpha: float = 1.5
     kp: float = 1.0
-    ki: float = 0.3
+    ki: float = 0.5
     rate_limit: float = 2.0
     guards: Mapping[str, float] = field(default_factory=dict)
 

@@ -328,7 +328,7 @@ class KLStageConfig(Freezable):
     horizon: float = 10000.0
     alpha: float = 1.5
     kp: float = 1.0  # pi: proportional gain, Δlog β per unit change of log KL
-    ki: float = 0.3  # pi: integral gain, Δlog β per unit of log(KL/target)
+    ki: float = 0.5  # pi: integral gain, Δlog β per unit of log(KL/target)
     rate_limit: float = 2.0  # pi: β's largest change in one step, as a factor
     guards: dict[str, float] = field(default_factory=dict)  # overrides of `guards.*` thresholds in this stage
 
@@ -345,7 +345,7 @@ class KLControlConfig(Freezable):
     alpha: float = ranged(1.5, POSITIVE)
     band: list[float] | None = None
     kp: float = ranged(1.0, COEFFICIENT)  # pi: proportional gain, Δlog β per unit change of log KL
-    ki: float = ranged(0.3, POSITIVE)  # pi: integral gain, Δlog β per unit of log(KL/target)
+    ki: float = ranged(0.5, POSITIVE)  # pi: integral gain, Δlog β per unit of log(KL/target)
     rate_limit: float = ranged(2.0, RATE_LIMIT)  # pi: β's largest change in one step, as a factor
     # the KL every controller reads: "experience" (`kl/mean`, the policy before this iteration's update, verl's
     # input) or "update" (`actor/ref_kl`, the update's own KL: one iteration fresher)

@@ -5,8 +5,9 @@
 
 Four panels, top to bottom:
 - KL per token: every measured `kl/*` series (`kl/mean`, and any other per-token KL a run logs), the target each
-  step was held to (dashed, as steps) with the band where its controller has one, the stage boundaries and names,
-  and β of each KL term on the right-hand axis;
+  step was held to (dashed, as steps) with the ±10 % tracking band around it (`TRACKING_BAND`, lightly shaded) and
+  the band where its controller has one, the stage boundaries and names, and β of each KL term on the right-hand
+  axis;
 - reward: the training batch's `reward/mean` and every held-out `eval/*` at each evaluation;
 - gradient norms before clipping: each role's largest of the iteration (`actor/grad_norm_max`, what the guard
   judges) and mean (`actor/grad_norm`), with `guards.grad_norm_threshold`;
@@ -48,6 +49,7 @@ ROLLBACK = "guard/rollback"
 NAN = float("nan")
 ABANDONED = {"linestyle": "none", "marker": "x", "markersize": 7, "markeredgewidth": 1.5}
 OTHER_KL_STYLES = ("-.", (0, (3, 1, 1, 1, 1, 1)), (0, (1, 1)))  # per-token KL series other than kl/mean
+TRACKING_BAND = 0.1  # the shaded band around each target: KL within ±10 % of it (`kl/tracking_error` ≤ 0.1)
 
 
 class PlotError(UserError):
@@ -257,8 +259,13 @@ def _draw_schedule(kl_axis: Any, grad_axis: Any, run: PlottedRun, colour: str, l
             kl_axis.fill_between([first - 0.5, last + 0.5], low, high, color=colour, alpha=0.12, linewidth=0,
                                  gid=f"{run.name}|band")  # fmt: skip
             banded = True
+    for first, last, target in _runs_of_equal(schedule.steps, schedule.target_kl):
+        if math.isfinite(target):
+            kl_axis.fill_between([first - 0.5, last + 0.5], target * (1 - TRACKING_BAND), target * (1 + TRACKING_BAND),
+                                 color=colour, alpha=0.07, linewidth=0, hatch="...",
+                                 gid=f"{run.name}|tracking band")  # fmt: skip
     if any(math.isfinite(v) for v in schedule.target_kl):
-        label = "target (its band shaded)" if banded else "target"
+        label = "target, ±10 % dotted" + (", its rule's band shaded" if banded else "")
         line(kl_axis, run, "target", schedule.steps, schedule.target_kl, colour,
              {"linestyle": "--", "linewidth": 1.6, "drawstyle": "steps-mid"}, label)  # fmt: skip
     if any(math.isfinite(v) for v in schedule.grad_norm_threshold):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_ppo.algo import KLController, KLStage, StagedKLSchedule, build_kl_controller
@@ -19,9 +20,46 @@ STAGE_METRIC, TARGET_METRIC, TRACKING_METRIC = "kl/stage", "kl/target", "kl/trac
 FEEDBACK_METRICS = {"experience": EXPERIENCE_KL, "update": UPDATE_KL}
 
 
+TRACKING_BAND = 0.1  # a step tracks its target when |KL/target − 1| ≤ this
+SETTLING_STEPS = 2  # the steps at the start of each stage not judged (the controller is still reaching the target)
+
+
 def tracking_error(kl: float, target: float) -> float:
     """|KL/target − 1|: 0.1 is the edge of the ±10 % band."""
     return abs(kl / target - 1.0)
+
+
+@dataclass(frozen=True)
+class KLTracking:
+    """How a run's KL followed its targets: `hits` of the `judged` steps within ±TRACKING_BAND (every step with a
+    target but the first SETTLING_STEPS of its stage), their mean |KL/target − 1|, and the largest KL/target of any
+    step with a target."""
+
+    hits: int
+    judged: int
+    mean_error: float
+    max_ratio: float
+
+    @property
+    def within(self) -> float:
+        return self.hits / self.judged if self.judged else math.nan
+
+
+def kl_tracking(kl: Mapping[int, float], targets: Mapping[int, float | None], stages: Mapping[int, int]) -> KLTracking:
+    """`KLTracking` of the KL per step `kl` against `targets` (None: no target, as in a warm-up), each step in the
+    stage `stages` gives it."""
+    targeted = sorted(n for n in kl if targets.get(n) is not None)
+    first = {}
+    for n in targeted:
+        first.setdefault(stages[n], n)
+    judged = [n for n in targeted if n >= first[stages[n]] + SETTLING_STEPS]
+    errors = [tracking_error(kl[n], targets[n]) for n in judged]
+    return KLTracking(
+        hits=sum(e <= TRACKING_BAND for e in errors),
+        judged=len(judged),
+        mean_error=sum(errors) / len(errors) if errors else math.nan,
+        max_ratio=max((kl[n] / targets[n] for n in targeted), default=math.nan),
+    )
 
 
 def build_kl_coefficients(config: PPOConfig, total_steps: int) -> dict[str, KLCoefficient]:
