@@ -21,6 +21,7 @@ from megatron_ppo.algo.kl_control import (
     BandKLController,
     FixedKLController,
     KLController,
+    PIKLController,
     PowerLawKLController,
     build_kl_controller,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "FixedKLController",
     "KLController",
     "KLStage",
+    "PIKLController",
     "PolicyLossConfig",
     "PowerLawKLController",
     "RunningRewardNormalizer",

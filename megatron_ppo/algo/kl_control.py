@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_ppo.algo.registry import registrar
@@ -131,7 +132,84 @@ class BandKLController(KLController):
         return self.value
 
 
-ControllerBuilder = Callable[..., "KLController"]
+class PIKLController(KLController):
+    """PI control of log β from the log of the KL ratio, with anti-windup and a rate limit (`kind` "pi").
+
+        e_n     = log(KL_n / target)                                     (tracking error; ×2 and ÷2 weigh alike)
+        Δu_n    = clip(kp·(log KL_n − log KL_{n−1}) + ki·e_n,  ±log rate_limit)
+        u_{n+1} = clamp(u_n + Δu_n,  log min_coef,  log max_coef),       β = exp(u)
+
+    Why this shape: β does not set the KL, it sets how fast the policy drifts from the reference — the KL
+    integrates the pull of the advantages minus β's pull back, and answers β only after the next updates. The
+    power law (Δu = α·e) is a pure integrator in log β; around an integrating plant with a lag that is two
+    integrators in a loop, which can only oscillate. The proportional term here acts on the KL's own change, the
+    damping the loop lacks (it raises β while the KL is still rising, before the error has built up); the integral
+    term removes the remaining offset. The proportional term reads the measured KL, not the error, so a new target
+    (a stage boundary) moves β through the integral term only: no jump of β at the boundary.
+    Anti-windup: the integrator is log β itself, stored clamped — at `max_coef` (or `min_coef`) it stops, and β
+    leaves the bound at the first step whose correction points back inside. The rate limit bounds one step's change
+    of β to ×/÷ `rate_limit`, so a single outlying KL (or a non-positive one, counted as `KL_FLOOR`·target) cannot
+    throw β across its range. Needs min_coef > 0 (log β)."""
+
+    kind = "pi"
+    KL_FLOOR = 1e-3  # a KL ≤ this fraction of the target counts as this fraction (log of a non-positive KL)
+
+    def __init__(
+        self,
+        kl_coef: float,
+        target_kl: float,
+        kp: float,
+        ki: float,
+        rate_limit: float = 2.0,
+        previous_kl: float | None = None,
+        **bounds: float,
+    ) -> None:
+        if target_kl <= 0 or kp < 0 or ki <= 0 or rate_limit <= 1:
+            raise ValueError(
+                f"PI KL needs target_kl > 0, kp ≥ 0, ki > 0 and rate_limit > 1, got {target_kl}, {kp}, {ki}, "
+                f"{rate_limit}"
+            )
+        if bounds.get("min_coef", 0.0) <= 0:
+            raise ValueError("PI KL works on log β: it needs min_coef > 0")
+        super().__init__(kl_coef, **bounds)
+        self.target_kl, self.kp, self.ki, self.rate_limit = target_kl, kp, ki, rate_limit
+        self.previous_kl = previous_kl
+
+    def _log_kl(self, kl: float) -> float:
+        return math.log(max(kl, self.KL_FLOOR * self.target_kl))
+
+    def _next(self, current_kl: float, n_steps: int) -> float:
+        log_kl = self._log_kl(current_kl)
+        change = 0.0 if self.previous_kl is None else log_kl - self._log_kl(self.previous_kl)
+        self.previous_kl = current_kl
+        step = self.kp * change + self.ki * (log_kl - math.log(self.target_kl))
+        limit = math.log(self.rate_limit)
+        # anti-windup: `update` clamps the result into [min_coef, max_coef] and the next step starts from there
+        return self.value * math.exp(min(max(step, -limit), limit))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "previous_kl": self.previous_kl}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.previous_kl = state["previous_kl"]
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """What a controller of any kind may read besides β and its bounds; each builder takes what its kind needs."""
+
+    target_kl: float | None = None
+    horizon: float = 10000.0
+    alpha: float = 1.5
+    band: tuple[float, float] | None = None
+    kp: float = 1.0
+    ki: float = 0.5
+    rate_limit: float = 2.0
+    previous_kl: float | None = None
+
+
+ControllerBuilder = Callable[[float, ControllerSettings, dict[str, float]], "KLController"]
 KL_CONTROLLERS: dict[str, ControllerBuilder] = {}
 
 
@@ -139,48 +217,48 @@ KL_CONTROLLERS: dict[str, ControllerBuilder] = {}
 register_kl_controller = registrar(KL_CONTROLLERS, "KL controller")
 
 
-def _needs_target(kind: str, target_kl: float | None) -> float:
-    if target_kl is None:
+def _needs_target(kind: str, settings: ControllerSettings) -> float:
+    if settings.target_kl is None:
         raise ValueError(f"a {kind!r} KL controller needs target_kl")
-    return target_kl
+    return settings.target_kl
 
 
 @register_kl_controller("fixed")
-def _fixed(kl_coef, target_kl, horizon, alpha, band, bounds) -> KLController:
+def _fixed(kl_coef: float, settings: ControllerSettings, bounds: dict[str, float]) -> KLController:
     return FixedKLController(kl_coef, **bounds)
 
 
 @register_kl_controller("adaptive")
-def _adaptive(kl_coef, target_kl, horizon, alpha, band, bounds) -> KLController:
-    return AdaptiveKLController(kl_coef, _needs_target("adaptive", target_kl), horizon, **bounds)
+def _adaptive(kl_coef: float, settings: ControllerSettings, bounds: dict[str, float]) -> KLController:
+    return AdaptiveKLController(kl_coef, _needs_target("adaptive", settings), settings.horizon, **bounds)
 
 
 @register_kl_controller("power_law")
-def _power_law(kl_coef, target_kl, horizon, alpha, band, bounds) -> KLController:
-    return PowerLawKLController(kl_coef, _needs_target("power_law", target_kl), alpha, **bounds)
+def _power_law(kl_coef: float, settings: ControllerSettings, bounds: dict[str, float]) -> KLController:
+    return PowerLawKLController(kl_coef, _needs_target("power_law", settings), settings.alpha, **bounds)
 
 
 @register_kl_controller("band")
-def _band(kl_coef, target_kl, horizon, alpha, band, bounds) -> KLController:
+def _band(kl_coef: float, settings: ControllerSettings, bounds: dict[str, float]) -> KLController:
+    band = settings.band
     if band is None:
-        target = _needs_target("band", target_kl)
+        target = _needs_target("band", settings)
         band = (target / 1.5, target * 1.5)
     return BandKLController(kl_coef, band, **bounds)
 
 
+@register_kl_controller("pi")
+def _pi(kl_coef: float, settings: ControllerSettings, bounds: dict[str, float]) -> KLController:
+    s = settings
+    return PIKLController(kl_coef, _needs_target("pi", s), s.kp, s.ki, s.rate_limit, s.previous_kl, **bounds)
+
+
 def build_kl_controller(
-    kind: str,
-    kl_coef: float,
-    *,
-    target_kl: float | None = None,
-    horizon: float = 10000.0,
-    alpha: float = 1.5,
-    band: tuple[float, float] | None = None,
-    min_coef: float = 0.0,
-    max_coef: float = math.inf,
+    kind: str, kl_coef: float, *, min_coef: float = 0.0, max_coef: float = math.inf, **settings: Any
 ) -> KLController:
-    """A controller of the given kind; `band` defaults to [target/1.5, target·1.5] for the band rule."""
+    """A controller of the given kind from `ControllerSettings`' fields (target_kl, horizon, alpha, band, kp, ki,
+    rate_limit, previous_kl); `band` defaults to [target/1.5, target·1.5] for the band rule."""
     if kind not in KL_CONTROLLERS:
         raise ValueError(f"unknown KL controller {kind!r}; expected one of {', '.join(KL_CONTROLLERS)}")
     bounds = {"min_coef": min_coef, "max_coef": max_coef}
-    return KL_CONTROLLERS[kind](kl_coef, target_kl, horizon, alpha, band, bounds)
+    return KL_CONTROLLERS[kind](kl_coef, ControllerSettings(**settings), bounds)

@@ -7,13 +7,15 @@ stage of zero steps is skipped. A stage's `controller` is one of
 
     warmup     the KL term is off at the first step and β ramps linearly to `kl_coef` at the stage's end:
                β_t = kl_coef · (t − start)/(end − start)   (only the first stage may be a warm-up)
-    fixed | adaptive | power_law | band
-               the rule of that `KLController`, with the stage's target/band, applied to the current β
+    fixed | adaptive | power_law | band | pi
+               the rule of that `KLController`, with the stage's target/band/gains, applied to the current β
+               (the PI rule also reads the KL measured at the step before, in whichever stage that was)
 
 β is continuous across stage boundaries: a new stage starts from the β the previous one left (after a warm-up:
 exactly `kl_coef`, where the ramp ends). Outside the warm-up β stays within [min_coef, max_coef]. A stage may
 also carry guard thresholds (e.g. a tighter KL-explosion limit late in training), exposed as `guard_overrides`.
-The schedule is a pure function of (config, step, β), so `state_dict()` restores it exactly.
+The schedule is a pure function of (config, step, β, the previous step's KL), so `state_dict()` restores it
+exactly.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class KLStage:
     band: tuple[float, float] | None = None
     horizon: float = 10000.0
     alpha: float = 1.5
+    kp: float = 1.0
+    ki: float = 0.5
+    rate_limit: float = 2.0
     guards: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -70,6 +75,7 @@ class StagedKLSchedule:
         if any(b < a for a, b in zip(self.stage_ends, self.stage_ends[1:], strict=False)):
             raise ValueError(f"KL stage ends must not decrease, got steps {self.stage_ends}")
         self.step = 0
+        self.previous_kl: float | None = None  # the KL of the last update (the PI rule's proportional term)
         self.value = self._ramp(0) if self._is_warmup(0) else self._clamp(kl_coef)
 
     @property
@@ -119,10 +125,15 @@ class StagedKLSchedule:
                 horizon=stage.horizon,
                 alpha=stage.alpha,
                 band=stage.band,
+                kp=stage.kp,
+                ki=stage.ki,
+                rate_limit=stage.rate_limit,
+                previous_kl=self.previous_kl,
                 min_coef=self.min_coef,
                 max_coef=self.max_coef,
             )
             self.value = controller.update(current_kl, n_steps)
+        self.previous_kl = float(current_kl)
         return self.value
 
     def scale(self, factor: float) -> None:
@@ -136,6 +147,7 @@ class StagedKLSchedule:
             "kind": self.kind,
             "step": self.step,
             "value": self.value,
+            "previous_kl": self.previous_kl,
             "stage_names": [s.name for s in self.stages],
             "stage_ends": list(self.stage_ends),
         }
@@ -150,6 +162,7 @@ class StagedKLSchedule:
                 f"{([s.name for s in self.stages], self.stage_ends)}; resume with the schedule the run started with"
             )
         self.step, self.value = int(state["step"]), float(state["value"])
+        self.previous_kl = state.get("previous_kl")  # absent from checkpoints written before the PI rule
 
     def _is_warmup(self, step: int) -> bool:
         return self.stages[self.stage_index_at(step)].controller == WARMUP

@@ -475,6 +475,11 @@ class CriticConfig(Freezable):
     )
 
 
+# the PI rule's most change of β in one step, as a factor (β within [β/r, β·r] per step)
+RATE_LIMIT = Range(lambda v: v > 1, "> 1 (β's largest change in one step, as a factor)")
+KL_FEEDBACK = ("experience", "update")  # the KL the controllers read: `kl/mean` or the update's `actor/ref_kl`
+
+
 @dataclass
 class KLStageConfig(Freezable):
     """One phase of a staged KL schedule; `end` in `kl_ctrl.stage_unit` (fraction of the run, or step)."""
@@ -484,12 +489,15 @@ class KLStageConfig(Freezable):
     controller: str = choice(
         "power_law",
         (WARMUP, *KL_CONTROLLERS),
-        "the stage's rule: warmup (KL off, β ramps to its start), fixed, adaptive, power_law or band",
+        "the stage's rule: warmup (KL off, β ramps to its start), fixed, adaptive, power_law, band or pi",
     )
     target_kl: float | None = described(None, "the stage's KL target in nats per token")
     band: list[float] | None = described(None, "[low, high] for the band rule; null: [target/1.5, target·1.5]")
     horizon: float = described(10000.0, "adaptive: Ziegler's horizon")
     alpha: float = described(1.5, "power_law: the exponent α of β ← β·(KL/target)^α")
+    kp: float = described(1.0, "pi: proportional gain, Δlog β per unit change of log KL")
+    ki: float = described(0.5, "pi: integral gain, Δlog β per unit of log(KL/target)")
+    rate_limit: float = described(2.0, "pi: β's largest change in one step, as a factor")
     guards: dict[str, float] = described(default_factory=dict, doc="overrides of guards.* thresholds in this stage")
 
 
@@ -501,13 +509,22 @@ class KLControlConfig(Freezable):
     type: str = choice(
         "fixed",
         (*KL_CONTROLLERS, "staged"),
-        "how β moves: fixed, adaptive (Ziegler), power_law, band, or staged (stages below)",
+        "how β moves: fixed, adaptive (Ziegler), power_law, band, pi, or staged (stages below)",
     )
     kl_coef: float = ranged(0.001, COEFFICIENT, "the reward KL's β (its start)")
-    target_kl: float = ranged(0.1, POSITIVE, "KL target in nats per token (adaptive, power_law, band)")
+    target_kl: float = ranged(0.1, POSITIVE, "KL target in nats per token (adaptive, power_law, band, pi)")
     horizon: float = ranged(10000.0, POSITIVE, "adaptive: Ziegler's horizon")
     alpha: float = ranged(1.5, POSITIVE, "power_law: the exponent α")
     band: list[float] | None = described(None, "band: [low, high]; null: [target/1.5, target·1.5]")
+    kp: float = ranged(1.0, COEFFICIENT, "pi: proportional gain, Δlog β per unit change of log KL")
+    ki: float = ranged(0.5, POSITIVE, "pi: integral gain, Δlog β per unit of log(KL/target)")
+    rate_limit: float = ranged(2.0, RATE_LIMIT, "pi: β's largest change in one step, as a factor")
+    feedback: str = choice(
+        "experience",
+        KL_FEEDBACK,
+        "the KL every controller reads: experience (kl/mean, the policy before this iteration's update, verl's "
+        "input) or update (actor/ref_kl, the update's own KL: one iteration fresher)",
+    )
     min_coef: float = ranged(1.0e-6, COEFFICIENT, "lowest β")
     max_coef: float = described(1.0, "highest β")
     apply_to: list[str] = described(

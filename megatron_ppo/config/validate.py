@@ -300,6 +300,11 @@ def _kl_problems(c: PPOConfig) -> list[str]:
         )
     if kl.band is not None:
         p += _band_problems(f"{prefix}.band", kl.band)
+    uses_pi = kl.type == "pi" or (kl.type == "staged" and any(s.controller == "pi" for s in kl.stages))
+    if uses_pi and kl.min_coef <= 0:
+        p.append(
+            f"{prefix}.min_coef={kl.min_coef!r}: the pi controller steers log β and needs min_coef > 0 (e.g. 1e-6)"
+        )
     if kl.type != "staged":
         if kl.stages:
             p.append(f"{prefix}.stages is set but {prefix}.type={kl.type!r}; set type=staged or drop the stages")
@@ -323,7 +328,7 @@ def _kl_problems(c: PPOConfig) -> list[str]:
             p.append(f"{key}.controller={stage.controller!r} is not one of {', '.join(allowed)}")
         if stage.controller == WARMUP and index > 0:
             p.append(f"{key}: only the first stage may be a warm-up (a later ramp from 0 breaks β's continuity)")
-        needs_target = stage.controller in ("adaptive", "power_law") or (
+        needs_target = stage.controller in ("adaptive", "power_law", "pi") or (
             stage.controller == "band" and stage.band is None
         )
         if needs_target and (stage.target_kl is None or stage.target_kl <= 0):
@@ -332,6 +337,9 @@ def _kl_problems(c: PPOConfig) -> list[str]:
             p += _band_problems(f"{key}.band", stage.band)
         if stage.horizon <= 0 or stage.alpha <= 0:
             p.append(f"{key}: horizon={stage.horizon} and alpha={stage.alpha} must be > 0")
+        if stage.kp < 0 or stage.ki <= 0 or stage.rate_limit <= 1:
+            p.append(f"{key}: the pi gains need kp ≥ 0 (got {stage.kp}), ki > 0 (got {stage.ki}) and rate_limit > 1 "
+                     f"(got {stage.rate_limit})")  # fmt: skip
         for guard in sorted(set(stage.guards) - guard_names):
             p.append(f"{key}.guards.{guard}: unknown guard; known: {', '.join(sorted(guard_names))}")
     last = kl.stages[-1].end

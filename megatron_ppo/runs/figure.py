@@ -5,8 +5,9 @@
 
 Four panels, top to bottom:
 - KL per token: every measured `kl/*` series (`kl/mean`, and any other per-token KL a run logs), the target each
-  step was held to (dashed, as steps) with the band where its controller has one, the stage boundaries and names,
-  and β of each KL term on the right-hand axis;
+  step was held to (dashed, as steps) with the ±10 % tracking band around it (`TRACKING_BAND`, shaded) and the
+  band where its controller has one (shaded again), the stage boundaries and names, and β of each KL term on the
+  right-hand axis;
 - reward: the training batch's `reward/mean` and every held-out `eval/*` at each evaluation;
 - gradient norms before clipping: each role's largest of the iteration (`actor/grad_norm_max`, what the guard
   judges) and mean (`actor/grad_norm`), with `guards.grad_norm_threshold`;
@@ -34,7 +35,14 @@ from megatron_ppo.checkpoint.run_identity import RunIdentity, unflatten_config
 from megatron_ppo.config.errors import UserError
 from megatron_ppo.runs.report import RunLog, load_run
 from megatron_ppo.train.guards import ROLE_LOSSES
-from megatron_ppo.train.kl_coefficients import COEF_METRICS, STAGE_METRIC, TARGET_METRIC, build_kl_coefficients
+from megatron_ppo.train.kl_coefficients import (
+    COEF_METRICS,
+    STAGE_METRIC,
+    TARGET_METRIC,
+    TRACKING_BAND,
+    TRACKING_METRIC,
+    build_kl_coefficients,
+)
 
 PLOT_EXTRA = "pip install 'megatron-ppo[plot]'"
 FORMATS = (".png", ".pdf", ".svg")
@@ -155,8 +163,9 @@ def matplotlib_figure() -> Any:
 
 
 def kl_series(log: RunLog) -> list[str]:
-    """The per-token KL tags a run logged: `kl/*` but the controller's own outputs (β, stage, target) and spreads."""
-    controller = {*COEF_METRICS.values(), STAGE_METRIC, TARGET_METRIC}
+    """The per-token KL tags a run logged: `kl/*` but the controller's own outputs (β, stage, target, tracking error)
+    and spreads."""
+    controller = {*COEF_METRICS.values(), STAGE_METRIC, TARGET_METRIC, TRACKING_METRIC}
     return sorted(t for t in log.writes if t.startswith("kl/") and t not in controller and not t.endswith("/std"))
 
 
@@ -257,8 +266,13 @@ def _draw_schedule(kl_axis: Any, grad_axis: Any, run: PlottedRun, colour: str, l
             kl_axis.fill_between([first - 0.5, last + 0.5], low, high, color=colour, alpha=0.12, linewidth=0,
                                  gid=f"{run.name}|band")  # fmt: skip
             banded = True
+    for first, last, target in _runs_of_equal(schedule.steps, schedule.target_kl):
+        if math.isfinite(target):
+            kl_axis.fill_between([first - 0.5, last + 0.5], target * (1 - TRACKING_BAND), target * (1 + TRACKING_BAND),
+                                 color=colour, alpha=0.16, linewidth=0,
+                                 gid=f"{run.name}|tracking band")  # fmt: skip
     if any(math.isfinite(v) for v in schedule.target_kl):
-        label = "target (its band shaded)" if banded else "target"
+        label = "target, ±10 % shaded" + (", its rule's band darker" if banded else "")
         line(kl_axis, run, "target", schedule.steps, schedule.target_kl, colour,
              {"linestyle": "--", "linewidth": 1.6, "drawstyle": "steps-mid"}, label)  # fmt: skip
     if any(math.isfinite(v) for v in schedule.grad_norm_threshold):

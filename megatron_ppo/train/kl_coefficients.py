@@ -3,15 +3,63 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_ppo.algo import KLController, KLStage, StagedKLSchedule, build_kl_controller
 from megatron_ppo.config import ConfigError, PPOConfig
+from megatron_ppo.train.guards import EXPERIENCE_KL, UPDATE_KL
 
 KLCoefficient = KLController | StagedKLSchedule
-# What `KLCoefficients.step` logs: β of each term, the stage index and the target (the controller's, not a measured KL)
+# What `KLCoefficients.step` logs: β of each term, the stage index and the target (the controller's, not a measured
+# KL), and how far the measured KL was from that target
 COEF_METRICS = {"loss": "kl/coef", "reward": "kl/reward_coef"}
-STAGE_METRIC, TARGET_METRIC = "kl/stage", "kl/target"
+STAGE_METRIC, TARGET_METRIC, TRACKING_METRIC = "kl/stage", "kl/target", "kl/tracking_error"
+# the KL the controllers read, by `algorithm.kl_ctrl.feedback`
+FEEDBACK_METRICS = {"experience": EXPERIENCE_KL, "update": UPDATE_KL}
+
+
+TRACKING_BAND = 0.1  # a step tracks its target when |KL/target − 1| ≤ this
+SETTLING_STEPS = 2  # the steps at the start of each stage not judged (the controller is still reaching the target)
+
+
+def tracking_error(kl: float, target: float) -> float:
+    """|KL/target − 1|: 0.1 is the edge of the ±10 % band."""
+    return abs(kl / target - 1.0)
+
+
+@dataclass(frozen=True)
+class KLTracking:
+    """How a run's KL followed its targets: `hits` of the `judged` steps within ±TRACKING_BAND (every step with a
+    target but the first SETTLING_STEPS of its stage), their mean |KL/target − 1|, and the largest KL/target of any
+    step with a target."""
+
+    hits: int
+    judged: int
+    mean_error: float
+    max_ratio: float
+
+    @property
+    def within(self) -> float:
+        return self.hits / self.judged if self.judged else math.nan
+
+
+def kl_tracking(kl: Mapping[int, float], targets: Mapping[int, float | None], stages: Mapping[int, int]) -> KLTracking:
+    """`KLTracking` of the KL per step `kl` against `targets` (None: no target, as in a warm-up), each step in the
+    stage `stages` gives it."""
+    targeted = sorted(n for n in kl if targets.get(n) is not None)
+    first = {}
+    for n in targeted:
+        first.setdefault(stages[n], n)
+    judged = [n for n in targeted if n >= first[stages[n]] + SETTLING_STEPS]
+    errors = [tracking_error(kl[n], targets[n]) for n in judged]
+    return KLTracking(
+        hits=sum(e <= TRACKING_BAND for e in errors),
+        judged=len(judged),
+        mean_error=sum(errors) / len(errors) if errors else math.nan,
+        max_ratio=max((kl[n] / targets[n] for n in targeted), default=math.nan),
+    )
 
 
 def build_kl_coefficients(config: PPOConfig, total_steps: int) -> dict[str, KLCoefficient]:
@@ -40,6 +88,9 @@ def build_kl_coefficients(config: PPOConfig, total_steps: int) -> dict[str, KLCo
                     band=tuple(s.band) if s.band else None,
                     horizon=s.horizon,
                     alpha=s.alpha,
+                    kp=s.kp,
+                    ki=s.ki,
+                    rate_limit=s.rate_limit,
                     guards=dict(s.guards),
                 )
                 for s in kl_ctrl.stages
@@ -55,6 +106,9 @@ def build_kl_coefficients(config: PPOConfig, total_steps: int) -> dict[str, KLCo
                 horizon=kl_ctrl.horizon,
                 alpha=kl_ctrl.alpha,
                 band=tuple(kl_ctrl.band) if kl_ctrl.band else None,
+                kp=kl_ctrl.kp,
+                ki=kl_ctrl.ki,
+                rate_limit=kl_ctrl.rate_limit,
                 **bounds,
             )
     return coefficients
@@ -65,6 +119,7 @@ class KLCoefficients:
 
     def __init__(self, config: PPOConfig, total_steps: int) -> None:
         self.controllers = build_kl_coefficients(config, total_steps)
+        self.feedback = FEEDBACK_METRICS[config.algorithm.kl_ctrl.feedback]
 
     def coef(self, term: str) -> float | None:
         """β of `term` for the next update; None when that KL term is off."""
@@ -76,9 +131,13 @@ class KLCoefficients:
         """Guard thresholds set by the current KL stage (empty unless a term is staged)."""
         return {k: v for c in self.controllers.values() for k, v in c.guard_overrides.items()}
 
-    def step(self, current_kl: float | None, batch_rows: int) -> dict[str, float]:
-        """Log the β used in this iteration (with its target and stage), then update every controller from
-        `current_kl` (KL(actor‖ref) per token; skipped when it was not measured or is not finite)."""
+    def step(self, metrics: Mapping[str, float], batch_rows: int) -> dict[str, float]:
+        """Log the β used in this iteration (with its target, stage and `kl/tracking_error`, the experience KL
+        `kl/mean` against that target), then update every controller from the KL of `kl_ctrl.feedback` (per token;
+        the experience KL where the update's is missing, as in a critic warm-up; no update when neither was
+        measured or it is not finite)."""
+        measured = metrics.get(EXPERIENCE_KL)
+        current_kl = metrics.get(self.feedback, measured)
         out: dict[str, float] = {}
         for term, controller in self.controllers.items():
             out[COEF_METRICS[term]] = controller.value
@@ -86,6 +145,8 @@ class KLCoefficients:
                 out[STAGE_METRIC] = float(controller.stage_index)
             if controller.target_kl is not None:
                 out[TARGET_METRIC] = controller.target_kl
+                if measured is not None and math.isfinite(measured):
+                    out[TRACKING_METRIC] = tracking_error(measured, controller.target_kl)
             if current_kl is not None and math.isfinite(current_kl):
                 controller.update(current_kl, n_steps=batch_rows)
         return out

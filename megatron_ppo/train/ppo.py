@@ -45,7 +45,7 @@ from megatron_ppo.train.experience import (
     forward_passes,
     offpolicy_report,
 )
-from megatron_ppo.train.guards import EXPERIENCE_KL, ActionKind, GuardAction, Guards, GuardStopped, scale_learning_rate
+from megatron_ppo.train.guards import ActionKind, GuardAction, Guards, GuardStopped, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import KLCoefficients
 from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff
 from megatron_ppo.train.metrics import MetricsLogger
@@ -247,12 +247,9 @@ class PPOTrainer:
                 self.skipped_steps += update.skipped
             self.offload.enter(Phase.BETWEEN_ITERATIONS)  # checkpoints, rollbacks, evaluation read weights, optimizers
             self.step += 1
-            # 6. KL control: β for the next iteration from this one's experience KL, KL(π_old‖π_ref) — the KL the
-            #    reward penalty of this batch used, and verl's controller input. The guards read the update's KL
-            #    instead (step 7), but β stays a feedback loop on one measured quantity: the experience KL does
-            #    not depend on ppo_epochs or the mini-batch count, and its one-iteration lag is the controller's
-            #    sampling delay, which its targets and horizons are tuned with.
-            metrics |= self.kl.step(metrics.get(EXPERIENCE_KL), config.data.train_batch_size)
+            # 6. KL control: β for the next iteration from this one's KL — the update's own (`actor/ref_kl`) or the
+            #    experience's (`kl/mean`), as `algorithm.kl_ctrl.feedback` says — and `kl/tracking_error`
+            metrics |= self.kl.step(metrics, config.data.train_batch_size)
             # 7. guards: back off, roll back, bump β or stop on grad-norm spikes, KL (of this update) or loss
             #    explosions, high KL, watched metrics and non-finite steps (out-of-memory errors are retried inside
             #    the phases); then the save before this iteration is good or passed over

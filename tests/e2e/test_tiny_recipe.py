@@ -19,7 +19,8 @@ METRICS = [
     "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/kl_loss", "actor/entropy",
     "actor/grad_norm", "actor/lr", "critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var",
     "critic/grad_norm", "critic/values_mean", "reward/mean", "response_length/mean", "kl/coef", "kl/target",
-    "kl/stage", "kl/mean", "kl/std", "train/skipped_steps", "perf/tokens_per_s", "perf/step_time_s",
+    "kl/stage", "kl/mean", "kl/std", "kl/tracking_error", "train/skipped_steps", "perf/tokens_per_s",
+    "perf/step_time_s",
     "eval/reward_mean",
 ]  # fmt: skip
 

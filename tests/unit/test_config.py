@@ -216,7 +216,7 @@ def test_controller_drives_only_the_terms_listed_in_apply_to() -> None:
             "algorithm.kl_ctrl.kl_coef=0.02"]  # fmt: skip
     coefficients = build_kl_coefficients(load_config(TINY, both), total_steps=10)
     assert {t: c.kind for t, c in coefficients.items()} == {"loss": "adaptive", "reward": "adaptive"}
-    assert coefficients["loss"].value == 0.05 and coefficients["reward"].value == 0.02
+    assert coefficients["loss"].value == 0.1 and coefficients["reward"].value == 0.02
     only_reward = load_config(TINY, [*both, "algorithm.kl_ctrl.apply_to=[reward]"])
     coefficients = build_kl_coefficients(only_reward, total_steps=10)
     assert {t: c.kind for t, c in coefficients.items()} == {"loss": "fixed", "reward": "adaptive"}

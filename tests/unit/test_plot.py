@@ -58,7 +58,7 @@ def _log_run(log_dir: Path, run_id: str, overrides: list[str]) -> dict[str, dict
                    "actor/grad_norm_max": 4.0 + number, "critic/grad_norm": 30.0 / number,
                    "critic/grad_norm_max": 40.0 / number}  # fmt: skip
         step = number
-        metrics |= kl.step(metrics["kl/mean"], 512)
+        metrics |= kl.step(metrics, 512)
         logged.setdefault("applied/grad_norm_threshold", {})[number] = guards.thresholds(
             kl.guard_overrides
         ).grad_norm_threshold  # what the trainer's guards judge this iteration by
@@ -156,6 +156,9 @@ def test_targets_bands_and_thresholds_are_the_ones_that_applied(staged) -> None:
     corners = {(round(x, 6), round(y, 6)) for path in band.get_paths() for x, y in path.vertices}
     assert {y for _, y in corners} == {0.25, 0.35}, "only the band stage has a band"
     assert min(x for x, _ in corners) == 6.5 and max(x for x, _ in corners) == 14.5, "steps 7–14 (stage 'mid')"
+    tracking = [c for axis in fig.axes for c in axis.collections if c.get_gid() == f"{RUN}|tracking band"]
+    edges = {round(y, 6) for c in tracking for path in c.get_paths() for _, y in path.vertices}
+    assert edges == {0.18, 0.22, 0.27, 0.33, 0.36, 0.44}, "±10 % around each stage's target"
 
 
 def test_each_guard_event_and_checkpoint_is_drawn_at_its_step(staged) -> None:

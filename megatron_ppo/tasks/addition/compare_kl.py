@@ -1,4 +1,6 @@
-"""`compare-kl`: the tiny recipe's PPO run with the KL term off, fixed, adaptive and staged, side by side.
+"""`compare-kl`: the tiny recipe's PPO run with the KL term off, fixed, adaptive, staged under the power law and
+staged under the PI rule, side by side: held-out accuracy and how closely each run's KL followed the recipe's stage
+targets (`kl_tracking`: the share of steps within ±10 %, judged after each stage's first two steps).
 
 The project's central claim — KL regularisation keeps offline PPO from degrading — measured on the user's own
 machine: same SFT start, same offline data, same seed; only the KL control differs. Each invocation writes into a
@@ -13,13 +15,19 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from megatron_ppo.algo import StagedKLSchedule
 from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.checkpoint.run_identity import new_run_id
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.parallel.collectives import broadcast_from_rank0
 from megatron_ppo.tasks.addition.recipe import prepare_addition_task, train_on_task
+from megatron_ppo.train.kl_coefficients import KLTracking, build_kl_coefficients, kl_tracking
 from megatron_ppo.train.metrics import is_logging_rank
+
+# variant → the stage rule it swaps into the recipe's stages (None: the recipe's own stages are not used)
+STAGED = {"staged-power-law": "power_law", "staged-pi": "pi"}
+VARIANTS = ("off", "fixed", "adaptive", *STAGED)
 
 
 def comparison_directory(config: PPOConfig, invocation: str) -> Path:
@@ -29,11 +37,12 @@ def comparison_directory(config: PPOConfig, invocation: str) -> Path:
 
 def variants(config: PPOConfig, invocation: str) -> dict[str, PPOConfig]:
     """off: no KL term; fixed: the recipe's start coefficient held; adaptive: Ziegler toward the late-stage target;
-    staged: the recipe as it is. Each a new run in `comparison_directory(config, invocation) / <variant>`."""
+    staged-power-law and staged-pi: the recipe's stages with every target stage under that rule (its warm-up kept).
+    Each a new run in `comparison_directory(config, invocation) / <variant>`."""
     stages = config.algorithm.kl_ctrl.stages
     late_target = stages[-1].target_kl if stages and stages[-1].target_kl else config.algorithm.kl_ctrl.target_kl
     out = {}
-    for name in ("off", "fixed", "adaptive", "staged"):
+    for name in VARIANTS:
         root = comparison_directory(config, invocation) / name
         changes = {"trainer.default_local_dir": str(root / "checkpoints"), "trainer.log_dir": str(root / "tensorboard"),
                    "trainer.resume_mode": "disable"}  # fmt: skip
@@ -43,6 +52,12 @@ def variants(config: PPOConfig, invocation: str) -> dict[str, PPOConfig]:
             changes |= {"algorithm.kl_ctrl.type": "adaptive" if name == "adaptive" else "fixed",
                         "algorithm.kl_ctrl.stages": [], "algorithm.kl_ctrl.target_kl": late_target,
                         "algorithm.kl_ctrl.horizon": 1000.0}  # fmt: skip
+        if name in STAGED:
+            rule = STAGED[name]
+            changes["algorithm.kl_ctrl.stages"] = [
+                s if s.controller == "warmup" or s.target_kl is None else with_changes(s, {"controller": rule})
+                for s in stages
+            ]
         out[name] = with_changes(config, changes)
     return out
 
@@ -51,40 +66,60 @@ def compare_kl(
     config: PPOConfig, plot: str | None = None, weights: InitialWeights | None = None
 ) -> dict[str, dict[str, float]]:
     """Train every variant; print a table naming each run's TensorBoard folder, and return {variant: accuracy
-    before and after, final KL and β}. `plot`: also draw the four runs on one figure (`report --plot`) into that
-    file, or "" for `<comparison directory>/compare-kl.png`. `weights`: the run's initial weights
-    (`distributed_run`'s; the actor's is the task's SFT policy)."""
+    before and after, final KL and β, KL tracking of the recipe's stage targets}. `plot`: also draw the runs on one
+    figure (`report --plot`) into that file, or "" for `<comparison directory>/compare-kl.png`. `weights`: the run's
+    initial weights (`distributed_run`'s; the actor's is the task's SFT policy)."""
     if plot is not None:
         from megatron_ppo.runs.figure import matplotlib_figure
 
         matplotlib_figure()  # a missing extra is named before any training
     task = prepare_addition_task(config)
     invocation = broadcast_from_rank0(new_run_id())
-    results, log_dirs = {}, {}
+    results, log_dirs, tracking = {}, {}, {}
     for name, variant in variants(config, invocation).items():
         trainer, history, before, after = train_on_task(variant, task, weights)
         kls = [h["kl/mean"] for h in history if "kl/mean" in h]
+        tracking[name] = recipe_tracking(config, trainer.total_steps, history)
         results[name] = {"before": before["accuracy"], "after": after["accuracy"],
                          "kl_final": kls[-1] if kls else float("nan"),
-                         "coef_final": history[-1].get("kl/coef", 0.0) if history else float("nan")}  # fmt: skip
+                         "coef_final": history[-1].get("kl/coef", 0.0) if history else float("nan"),
+                         "within": tracking[name].within, "mean_error": tracking[name].mean_error,
+                         "max_ratio": tracking[name].max_ratio}  # fmt: skip
         log_dirs[name] = str(trainer.run.log_dir)
     if is_logging_rank():
         table = Table(
             title="held-out accuracy after offline PPO, by KL control (same SFT start, data and seed)",
             caption=f"runs of this comparison, read from {comparison_directory(config, invocation)}",
         )
-        columns = ("KL control", "SFT start", "after PPO", "change", "final KL/token", "final β", "run (TensorBoard)")
+        columns = ("KL control", "SFT start", "after PPO", "change", "KL within ±10 %", "mean |KL/target − 1|",
+                   "max KL/target", "final KL/token", "final β", "run (TensorBoard)")  # fmt: skip
         for column in columns:
             table.add_column(column, justify="right")
         for name, r in results.items():
+            t = tracking[name]
             table.add_row(name, f"{r['before']:.3f}", f"{r['after']:.3f}", f"{r['after'] - r['before']:+.3f}",
+                          f"{t.hits}/{t.judged} ({t.within:.0%})", f"{t.mean_error:.3f}", f"{t.max_ratio:.2f}",
                           f"{r['kl_final']:.3g}", f"{r['coef_final']:.3g}", log_dirs[name])  # fmt: skip
         Console().print(table)
         if plot is not None:
             from megatron_ppo.runs.figure import plot_runs
 
             path = plot or comparison_directory(config, invocation) / "compare-kl.png"
-            title = f"compare-kl {invocation}: the KL term off, fixed, adaptive and staged (same SFT start and data)"
+            title = (f"compare-kl {invocation}: the KL term off, fixed, adaptive, staged power law and staged PI "
+                     "(same SFT start and data)")  # fmt: skip
             path = plot_runs(list(log_dirs.values()), path, names=list(log_dirs), title=title)
             Console().print(f"figure: {path}")
     return results
+
+
+def recipe_tracking(config: PPOConfig, total_steps: int, history: list[dict[str, float]]) -> KLTracking:
+    """How a run's `kl/mean` followed the stage targets of `config` (the recipe's, whatever KL control the run
+    itself had): every variant judged against the same targets."""
+    kl = {int(h["step"]): h["kl/mean"] for h in history if "kl/mean" in h}
+    staged = [c for c in build_kl_coefficients(config, total_steps).values() if isinstance(c, StagedKLSchedule)]
+    if not staged:  # a recipe without stages: its one target throughout
+        return kl_tracking(kl, dict.fromkeys(kl, config.algorithm.kl_ctrl.target_kl), dict.fromkeys(kl, 0))
+    schedule = staged[0]
+    # the metrics of step n are judged against the target of the stage that owned it (`runs/figure.py`, Schedule)
+    stages = {n: schedule.stage_index_at(n - 1) for n in kl}
+    return kl_tracking(kl, {n: schedule.stages[stages[n]].target_kl for n in kl}, stages)

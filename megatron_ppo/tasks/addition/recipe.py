@@ -33,6 +33,7 @@ from megatron_ppo.parallel.distributed import initialize_model_parallel, seed_ev
 from megatron_ppo.tasks.addition.problems import AdditionProblem, corpus, demonstrate, reward, split_problems
 from megatron_ppo.tasks.addition.sft import run_sft
 from megatron_ppo.train.experience import check_rows_for_rollout_correction
+from megatron_ppo.train.kl_coefficients import kl_tracking
 from megatron_ppo.train.metrics import is_logging_rank
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.ppo import PPOTrainer
@@ -299,6 +300,13 @@ def _summary(config: PPOConfig, trainer: PPOTrainer, history, before, after, dat
         target = next((h["kl/target"] for h in history if h.get("kl/stage") == stage and "kl/target" in h), None)
         table.add_row(f"KL per token, stage {int(stage)}", "warm-up" if target is None else f"target {target:.4g}",
                       f"{sum(values) / len(values):.4g}")  # fmt: skip
+    logged = {int(h["step"]): h for h in history if "kl/mean" in h and "kl/target" in h}
+    if logged:
+        tracking = kl_tracking({n: h["kl/mean"] for n, h in logged.items()},
+                               {n: h["kl/target"] for n, h in logged.items()},
+                               {n: int(h.get("kl/stage", 0.0)) for n, h in logged.items()})  # fmt: skip
+        table.add_row("KL within ±10 % of its target", "after each stage's first 2 steps",
+                      f"{tracking.hits}/{tracking.judged} steps (max {tracking.max_ratio:.2f}× target)")  # fmt: skip
     table.add_row("max actor grad norm", "", f"{summary['max_grad_norm']:.3g}")
     table.add_row("skipped steps", "", f"{trainer.skipped_steps}")
     table.add_row("data", "", data_line)
