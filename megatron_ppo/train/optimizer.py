@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,12 +50,21 @@ def build_optimizer(model: RoleModel, optim: OptimConfig, layout: MegatronConfig
         ),
         model.chunks,
     )
-    # held weakly: the config belongs to the chunks, which the optimizer holds (a cycle otherwise, train/callbacks.py)
+    # held weakly: the config belongs to the chunks, which the optimizer holds (a cycle otherwise, train/callbacks.py);
+    # once the optimizer is freed the config forgets it, and the model's later passes scale their loss by 1, as
+    # Megatron does for a model without an optimizer
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = weak_callback(optimizer.scale_loss)
+    weakref.finalize(optimizer, _forget_loss_scaling, config, config.grad_scale_func)
     no_sync = [weak_callback(chunk.no_sync) for chunk in model.chunks]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     return optimizer
+
+
+def _forget_loss_scaling(config: Any, grad_scale_func: Any) -> None:
+    """The freed optimizer's loss scaling off the model's config — unless another optimizer has replaced it."""
+    if config.grad_scale_func is grad_scale_func:
+        config.grad_scale_func = None
 
 
 def zero_grads(model: RoleModel, optimizer: MegatronOptimizer) -> None:

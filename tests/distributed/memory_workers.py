@@ -77,9 +77,10 @@ def dropped_trainers_are_freed(rank: int, world_size: int, root: str) -> dict[st
             alive[f"trainer {attempt}"] = sorted(name for name, ref in refs.items() if ref() is not None)
         sft_model = sft(config, config.actor.megatron, rows, pad_id=0, steps=2)
         refs = {"sft model": weakref.ref(sft_model), "sft chunk": weakref.ref(sft_model.chunks[0])}
+        loss_scaling_kept = sft_model.config.grad_scale_func is not None  # its optimizer was dropped in `sft`
         del sft_model
         alive["sft"] = sorted(name for name, ref in refs.items() if ref() is not None)
-    return {"alive": alive, "references": len(refs)}
+    return {"alive": alive, "references": len(refs), "loss_scaling_kept": loss_scaling_kept}
 
 
 def failed_pass_is_released(rank: int, world_size: int, root: str, release: bool) -> dict[str, Any]:

@@ -19,6 +19,7 @@ def test_dropped_trainers_and_the_sft_model_are_freed_without_the_collector(tmp_
     assert report["alive"] == {"trainer 0": [], "trainer 1": [], "trainer 2": [], "sft": []}, (
         f"alive after the last reference went (collector off): {report['alive']}"
     )
+    assert report["loss_scaling_kept"] is False, "the SFT model's config still calls its freed optimizer"
 
 
 def test_a_failed_pass_is_released_before_its_retry(tmp_path) -> None:

@@ -20,6 +20,7 @@ import pytest
 
 from bench.ports import on_a_free_port
 from bench.tiny import RECIPE, REPO
+from megatron_ppo.tasks.addition.compare_kl import VARIANTS
 from tests.faults.cases import QUICK
 
 
@@ -109,10 +110,10 @@ def test_two_compare_kl_invocations_write_apart_and_name_what_they_read(first_ru
     for invocation, table in zip(invocations, outputs, strict=True):
         assert f"read from {invocation}" in table
         runs = set()
-        for variant in ("off", "fixed", "adaptive", "staged"):
+        for variant in VARIANTS:
             (latest,) = (invocation / variant / "checkpoints" / "latest").read_text().split()
             assert latest == "step_2"
             runs.add(run_id(invocation / variant / "checkpoints" / latest))
             (log_dir,) = (invocation / variant / "tensorboard").iterdir()
             assert str(log_dir) in table and log_dir.name in runs
-        assert len(runs) == 4, "every variant is a run of its own"
+        assert len(runs) == len(VARIANTS), "every variant is a run of its own"
