@@ -206,7 +206,8 @@ def _tiny_layout(tensor_parallel: int, sequence_parallel: bool) -> list[str]:
 # units multiplies bf16 some 30× slower (128·64 × 512 by 512 × 128: 0.44 s against 0.017 s), which made this part
 # 110 s of the dry run's 217; the bf16 trainer runs in (b) (its tiny iterations: 5 s).
 DRY_TINY = ["cluster.device=cpu", "model.params_dtype=fp32", "data.addition.num_prompts=64",
-            "data.addition.num_heldout=16", "data.addition.sft_steps=4", "data.train_batch_size=128", "trainer.save_freq=0",
+            "data.addition.num_heldout=16", "data.addition.sft_steps=4", "data.train_batch_size=128",
+            "trainer.save_freq=0",
             *(f"{role}.megatron.make_sequence_length_divisible_by=128"
               for role in ("actor", "ref", "critic"))]  # fmt: skip
 
