@@ -19,7 +19,7 @@ from megatron_ppo.checkpoint.run_start import start_run
 from megatron_ppo.checkpoint.verify import CheckpointError
 from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.frozen import with_changes
-from megatron_ppo.config.schema import MegatronConfig, OptimConfig, PPOConfig
+from megatron_ppo.config.schema import LoraSettings, MegatronConfig, OptimConfig, PPOConfig
 from megatron_ppo.models import build_role_model
 from megatron_ppo.models.gpt import sync_parameters
 from megatron_ppo.parallel import init_distributed
@@ -229,17 +229,20 @@ def _one_update(actor, optimizer, scheduler, config, seed: int) -> dict[str, flo
     return {"grad_norms": [step.grad_norm for step in update.steps], **update.metrics}
 
 
-def resumed_optimizer_takes_the_same_step(rank: int, world_size: int, root: str, layout: MegatronConfig) -> dict:
+def resumed_optimizer_takes_the_same_step(
+    rank: int, world_size: int, root: str, layout: MegatronConfig, lora: dict | None = None
+) -> dict:
     """Two updates, a save, a third update; then a fresh actor and optimizer load the save and take the third update
     again. Adam's moments, step counts and main weights come back from the checkpoint, so the third update's
-    metrics and the weights after it are the same, bit for bit (same layout, same processes)."""
+    metrics and the weights after it are the same, bit for bit (same layout, same processes). `lora`: the actor
+    with adapters (`LoraSettings` fields), whose checkpoint holds the adapters and their optimizer states."""
     root = Path(root)
     init_distributed(layout, seed=SEED)
     config = with_changes(ppo_config(layout), {"actor.ppo_mini_batch_size": ROWS // 2})
     optim = dataclasses.replace(OPTIM, lr=1e-2, weight_decay=0.1, adam_eps=1e-8, lr_decay_style="constant")
 
     def build():
-        actor = build_role_model("actor", MODEL, layout)
+        actor = build_role_model("actor", MODEL, layout, lora=LoraSettings(**lora) if lora else None)
         optimizer = build_optimizer(actor, optim, layout)
         return actor, optimizer, build_scheduler(optimizer, optim, total_steps=10)
 

@@ -86,18 +86,21 @@ def test_local_checkpoint_loads_into_a_transformer_engine_model_but_a_missing_we
 
 
 RESUME_LAYOUTS = {
-    "tp2": MegatronConfig(tensor_model_parallel_size=2),
-    "pp2-distopt": MegatronConfig(pipeline_model_parallel_size=2, use_distributed_optimizer=True),
-    "dp2-distopt": MegatronConfig(use_distributed_optimizer=True),
+    "tp2": (MegatronConfig(tensor_model_parallel_size=2), None),
+    "pp2-distopt": (MegatronConfig(pipeline_model_parallel_size=2, use_distributed_optimizer=True), None),
+    "dp2-distopt": (MegatronConfig(use_distributed_optimizer=True), None),
+    # LoRA: the adapters (sharded by TP, sequence parallel) and their Adam states come back from the checkpoint
+    "tp2-sp-lora": (MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), {"rank": 4, "alpha": 8.0}),
+    "dp2-distopt-lora": (MegatronConfig(use_distributed_optimizer=True), {"rank": 4, "alpha": 8.0}),
 }
 
 
 @pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
 def test_a_resumed_optimizer_takes_the_same_next_update_bit_for_bit(tmp_path, layout: str) -> None:
     """The update after a resume equals the uninterrupted one exactly: same metrics, same weights after it (Adam's
-    moments, step counts and the distributed optimizer's main weights all restored)."""
+    moments, step counts and the distributed optimizer's main weights all restored; with LoRA, the adapters')."""
     reports = run_distributed(checkpoint_workers.resumed_optimizer_takes_the_same_step, 2, str(tmp_path),
-                              RESUME_LAYOUTS[layout])  # fmt: skip
+                              *RESUME_LAYOUTS[layout])  # fmt: skip
     for rank, report in enumerate(reports):
         assert report["resumed"] == report["uninterrupted"], (layout, rank, report)
         assert report["largest_weight_difference"] == 0.0, (layout, rank, report["largest_weight_difference"])
