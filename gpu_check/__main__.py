@@ -3,11 +3,12 @@
     python -m gpu_check [--dry-run] [--parts a,b,...] [--jobs N] [--out FILE] [--part-timeout S]
 
 Each part runs in a fresh process, so what one part leaves on the GPU — a failed pass, a fragmented allocator, a CUDA
-context — never reaches the next, and a part that crashes or hangs (`--part-timeout`: killed with its whole process
-group) fails alone. Results stream: a part's table lines are printed and the JSON (`--out`) rewritten as each ends,
-so a run cut short still reports every finished part. Up to `--jobs` parts run at once (default 2), but a part whose
-timings a neighbour's kernels would distort (`exclusive`: the (b) iterations) runs alone, and two parts that each
-hold a 1.5B-shaped trainer (`large`: 60–80 GiB each) never run together. The exit status is 1 when a part failed.
+context — never reaches the next, and a part that crashes or hangs (`--part-timeout`: killed with every process it
+started, torchrun's workers included) fails alone. Results stream: a part's table lines are printed and the JSON
+(`--out`) rewritten as each ends, so a run cut short still reports every finished part. Up to `--jobs` parts run at once
+(default 2), but a part whose timings a neighbour's kernels would distort (`exclusive`: the (b) iterations) runs alone,
+and two parts that each hold a 1.5B-shaped trainer (`large`: 60–80 GiB each) never run together. The exit status is 1
+when a part failed.
 `--dry-run` runs every part's code on the CPU with a tiny model (CI does, in tests/e2e).
 
 The parts (`parts.py`):
@@ -30,14 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from gpu_check.parts import Part, parts_of, run_part
@@ -56,6 +56,33 @@ def part_processes(plan: Plan) -> mp.context.BaseContext:
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the process `pid` and every process under it. Not its process group alone: torchrun starts each worker
+    in a session of its own, so a part's training processes would outlive it (on a GPU, holding its memory through
+    the parts after it). Each process found is stopped first, and looked under again, so none starts another
+    between the listing and the kill."""
+    try:
+        stopped = {pid: psutil.Process(pid)}
+    except psutil.NoSuchProcess:
+        return
+    frontier = list(stopped.values())
+    while frontier:
+        found = []
+        for process in frontier:
+            try:
+                process.suspend()
+                found.extend(child for child in process.children() if child.pid not in stopped)
+            except psutil.NoSuchProcess:
+                continue
+        stopped |= {child.pid: child for child in found}
+        frontier = found
+    for process in stopped.values():
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            continue
 
 
 class Check:
@@ -92,7 +119,7 @@ class Check:
         part, process, started = self.running.pop(key)
         work = self.work / key
         if timed_out:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_tree(process.pid)
         process.join()
         result_path = work / "result.json"
         if result_path.is_file():
