@@ -115,6 +115,8 @@ def shrink(recipe: Path, config: PPOConfig) -> Shrunk:
         config.actor.use_dynamic_bsz,
         config.critic.use_dynamic_bsz,
         config.model.pack_sequences,
+        config.actor.lora.enabled,  # a LoRA recipe's run is not its full fine-tune's, nor the other way round
+        config.critic.lora.enabled,
     )
     layout_key = (world, flags, *(tuple(dataclasses.asdict(layouts[role]).items()) for role in ROLES))
     return Shrunk(recipe, world, tuple(overrides), tuple(entry.setting for entry in swapped), layout_key)

@@ -70,3 +70,4 @@ def test_recipes_with_the_same_shrunk_layout_share_a_run_and_others_do_not() -> 
     assert layouts["qwen2.5-32b"] == layouts["qwen3-32b"] and layouts["llama3.1-70b"] == layouts["qwen2.5-72b"]
     assert layouts["qwen2.5-32b"] != layouts["qwen2.5-72b"], "virtual stages are part of the layout"
     assert layouts["qwen2.5-32b"] != layouts["qwen2.5-32b-1node"], "so is host offload"
+    assert layouts["qwen2.5-32b"] != layouts["qwen2.5-32b-lora"], "LoRA is a run of its own, not the full fine-tune's"
