@@ -57,4 +57,3 @@ def test_gpu_check_dry_run_runs_every_part_in_its_own_process_and_streams_its_ta
     assert all(step > 10 * layouts["tolerance"]["weights"] for step in layouts["reference_step"].values()), layouts
     assert parts["h_recipe"]["processes"] == 2, "the TP2 + SP recipe ran on 2 processes"
     assert "(h) TP2 + SP and PP2 against TP1 (fp32)" in result.stdout
-
