@@ -224,8 +224,10 @@ def tiny_recipe(plan: Plan, work: Path, name: str, tensor_parallel: int, sequenc
             f"trainer.log_dir={work / name / 'tb'}"]  # fmt: skip
     dry = plan.device == "cpu"
     steps = 1 if dry else plan.recipe_steps
-    overrides = [*(o for o in TINY_ON_CUDA if not o.startswith(("cluster.device", "model.params_dtype"))), *DRY_TINY]
-    overrides = overrides if dry else TINY_ON_CUDA
+    overrides = TINY_ON_CUDA
+    if dry:  # CUDA's device and dtype give way to the dry run's
+        cuda_only = ("cluster.device", "model.params_dtype")
+        overrides = [*(o for o in TINY_ON_CUDA if not o.startswith(cuda_only)), *DRY_TINY]
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tensor_parallel}",
                f"--master_port={free_port()}", "-m", "megatron_ppo", "train", "recipes/tiny-cpu.yaml",
                *overrides, *layout, f"trainer.total_training_steps={steps}", *dirs]  # fmt: skip
