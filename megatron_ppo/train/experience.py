@@ -4,6 +4,7 @@ experience is the same typed object on every rank."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import NotRequired, TypedDict
 
@@ -272,16 +273,18 @@ def offpolicy_report(config: PPOConfig, metrics: dict[str, float]) -> str | None
 
 
 def experience_metrics(config: PPOConfig, experience: Experience) -> dict[str, float]:
-    """Response length; KL(actor‖ref) per token, mean and std over sequences (the estimator of the KL loss, else
-    of the reward penalty); GRPO groups of one row in the batch; the critic's mean value and explained variance of
-    the returns."""
+    """Response length; KL(actor‖ref) per token over sequences: mean, std and the mean's standard error
+    (std/√sequences; the estimator of the KL loss, else of the reward penalty); GRPO groups of one row in the batch;
+    the critic's mean value and explained variance of the returns."""
     mask = experience["loss_mask"]
     out = {"response_length/mean": float(mask.sum(-1).mean())}
     if "ref_log_prob" in experience:
         kind = config.actor.kl_loss_type if config.actor.use_kl_loss else config.algorithm.kl_penalty
         kl = algo.kl_penalty(experience["old_log_prob"], experience["ref_log_prob"], kind)
         per_sequence = algo.masked_mean(kl, mask, dim=-1)
-        out |= {"kl/mean": float(per_sequence.mean()), "kl/std": float(per_sequence.std())}
+        std = float(per_sequence.std())
+        stderr = std / math.sqrt(per_sequence.numel())
+        out |= {"kl/mean": float(per_sequence.mean()), "kl/std": std, "kl/stderr": stderr}
     if config.algorithm.adv_estimator in algo.GROUPED_ESTIMATORS:
         out["grpo/singleton_groups"] = float((torch.bincount(experience["group"]) == 1).sum())
     if "values" in experience:

@@ -29,36 +29,56 @@ def tracking_error(kl: float, target: float) -> float:
     return abs(kl / target - 1.0)
 
 
+def chance_within_band(relative_stderr: float) -> float:
+    """P(|KL/target − 1| ≤ TRACKING_BAND) of a measured KL whose true value is exactly the target, the measurement
+    normal with standard error `relative_stderr`·target: erf(band / (relative_stderr·√2))."""
+    return math.erf(TRACKING_BAND / (relative_stderr * math.sqrt(2))) if relative_stderr > 0 else 1.0
+
+
 @dataclass(frozen=True)
 class KLTracking:
     """How a run's KL followed its targets: `hits` of the `judged` steps within ±TRACKING_BAND (every step with a
-    target but the first SETTLING_STEPS of its stage), their mean |KL/target − 1|, and the largest KL/target of any
-    step with a target."""
+    target but the first SETTLING_STEPS of its stage), their mean |KL/target − 1|, the largest KL/target of any
+    step with a target, and `noise_hits`: the judged steps a KL held exactly on target would have measured within
+    the band, given each step's own measurement noise (Σ `chance_within_band` of kl/stderr ÷ kl/mean; NaN where
+    the noise was not logged) — the share no controller can beat, since it comes from which rows the batch drew."""
 
     hits: int
     judged: int
     mean_error: float
     max_ratio: float
+    noise_hits: float = math.nan
 
     @property
     def within(self) -> float:
         return self.hits / self.judged if self.judged else math.nan
 
+    @property
+    def noise_ceiling(self) -> float:
+        return self.noise_hits / self.judged if self.judged else math.nan
 
-def kl_tracking(kl: Mapping[int, float], targets: Mapping[int, float | None], stages: Mapping[int, int]) -> KLTracking:
+
+def kl_tracking(
+    kl: Mapping[int, float],
+    targets: Mapping[int, float | None],
+    stages: Mapping[int, int],
+    stderr: Mapping[int, float] | None = None,
+) -> KLTracking:
     """`KLTracking` of the KL per step `kl` against `targets` (None: no target, as in a warm-up), each step in the
-    stage `stages` gives it."""
+    stage `stages` gives it; `stderr`: each step's standard error of `kl` (kl/stderr), for `noise_hits`."""
     targeted = sorted(n for n in kl if targets.get(n) is not None)
     first = {}
     for n in targeted:
         first.setdefault(stages[n], n)
     judged = [n for n in targeted if n >= first[stages[n]] + SETTLING_STEPS]
     errors = [tracking_error(kl[n], targets[n]) for n in judged]
+    noisy = stderr is not None and all(n in stderr and kl[n] > 0 for n in judged)
     return KLTracking(
         hits=sum(e <= TRACKING_BAND for e in errors),
         judged=len(judged),
         mean_error=sum(errors) / len(errors) if errors else math.nan,
         max_ratio=max((kl[n] / targets[n] for n in targeted), default=math.nan),
+        noise_hits=sum(chance_within_band(stderr[n] / kl[n]) for n in judged) if noisy else math.nan,
     )
 
 

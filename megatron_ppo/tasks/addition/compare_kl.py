@@ -84,21 +84,24 @@ def compare_kl(
                          "kl_final": kls[-1] if kls else float("nan"),
                          "coef_final": history[-1].get("kl/coef", 0.0) if history else float("nan"),
                          "within": tracking[name].within, "mean_error": tracking[name].mean_error,
-                         "max_ratio": tracking[name].max_ratio}  # fmt: skip
+                         "max_ratio": tracking[name].max_ratio,
+                         "noise_ceiling": tracking[name].noise_ceiling}  # fmt: skip
         log_dirs[name] = str(trainer.run.log_dir)
     if is_logging_rank():
         table = Table(
             title="held-out accuracy after offline PPO, by KL control (same SFT start, data and seed)",
             caption=f"runs of this comparison, read from {comparison_directory(config, invocation)}",
         )
-        columns = ("KL control", "SFT start", "after PPO", "change", "KL within ±10 %", "mean |KL/target − 1|",
-                   "max KL/target", "final KL/token", "final β", "run (TensorBoard)")  # fmt: skip
+        columns = ("KL control", "SFT start", "after PPO", "change", "KL within ±10 %", "on target: noise allows",
+                   "mean |KL/target − 1|", "max KL/target", "final KL/token", "final β",
+                   "run (TensorBoard)")  # fmt: skip
         for column in columns:
             table.add_column(column, justify="right")
         for name, r in results.items():
             t = tracking[name]
             table.add_row(name, f"{r['before']:.3f}", f"{r['after']:.3f}", f"{r['after'] - r['before']:+.3f}",
-                          f"{t.hits}/{t.judged} ({t.within:.0%})", f"{t.mean_error:.3f}", f"{t.max_ratio:.2f}",
+                          f"{t.hits}/{t.judged} ({t.within:.0%})", f"{t.noise_ceiling:.0%}", f"{t.mean_error:.3f}",
+                          f"{t.max_ratio:.2f}",
                           f"{r['kl_final']:.3g}", f"{r['coef_final']:.3g}", log_dirs[name])  # fmt: skip
         Console().print(table)
         if plot is not None:
@@ -116,10 +119,11 @@ def recipe_tracking(config: PPOConfig, total_steps: int, history: list[dict[str,
     """How a run's `kl/mean` followed the stage targets of `config` (the recipe's, whatever KL control the run
     itself had): every variant judged against the same targets."""
     kl = {int(h["step"]): h["kl/mean"] for h in history if "kl/mean" in h}
+    stderr = {int(h["step"]): h["kl/stderr"] for h in history if "kl/stderr" in h}
     staged = [c for c in build_kl_coefficients(config, total_steps).values() if isinstance(c, StagedKLSchedule)]
     if not staged:  # a recipe without stages: its one target throughout
-        return kl_tracking(kl, dict.fromkeys(kl, config.algorithm.kl_ctrl.target_kl), dict.fromkeys(kl, 0))
+        return kl_tracking(kl, dict.fromkeys(kl, config.algorithm.kl_ctrl.target_kl), dict.fromkeys(kl, 0), stderr)
     schedule = staged[0]
     # the metrics of step n are judged against the target of the stage that owned it (`runs/figure.py`, Schedule)
     stages = {n: schedule.stage_index_at(n - 1) for n in kl}
-    return kl_tracking(kl, {n: schedule.stages[stages[n]].target_kl for n in kl}, stages)
+    return kl_tracking(kl, {n: schedule.stages[stages[n]].target_kl for n in kl}, stages, stderr)

@@ -304,9 +304,12 @@ def _summary(config: PPOConfig, trainer: PPOTrainer, history, before, after, dat
     if logged:
         tracking = kl_tracking({n: h["kl/mean"] for n, h in logged.items()},
                                {n: h["kl/target"] for n, h in logged.items()},
-                               {n: int(h.get("kl/stage", 0.0)) for n, h in logged.items()})  # fmt: skip
+                               {n: int(h.get("kl/stage", 0.0)) for n, h in logged.items()},
+                               {n: h["kl/stderr"] for n, h in logged.items() if "kl/stderr" in h})  # fmt: skip
         table.add_row("KL within ±10 % of its target", "after each stage's first 2 steps",
                       f"{tracking.hits}/{tracking.judged} steps (max {tracking.max_ratio:.2f}× target)")  # fmt: skip
+        table.add_row("  a KL exactly on target", "measured with each batch's noise",
+                      f"{tracking.noise_hits:.1f}/{tracking.judged} steps (kl/stderr)")  # fmt: skip
     table.add_row("max actor grad norm", "", f"{summary['max_grad_norm']:.3g}")
     table.add_row("skipped steps", "", f"{trainer.skipped_steps}")
     table.add_row("data", "", data_line)
