@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -18,58 +14,10 @@ from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.parallel.cpu_compat import seed_model_parallel_rng
 from megatron_ppo.parallel.device import select_device
+from megatron_ppo.parallel.launch_env import DistEnv, dist_env_from_environment
 from megatron_ppo.parallel.megatron_compat import bind_missing_te_general_gemm
 
-DEFAULT_PORT = 29500
 _STARTS = itertools.count()  # process-group starts in this process (several runs may follow each other in one)
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """Where this process sits in the job."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-
-
-def dist_env_from_environment(environ: Mapping[str, str] | None = None) -> DistEnv:
-    """torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, else Slurm's SLURM_PROCID/SLURM_NTASKS/
-    SLURM_LOCALID with the master on the first host of SLURM_JOB_NODELIST; a single process otherwise."""
-    env = os.environ if environ is None else environ
-    port = int(env.get("MASTER_PORT", DEFAULT_PORT))
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return DistEnv(
-            rank=int(env["RANK"]),
-            world_size=int(env["WORLD_SIZE"]),
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=port,
-        )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
-        return DistEnv(
-            rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            master_addr=env.get("MASTER_ADDR", first_host(nodelist)),
-            master_port=port,
-        )
-    return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=port)
-
-
-def first_host(nodelist: str) -> str:
-    """First host of a Slurm node list: "gpu[003-005,010],cpu01" → "gpu003" (zero padding kept)."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise ValueError(f"cannot read the Slurm node list {nodelist!r}")
-    prefix, ranges = match.groups()
-    if ranges is None:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return f"{prefix}{first}"
 
 
 # What a start says when its rendezvous port is taken (`bench/ports.py` launches again on another port on it)

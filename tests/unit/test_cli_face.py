@@ -9,6 +9,8 @@ import os
 import re
 import shlex
 import signal
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -124,3 +126,14 @@ def test_megatrons_import_notices_go_to_the_debug_log_and_other_warnings_still_s
     assert "CUDA runtime" not in capsys.readouterr().err
     logged = [r.getMessage() for r in caplog.records if r.name == "megatron_ppo.notices"]
     assert any("Apex is not installed" in m for m in logged) and any("No CUDA runtime" in m for m in logged), logged
+
+
+@pytest.mark.parametrize("command", [["validate", "recipes/tiny-cpu.yaml"], ["plan", "recipes/qwen3-32b.yaml"]],
+                         ids=lambda c: c[0])  # fmt: skip
+def test_a_command_that_starts_no_process_group_does_not_import_megatron_core(command: list[str]) -> None:
+    """validate and plan (as `slurm/ppo.sbatch` runs validate before every job, and a user on a login node) answer
+    in ~3 s: megatron-core's ~5 s import comes only with the process-group functions, on first use."""
+    probe = ("import sys; from megatron_ppo.cli import main; code = main(sys.argv[1:]); "
+             "sys.exit(code or 3 * ('megatron.core' in sys.modules))")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", probe, *command], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, f"exit {result.returncode} (3: megatron.core was imported)\n{result.stderr[-2000:]}"
