@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ppo.models.widths import CUDA_WIDTH_BUCKET
+from megatron_ppo.train.kl_coefficients import SETTLING_STEPS
 from tests.e2e.tiny_runs import run, run_and_kill_after_checkpoint, run_and_signal_after_step
 from tests.support.tensorboard import scalars
 
@@ -51,14 +52,15 @@ def test_every_metric_is_logged_and_finite(tiny) -> None:
 # Half the held-out gain the README measures for the tiny recipe (`make train`: 0.585 → 0.925, +0.34; the staged
 # run of `make compare-kl`: +0.375). This shortened run measured 0.565 → 0.845 (+0.280; 0.855 at step 4, 0.870 at 8).
 MIN_GAIN = 0.17
-# The band each KL stage's mean KL per token must lie in, as a multiple of its target, for the stages with at least
-# MIN_STAGE_STEPS steps (the controller needs a few to reach its target). Measured (kl/mean ÷ kl/target, one value
-# per step, β starting at 0.1): early (1 step, KL rising from the warm-up's 0) 0.14; mid (steps 3–8) 0.13, 0.31,
-# 0.61, 0.72, 0.68, 1.37, mean 0.64; late (steps 9–12) 0.75, 0.75, 0.87, 1.04, mean 0.85 (with β starting at 0.25 the
-# mid stage averaged 0.36: docs/kl-tracking.md). The runs are deterministic on one machine (two runs gave the same
-# values); the margins are for others.
+# The band each KL stage's mean KL per token must lie in, as a multiple of its target, over its judged steps: those
+# after its first SETTLING_STEPS, as `make train` counts tracking (the KL answers β with a lag of ~5 steps, so a
+# stage's first steps still carry the last one's KL; here the mid stage's first is still near the warm-up's 0), for
+# the stages with at least MIN_JUDGED_STEPS of them. Measured (kl/mean ÷ kl/target per step, β starting at 0.15):
+# early (1 step) 0.14; mid (steps 3–8) 0.10, 0.25 | 0.48, 0.62, 0.59, 0.97, judged mean 0.67; late (9–12) 0.56, 0.59 |
+# 0.82, 1.19, judged mean 1.00 (β starting at 0.1: 0.85 and 0.96). The runs are deterministic on one machine; the
+# margins are for others.
 KL_BAND = (0.5, 2.0)
-MIN_STAGE_STEPS = 3
+MIN_JUDGED_STEPS = 2
 
 
 def test_ppo_raises_the_held_out_reward_over_the_sft_start(tiny) -> None:
@@ -69,19 +71,19 @@ def test_ppo_raises_the_held_out_reward_over_the_sft_start(tiny) -> None:
 
 
 def test_kl_stays_near_each_stage_target(tiny) -> None:
-    """Each stage's mean KL per token within KL_BAND × its target (the stages too short to reach it: under)."""
+    """Each stage's mean KL per token over its judged steps within KL_BAND × its target."""
     logged = tiny["scalars"]
-    by_stage: dict[int, list[float]] = {}
-    for step, stage in logged["kl/stage"].items():
+    by_stage: dict[int, list[tuple[int, float]]] = {}
+    for step, stage in sorted(logged["kl/stage"].items()):
         if step in logged.get("kl/target", {}):
-            by_stage.setdefault(int(stage), []).append(logged["kl/mean"][step] / logged["kl/target"][step])
-    assert sum(len(ratios) >= MIN_STAGE_STEPS for ratios in by_stage.values()) >= 2, f"too few staged steps {by_stage}"
+            by_stage.setdefault(int(stage), []).append((step, logged["kl/mean"][step] / logged["kl/target"][step]))
+    judged = {stage: [ratio for _, ratio in steps[SETTLING_STEPS:]] for stage, steps in by_stage.items()}
+    judged = {stage: ratios for stage, ratios in judged.items() if len(ratios) >= MIN_JUDGED_STEPS}
+    assert len(judged) >= 2, f"too few stages with {MIN_JUDGED_STEPS} judged steps: {by_stage}"
     low, high = KL_BAND
-    for stage, ratios in by_stage.items():
+    for stage, ratios in judged.items():
         mean_ratio = sum(ratios) / len(ratios)
-        assert mean_ratio <= high, f"stage {stage}: KL averaged {mean_ratio:.2f} × its target (ratios {ratios})"
-        if len(ratios) >= MIN_STAGE_STEPS:
-            assert mean_ratio >= low, f"stage {stage}: KL averaged only {mean_ratio:.2f} × its target ({ratios})"
+        assert low <= mean_ratio <= high, f"stage {stage}: KL averaged {mean_ratio:.2f} × target ({by_stage[stage]})"
 
 
 def test_the_run_ends_with_the_summary_table(tiny) -> None:

@@ -101,4 +101,4 @@ def test_real_recipe_header_names_the_writeups_preset(recipe: Path) -> None:
 def test_tiny_recipes_keep_their_task_scale_values(recipe: Path) -> None:
     config = load_config(recipe)
     assert "writeups" not in recipe.read_text()
-    assert config.actor.optim.lr == 1.0e-4 and config.actor.kl_loss_coef == 0.1 and not config.actor.use_dynamic_bsz
+    assert config.actor.optim.lr == 1.0e-4 and config.actor.kl_loss_coef == 0.15 and not config.actor.use_dynamic_bsz
