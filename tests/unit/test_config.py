@@ -213,7 +213,7 @@ def test_staged_preset_builds_the_documented_schedule() -> None:
 
 def test_controller_drives_only_the_terms_listed_in_apply_to() -> None:
     both = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.stages=[]",
-            "algorithm.kl_ctrl.kl_coef=0.02"]  # fmt: skip
+            "algorithm.kl_ctrl.kl_coef=0.02", "actor.kl_loss_coef=0.1"]  # fmt: skip
     coefficients = build_kl_coefficients(load_config(TINY, both), total_steps=10)
     assert {t: c.kind for t, c in coefficients.items()} == {"loss": "adaptive", "reward": "adaptive"}
     assert coefficients["loss"].value == 0.1 and coefficients["reward"].value == 0.02
