@@ -89,7 +89,7 @@ score: setup
 figure: setup
 	$(PY) -m megatron_ppo report $(RECIPE) $(OVERRIDES) --plot docs/tiny-cpu.png
 
-# The tiny recipe with the KL term off, fixed, adaptive and staged: one table side by side, and one figure of the four.
+# The tiny recipe with the KL term off, fixed, adaptive, staged power law and staged PI: one table side by side, and one figure of the five.
 compare-kl: setup
 	$(TORCHRUN) --nproc_per_node $(NPROC) -m megatron_ppo compare-kl $(RECIPE) $(OVERRIDES) --plot
 

@@ -14,6 +14,7 @@ draws runs instead (`figure.py`), from what `load_run` reads here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,18 @@ from tensorboard.util import tensor_util
 
 from megatron_ppo.config.errors import UserError
 from megatron_ppo.train.profiling import TRACES
+
+LOG_WIDTH = 240  # columns of a table printed into a file or pipe
+
+
+def table_console() -> Console:
+    """Standard output for a table: at a terminal its width; into a file or pipe (a Slurm log, `make ... > log`)
+    `LOG_WIDTH` columns unless `COLUMNS` says otherwise, where rich would take 80 and wrap a table of many columns
+    into cells a few characters wide."""
+    console = Console()
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return Console(width=LOG_WIDTH)
 
 
 @dataclass(frozen=True)
@@ -149,7 +162,7 @@ def print_report(log_dir: str | Path, console: Console | None = None) -> None:
     *others, run = find_runs(log_dir)
     log = load_run(run)
     summaries, events = summarise(log), log.events
-    console = console or Console()
+    console = console or table_console()
     table = Table(title=f"run {run.name} ({run})")
     for column in ("metric", "steps", "first", "last", "min (step)", "max (step)"):
         table.add_column(column, justify="left" if column == "metric" else "right", no_wrap=column == "metric")

@@ -115,5 +115,5 @@ def test_two_compare_kl_invocations_write_apart_and_name_what_they_read(first_ru
             assert latest == "step_2"
             runs.add(run_id(invocation / variant / "checkpoints" / latest))
             (log_dir,) = (invocation / variant / "tensorboard").iterdir()
-            assert str(log_dir) in table and log_dir.name in runs
+            assert f" {log_dir.relative_to(invocation)} " in table and log_dir.name in runs
         assert len(runs) == len(VARIANTS), "every variant is a run of its own"

@@ -114,3 +114,25 @@ def test_a_log_dir_without_runs_is_named(tmp_path: Path) -> None:
     (tmp_path / "empty-run").mkdir()
     with pytest.raises(FileNotFoundError, match=f"no TensorBoard run in {tmp_path}"):
         read_run(tmp_path)
+
+
+def test_a_wide_table_printed_into_a_log_keeps_its_cells_whole(capsys, monkeypatch) -> None:
+    """Into a file or pipe (here pytest's capture) rich takes 80 columns and wraps eleven columns into cells of a few
+    characters; `table_console` prints it whole, as at a wide terminal."""
+    from rich.table import Table
+
+    from megatron_ppo.runs.report import table_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    headers = ["KL control", "SFT start", "after PPO", "change", "KL within ±10 %", "on target: noise allows",
+               "mean |KL/target − 1|", "max KL/target", "final KL/token", "final β",
+               "TensorBoard run"]  # fmt: skip
+    table = Table()
+    for header in headers:
+        table.add_column(header)
+    table.add_row("staged-pi", "0.595", "0.920", "+0.325", "15/22 (68%)", "74%", "0.100", "1.42", "0.433", "0.227",
+                  "staged-pi/tensorboard/20261205-131054-0a1b2c")  # fmt: skip
+    table_console().print(table)
+    out = capsys.readouterr().out
+    assert all(header in out for header in headers), out
+    assert "staged-pi/tensorboard/20261205-131054-0a1b2c" in out, out

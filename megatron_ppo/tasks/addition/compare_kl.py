@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from megatron_ppo.algo import StagedKLSchedule
@@ -21,6 +20,7 @@ from megatron_ppo.checkpoint.run_identity import new_run_id
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.parallel.collectives import broadcast_from_rank0
+from megatron_ppo.runs.report import table_console
 from megatron_ppo.tasks.addition.recipe import prepare_addition_task, train_on_task
 from megatron_ppo.train.kl_coefficients import KLTracking, build_kl_coefficients, kl_tracking
 from megatron_ppo.train.metrics import is_logging_rank
@@ -88,30 +88,32 @@ def compare_kl(
                          "noise_ceiling": tracking[name].noise_ceiling}  # fmt: skip
         log_dirs[name] = str(trainer.run.log_dir)
     if is_logging_rank():
+        directory = comparison_directory(config, invocation)
         table = Table(
             title="held-out accuracy after offline PPO, by KL control (same SFT start, data and seed)",
-            caption=f"runs of this comparison, read from {comparison_directory(config, invocation)}",
+            caption=f"runs of this comparison (TensorBoard runs named relative to it), read from {directory}",
         )
         columns = ("KL control", "SFT start", "after PPO", "change", "KL within ±10 %", "on target: noise allows",
                    "mean |KL/target − 1|", "max KL/target", "final KL/token", "final β",
-                   "run (TensorBoard)")  # fmt: skip
+                   "TensorBoard run")  # fmt: skip
         for column in columns:
             table.add_column(column, justify="right")
         for name, r in results.items():
             t = tracking[name]
+            judged = (f"{t.hits}/{t.judged} ({t.within:.0%})", f"{t.noise_ceiling:.0%}", f"{t.mean_error:.3f}",
+                      f"{t.max_ratio:.2f}", f"{r['kl_final']:.3g}")  # fmt: skip
             table.add_row(name, f"{r['before']:.3f}", f"{r['after']:.3f}", f"{r['after'] - r['before']:+.3f}",
-                          f"{t.hits}/{t.judged} ({t.within:.0%})", f"{t.noise_ceiling:.0%}", f"{t.mean_error:.3f}",
-                          f"{t.max_ratio:.2f}",
-                          f"{r['kl_final']:.3g}", f"{r['coef_final']:.3g}", log_dirs[name])  # fmt: skip
-        Console().print(table)
+                          *(judged if t.judged else ["— (no KL measured)", "—", "—", "—", "—"]),
+                          f"{r['coef_final']:.3g}", str(Path(log_dirs[name]).relative_to(directory)))  # fmt: skip
+        table_console().print(table)
         if plot is not None:
             from megatron_ppo.runs.figure import plot_runs
 
-            path = plot or comparison_directory(config, invocation) / "compare-kl.png"
+            path = plot or directory / "compare-kl.png"
             title = (f"compare-kl {invocation}: the KL term off, fixed, adaptive, staged power law and staged PI "
                      "(same SFT start and data)")  # fmt: skip
             path = plot_runs(list(log_dirs.values()), path, names=list(log_dirs), title=title)
-            Console().print(f"figure: {path}")
+            table_console().print(f"figure: {path}")
     return results
 
 

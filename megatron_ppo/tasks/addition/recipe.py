@@ -30,6 +30,7 @@ from megatron_ppo.models import RoleModel, build_role_model
 from megatron_ppo.models.generation import generate, timed_generate
 from megatron_ppo.parallel.collectives import barrier
 from megatron_ppo.parallel.distributed import initialize_model_parallel, seed_everything
+from megatron_ppo.runs.report import table_console
 from megatron_ppo.tasks.addition.problems import AdditionProblem, corpus, demonstrate, reward, split_problems
 from megatron_ppo.tasks.addition.sft import run_sft
 from megatron_ppo.train.experience import check_rows_for_rollout_correction
@@ -316,5 +317,5 @@ def _summary(config: PPOConfig, trainer: PPOTrainer, history, before, after, dat
     table.add_row("run", "", trainer.run.identity.run_id)
     table.add_row("checkpoints", "", config.trainer.default_local_dir)
     table.add_row("TensorBoard", "", str(trainer.run.log_dir))
-    Console().print(table)
+    table_console().print(table)
     return summary
