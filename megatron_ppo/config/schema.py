@@ -49,8 +49,9 @@ OFF_OR_POSITIVE = Range(lambda v: v > 0, "> 0 (or null: off)")
 ROLES = ("actor", "ref", "critic")
 TRAINED_ROLES = ("actor", "critic")  # the roles with an optimizer; the reference is frozen
 # Why the jobs of one run may set a key differently (`per_job`; `run_identity.meant_to_change`): how a job runs,
-# where it writes and when it stops; the run's length (the KL and learning-rate schedules refuse, on load, a change
-# they cannot follow, with their own message); how the work is cut into micro-batches (the same training).
+# where it writes and when it stops; the run's length (the KL schedule refuses, on load, a length that moves its
+# stage ends, with its own message; the learning-rate schedule follows it); how the work is cut into micro-batches
+# (the same training).
 RUN_CONTROL = "run control"
 RUN_LENGTH = "the run's length"
 MICRO_BATCHING = "micro-batching"

@@ -123,7 +123,10 @@ class BackedOffScheduler(OptimizerParamScheduler):
 def build_scheduler(optimizer: MegatronOptimizer, optim: OptimConfig, total_steps: int) -> BackedOffScheduler:
     """Megatron's learning-rate (and constant weight-decay) schedule: linear warm-up from 0, then
     `lr_decay_style` down to `min_lr` over the remaining optimizer steps, times the guards' back-off. Stepped once
-    per optimizer step."""
+    per optimizer step. A resumed run keeps the saved step count and back-off and takes the rest from the config
+    (Megatron's `override_opt_param_scheduler`; verl's default, `use_checkpoint_opt_param_scheduler: false`): a
+    new `lr`, `min_lr` or run length applies from the resumed step on, as the run's start lists it among the keys that
+    differ from the checkpoint's."""
     warmup = optim.lr_warmup_steps
     if warmup is None:
         warmup = int(optim.lr_warmup_steps_ratio * total_steps)
@@ -139,4 +142,6 @@ def build_scheduler(optimizer: MegatronOptimizer, optim: OptimConfig, total_step
         end_wd=optim.weight_decay,
         wd_incr_steps=max(total_steps, 1),
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )

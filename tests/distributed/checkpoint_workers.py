@@ -261,6 +261,47 @@ def resumed_optimizer_takes_the_same_step(
     return {"uninterrupted": uninterrupted, "resumed": resumed, "largest_weight_difference": max(differences.values())}
 
 
+def resumed_at_another_learning_rate(rank: int, world_size: int, root: str, layout: MegatronConfig) -> dict:
+    """Two updates at lr A, a save (with the schedule's state), one more update at A; then a fresh actor, optimizer
+    and schedule built with lr 2A load the save and take that update again. One optimizer step from the same
+    weights, moments and gradient: AdamW's step −lr·(m̂/(√v̂+ε) + wd·w) at 2A is twice the step at A."""
+    root = Path(root)
+    init_distributed(layout, seed=SEED)
+    config = ppo_config(layout)  # one mini-batch of ROWS: one optimizer step per update
+    optim = dataclasses.replace(OPTIM, lr=1e-2, weight_decay=0.1, adam_eps=1e-8, lr_decay_style="constant")
+
+    def build(lr: float):
+        actor = build_role_model("actor", MODEL, layout)
+        optimizer = build_optimizer(actor, dataclasses.replace(optim, lr=lr), layout)
+        return actor, optimizer, build_scheduler(optimizer, dataclasses.replace(optim, lr=lr), total_steps=10)
+
+    actor, optimizer, scheduler = build(optim.lr)
+    for seed in (1, 2):
+        _one_update(actor, optimizer, scheduler, config, seed)
+    schedule = {"scheduler": scheduler.state_dict()}
+    saved = store.save_checkpoint(root, 2, {"actor": actor}, {"actor": optimizer}, schedule)
+    sync_parameters(actor)
+    before = weights(actor)
+    _one_update(actor, optimizer, scheduler, config, seed=3)
+    sync_parameters(actor)
+    step_at_a = {name: value - before[name] for name, value in weights(actor).items()}
+    actor, optimizer, scheduler = build(2 * optim.lr)
+    state = store.load_checkpoint(saved, {"actor": actor}, {"actor": optimizer})
+    scheduler.load_state_dict(state["scheduler"])
+    groups = [group for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+              for group in inner.optimizer.param_groups]  # fmt: skip
+    report = {"max_lr": sorted({group["max_lr"] for group in groups}), "lr": sorted({group["lr"] for group in groups}),
+              "scheduler_max_lr": scheduler.max_lr}  # fmt: skip
+    _one_update(actor, optimizer, scheduler, config, seed=3)
+    sync_parameters(actor)
+    step_at_2a = {name: value - before[name] for name, value in weights(actor).items()}
+    report["largest_step"] = max(step.abs().max().item() for step in step_at_a.values())
+    report["largest_difference_from_twice"] = max(
+        (step_at_2a[name] - 2 * step).abs().max().item() for name, step in step_at_a.items()
+    )
+    return report
+
+
 def damaged_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Run A saves steps 2, 4, 6 (keeping 2); then its checkpoints are damaged one way after another: a shard of the
     one `latest` names truncated, a trainer state truncated in a checkpoint without manifest, a run id that is a

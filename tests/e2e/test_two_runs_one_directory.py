@@ -91,10 +91,13 @@ def test_overwrite_moves_the_first_run_aside_and_the_second_never_loads_it(first
     assert all(run_id(Path(path)) == second_id for path in rolled_back_to), rolled_back_to
     assert sorted(p.name for p in (first_run / "tb").iterdir()) == sorted([first_id, second_id]), "a folder per run"
 
-    status = train(first_run, ["trainer.total_training_steps=3", "trainer.resume_mode=auto"], first_run / "c.log")
+    # resumed with another learning rate: the optimizers load (megatron-core 0.19 stopped at the changed max_lr)
+    resume = ["trainer.total_training_steps=3", "trainer.resume_mode=auto", "actor.optim.lr=2.0e-4"]
+    status = train(first_run, resume, first_run / "c.log")
     log = (first_run / "c.log").read_text()
     assert status == 0, log[-3000:]
     assert f"resumed from {ckpt}/step_3 (named by {ckpt}/latest): run {second_id} continues" in log
+    assert "actor.optim.lr: 0.0001 → 0.0002;" in log and "the run continues with the new values" in log, log[-3000:]
 
 
 def test_two_compare_kl_invocations_write_apart_and_name_what_they_read(first_run: Path) -> None:
