@@ -92,9 +92,9 @@ def _start(config: PPOConfig) -> RunStart:
                 f"the config differs from the one run {saved.run_id} saved in {source.name} (config "
                 f"{saved.config_hash} → {identity.config_hash}) in {len(other)} key(s): "
                 + "; ".join(other)
-                + "; the run continues with the new values (learning rates and their schedules included, from the "
-                "saved step on); for a new run with them: trainer.resume_mode=disable trainer.overwrite=true, or "
-                "another trainer.default_local_dir"
+                + "; the run continues with the new values (optimizer settings and learning-rate schedules "
+                "included, from the saved step on); for a new run with them: trainer.resume_mode=disable "
+                "trainer.overwrite=true, or another trainer.default_local_dir"
             )
         if expected:
             messages.append("changed since the checkpoint (keys meant to change): " + "; ".join(expected))

@@ -45,11 +45,12 @@ EXTRA_STATE = "_extra_state"
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 # The distributed optimizer's buffer keys name no parameter; saved under the role's prefix (`_optimizer_sharded_state`)
 DISTRIBUTED_OPTIMIZER_KEY = "optimizer.distributed."
-# The per-group values of the learning-rate and weight-decay schedule that the config sets (megatron-core's
-# `ParamGroupOverride` fields): a resumed run takes the config's, as verl does (`use_checkpoint_opt_param_scheduler:
-# false`, its default); every other value of a group (its role: `wd_mult`, `lr_mult`, expert or decoupled) says
-# which saved group is which
-SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+# What says which parameter group a saved one is (megatron-core's group identifiers less the schedule's rates:
+# decay or not, expert or not, a decoupled rate); a saved group keeps only what the checkpoint owns (`SAVED_IN_GROUP`:
+# its parameters, Adam's step count, and the rate and decay the schedule had set at the saved step — the schedule,
+# loaded after, sets them again from the config's values)
+GROUP_ROLE_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "optimizer")
+SAVED_IN_GROUP = ("params", "step", "lr", "weight_decay")
 
 
 def model_sharded_state(model: RoleModel, prefix: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -323,7 +324,7 @@ def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: 
     for role, model in models.items():
         _load_model_state(model, state[role], f"{role}.", strict=True)
     for role in saved_optimizers:
-        _take_current_schedule(optimizers[role], state[f"{role}_optimizer"])
+        _take_current_settings(optimizers[role], state[f"{role}_optimizer"])
         with torch.no_grad():  # megatron-core copies into the main weights without it: with fp32 weights under
             optimizers[role].load_state_dict(state[f"{role}_optimizer"])  # the DO those are views of leaves
         _restore_adam_steps(optimizers[role])
@@ -335,33 +336,31 @@ def load_checkpoint(path: str | Path, models: dict[str, RoleModel], optimizers: 
 
 
 def _group_role(group: dict[str, Any]) -> tuple:
-    """What a parameter group is, apart from its schedule and its changing values: its scalar settings but
-    `SCHEDULE_KEYS`, the ones the scheduler and Adam write each step (`lr`, `weight_decay`, `step`) and `params`."""
-    changing = {*SCHEDULE_KEYS, "params", "lr", "weight_decay", "step", "initial_lr"}
-    return tuple(sorted((key, value) for key, value in group.items()
-                        if key not in changing and isinstance(value, (bool, int, float, str, type(None)))))  # fmt: skip
+    """Which parameter group this is, whatever the rates: its `GROUP_ROLE_KEYS` (None where it has none)."""
+    return tuple(group.get(key) for key in GROUP_ROLE_KEYS)
 
 
-def _take_current_schedule(optimizer: Any, saved: Any) -> None:
-    """The saved optimizer state's parameter groups take the current groups' `SCHEDULE_KEYS`, so a run resumed with
-    another `optim.lr` (or `min_lr`) loads and trains at the config's rate: megatron-core 0.19 finds a saved group by
-    these values and stops the load when one changed ("Could not find parameter group with key"), and before it
-    loaded the checkpoint's values over the config's. Groups are matched by `_group_role`; a role two current groups
-    share with different schedules is left as saved."""
-    schedules: dict[tuple, dict[str, Any] | None] = {}
+def _take_current_settings(optimizer: Any, saved: Any) -> None:
+    """The saved optimizer state's parameter groups take every setting of the current groups (`max_lr`, `min_lr`,
+    Adam's betas and ε, …) and keep only `SAVED_IN_GROUP`: a run resumed with another `optim.*` trains with the
+    config's, as verl does (`use_checkpoint_opt_param_scheduler: false`, its default). megatron-core 0.19 looks a
+    saved group up by its `max_lr`/`min_lr` and stopped the load when `optim.lr` had changed ("Could not find parameter
+    group with key"); before, the saved values replaced the config's without a word. Groups are matched by
+    `_group_role`; a role two current groups share with different settings is left as saved."""
+    settings: dict[tuple, dict[str, Any] | None] = {}
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         for group in getattr(getattr(inner, "optimizer", None), "param_groups", []):
-            schedule = {key: group[key] for key in SCHEDULE_KEYS if key in group}
+            current = {key: value for key, value in group.items() if key not in SAVED_IN_GROUP}
             role = _group_role(group)
-            schedules[role] = schedule if schedules.get(role, schedule) == schedule else None
+            settings[role] = current if settings.get(role, current) == current else None
 
     def visit(node: Any) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
                 if key == "param_groups" and isinstance(value, list):
                     for group in value:
-                        if isinstance(group, dict) and (schedule := schedules.get(_group_role(group))):
-                            group.update(schedule)
+                        if isinstance(group, dict) and (current := settings.get(_group_role(group))):
+                            group.update(current)
                 else:
                     visit(value)
         elif isinstance(node, (list, tuple)):

@@ -264,18 +264,23 @@ def resumed_optimizer_takes_the_same_step(
 def resumed_at_another_learning_rate(rank: int, world_size: int, root: str, layout: MegatronConfig) -> dict:
     """Two updates at lr A, a save (with the schedule's state), one more update at A; then a fresh actor, optimizer
     and schedule built with lr 2A load the save and take that update again. One optimizer step from the same
-    weights, moments and gradient: AdamW's step −lr·(m̂/(√v̂+ε) + wd·w) at 2A is twice the step at A."""
+    weights, moments and gradient: AdamW's step −lr·(m̂/(√v̂+ε) + wd·w) at 2A is twice the step at A. Then one built
+    with another Adam β₂ loads the save: its groups keep the config's β₂."""
     root = Path(root)
     init_distributed(layout, seed=SEED)
     config = ppo_config(layout)  # one mini-batch of ROWS: one optimizer step per update
     optim = dataclasses.replace(OPTIM, lr=1e-2, weight_decay=0.1, adam_eps=1e-8, lr_decay_style="constant")
 
-    def build(lr: float):
+    def build(**changes: float):
         actor = build_role_model("actor", MODEL, layout)
-        optimizer = build_optimizer(actor, dataclasses.replace(optim, lr=lr), layout)
-        return actor, optimizer, build_scheduler(optimizer, dataclasses.replace(optim, lr=lr), total_steps=10)
+        optimizer = build_optimizer(actor, dataclasses.replace(optim, **changes), layout)
+        return actor, optimizer, build_scheduler(optimizer, dataclasses.replace(optim, **changes), total_steps=10)
 
-    actor, optimizer, scheduler = build(optim.lr)
+    def groups(optimizer) -> list[dict]:
+        return [group for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+                for group in inner.optimizer.param_groups]  # fmt: skip
+
+    actor, optimizer, scheduler = build()
     for seed in (1, 2):
         _one_update(actor, optimizer, scheduler, config, seed)
     schedule = {"scheduler": scheduler.state_dict()}
@@ -285,13 +290,11 @@ def resumed_at_another_learning_rate(rank: int, world_size: int, root: str, layo
     _one_update(actor, optimizer, scheduler, config, seed=3)
     sync_parameters(actor)
     step_at_a = {name: value - before[name] for name, value in weights(actor).items()}
-    actor, optimizer, scheduler = build(2 * optim.lr)
+    actor, optimizer, scheduler = build(lr=2 * optim.lr)
     state = store.load_checkpoint(saved, {"actor": actor}, {"actor": optimizer})
     scheduler.load_state_dict(state["scheduler"])
-    groups = [group for inner in getattr(optimizer, "chained_optimizers", [optimizer])
-              for group in inner.optimizer.param_groups]  # fmt: skip
-    report = {"max_lr": sorted({group["max_lr"] for group in groups}), "lr": sorted({group["lr"] for group in groups}),
-              "scheduler_max_lr": scheduler.max_lr}  # fmt: skip
+    report = {key: sorted({group[key] for group in groups(optimizer)}) for key in ("max_lr", "lr")}
+    report["scheduler_max_lr"] = scheduler.max_lr
     _one_update(actor, optimizer, scheduler, config, seed=3)
     sync_parameters(actor)
     step_at_2a = {name: value - before[name] for name, value in weights(actor).items()}
@@ -299,6 +302,9 @@ def resumed_at_another_learning_rate(rank: int, world_size: int, root: str, layo
     report["largest_difference_from_twice"] = max(
         (step_at_2a[name] - 2 * step).abs().max().item() for name, step in step_at_a.items()
     )
+    actor, optimizer, scheduler = build(adam_beta2=0.95)
+    store.load_checkpoint(saved, {"actor": actor}, {"actor": optimizer})
+    report["betas"] = sorted({tuple(group["betas"]) for group in groups(optimizer)})
     return report
 
 

@@ -110,13 +110,15 @@ def test_a_resumed_optimizer_takes_the_same_next_update_bit_for_bit(tmp_path, la
 def test_a_run_resumed_with_another_learning_rate_loads_and_steps_at_the_new_rate(tmp_path, layout: str) -> None:
     """`optim.lr` changed on resume (the run's start lists it): the optimizer loads — megatron-core 0.19 looked the
     saved groups up by their old `max_lr` and stopped — and its next step is twice the uninterrupted one at twice the
-    rate (AdamW's step is proportional to lr), the groups and the schedule at the config's rate."""
+    rate (AdamW's step is proportional to lr), the groups and the schedule at the config's rate; a changed Adam β₂ is
+    the config's too."""
     reports = run_distributed(checkpoint_workers.resumed_at_another_learning_rate, 2, str(tmp_path),
                               RESUME_LAYOUTS[layout][0])  # fmt: skip
     for report in reports:
         assert report["max_lr"] == [2e-2] and report["lr"] == [2e-2] and report["scheduler_max_lr"] == 2e-2, report
         assert report["largest_step"] > 1e-3, report  # the step moved the weights: the comparison is not vacuous
         assert report["largest_difference_from_twice"] <= 1e-6, report
+        assert report["betas"] == [(0.9, 0.95)], report  # the config's Adam β₂, not the saved 0.999
 
 
 def test_damaged_checkpoints_are_named_skipped_and_never_pruned_into_the_only_ones(tmp_path) -> None:
