@@ -478,7 +478,8 @@ class CriticConfig(Freezable):
 
 # the PI rule's most change of β in one step, as a factor (β within [β/r, β·r] per step)
 RATE_LIMIT = Range(lambda v: v > 1, "> 1 (β's largest change in one step, as a factor)")
-KL_FEEDBACK = ("experience", "update")  # the KL the controllers read: `kl/mean` or the update's `actor/ref_kl`
+# the KL the controllers read: `kl/mean`, the update's `actor/ref_kl`, or `kl/probe_mean` (train/kl_probe.py)
+KL_FEEDBACK = ("experience", "update", "probe")
 
 
 @dataclass
@@ -524,7 +525,11 @@ class KLControlConfig(Freezable):
         "experience",
         KL_FEEDBACK,
         "the KL every controller reads: experience (kl/mean, the policy before this iteration's update, verl's "
-        "input) or update (actor/ref_kl, the update's own KL: one iteration fresher)",
+        "input), update (actor/ref_kl, the update's own KL: one iteration fresher) or probe (kl/probe_mean, the "
+        "policy after the update on probe_rows fixed rows: no row-sampling noise step to step)",
+    )
+    probe_rows: int = ranged(
+        2048, AT_LEAST_ONE, "feedback: probe: the fixed training rows the KL is measured on after each update"
     )
     min_coef: float = ranged(1.0e-6, COEFFICIENT, "lowest β")
     max_coef: float = described(1.0, "highest β")

@@ -55,6 +55,7 @@ GUARD_PREFIX = "guard/"
 ROLLBACK = "guard/rollback"
 NAN = float("nan")
 ABANDONED = {"linestyle": "none", "marker": "x", "markersize": 7, "markeredgewidth": 1.5}
+SPREADS = ("std", "stderr")  # endings of the spread tags beside a KL series (not KLs themselves)
 OTHER_KL_STYLES = ("-.", (0, (3, 1, 1, 1, 1, 1)), (0, (1, 1)))  # per-token KL series other than kl/mean
 
 
@@ -164,9 +165,9 @@ def matplotlib_figure() -> Any:
 
 def kl_series(log: RunLog) -> list[str]:
     """The per-token KL tags a run logged: `kl/*` but the controller's own outputs (β, stage, target, tracking error)
-    and spreads."""
+    and spreads (`kl/std`, `kl/stderr`, the probe's `kl/probe_std`, `kl/probe_stderr`)."""
     controller = {*COEF_METRICS.values(), STAGE_METRIC, TARGET_METRIC, TRACKING_METRIC}
-    return sorted(t for t in log.writes if t.startswith("kl/") and t not in controller and not t.endswith("/std"))
+    return sorted(t for t in log.writes if t.startswith("kl/") and t not in controller and not t.endswith(SPREADS))
 
 
 def figure(runs: Sequence[PlottedRun], marks: Sequence[tuple[int, str]] = (), title: str | None = None) -> Any:

@@ -279,12 +279,7 @@ def experience_metrics(config: PPOConfig, experience: Experience) -> dict[str, f
     mask = experience["loss_mask"]
     out = {"response_length/mean": float(mask.sum(-1).mean())}
     if "ref_log_prob" in experience:
-        kind = config.actor.kl_loss_type if config.actor.use_kl_loss else config.algorithm.kl_penalty
-        kl = algo.kl_penalty(experience["old_log_prob"], experience["ref_log_prob"], kind)
-        per_sequence = algo.masked_mean(kl, mask, dim=-1)
-        std = float(per_sequence.std())
-        stderr = std / math.sqrt(per_sequence.numel())
-        out |= {"kl/mean": float(per_sequence.mean()), "kl/std": std, "kl/stderr": stderr}
+        out |= kl_summary(config, experience["old_log_prob"], experience["ref_log_prob"], mask, "kl/")
     if config.algorithm.adv_estimator in algo.GROUPED_ESTIMATORS:
         out["grpo/singleton_groups"] = float((torch.bincount(experience["group"]) == 1).sum())
     if "values" in experience:
@@ -293,6 +288,18 @@ def experience_metrics(config: PPOConfig, experience: Experience) -> dict[str, f
             algo.explained_variance(experience["values"], experience["returns"], mask)
         )
     return out
+
+
+def kl_summary(
+    config: PPOConfig, log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor, prefix: str
+) -> dict[str, float]:
+    """KL(actor‖ref) per token over sequences (each sequence's token mean, the estimator of the KL loss, else of the
+    reward penalty): `<prefix>mean`, `<prefix>std` and the mean's standard error `<prefix>stderr` = std/√sequences."""
+    kind = config.actor.kl_loss_type if config.actor.use_kl_loss else config.algorithm.kl_penalty
+    per_sequence = algo.masked_mean(algo.kl_penalty(log_prob, ref_log_prob, kind), mask, dim=-1)
+    std = float(per_sequence.std())
+    stderr = std / math.sqrt(per_sequence.numel())
+    return {f"{prefix}mean": float(per_sequence.mean()), f"{prefix}std": std, f"{prefix}stderr": stderr}
 
 
 def _clip_range(config: PPOConfig) -> tuple[float, float] | None:

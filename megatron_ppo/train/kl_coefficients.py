@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from megatron_ppo.algo import KLController, KLStage, StagedKLSchedule, build_kl_controller
 from megatron_ppo.config import ConfigError, PPOConfig
 from megatron_ppo.train.guards import EXPERIENCE_KL, UPDATE_KL
+from megatron_ppo.train.kl_probe import PROBE_KL, PROBE_PREFIX
 
 KLCoefficient = KLController | StagedKLSchedule
 # What `KLCoefficients.step` logs: β of each term, the stage index and the target (the controller's, not a measured
@@ -17,7 +18,15 @@ KLCoefficient = KLController | StagedKLSchedule
 COEF_METRICS = {"loss": "kl/coef", "reward": "kl/reward_coef"}
 STAGE_METRIC, TARGET_METRIC, TRACKING_METRIC = "kl/stage", "kl/target", "kl/tracking_error"
 # the KL the controllers read, by `algorithm.kl_ctrl.feedback`
-FEEDBACK_METRICS = {"experience": EXPERIENCE_KL, "update": UPDATE_KL}
+EXPERIENCE_STDERR = "kl/stderr"  # the standard error of the batch's `kl/mean` (train/experience.py)
+FEEDBACK_METRICS = {"experience": EXPERIENCE_KL, "update": UPDATE_KL, "probe": PROBE_KL}
+
+
+def tracked_kl_prefix(config: PPOConfig) -> str:
+    """The KL whose tracking of the targets is judged (`<prefix>mean`, with `<prefix>stderr`): the probe's when the
+    controllers read it, else the batch's `kl/mean` (the update's own KL is an average along the update, not the
+    policy it leaves)."""
+    return PROBE_PREFIX if config.algorithm.kl_ctrl.feedback == "probe" else EXPERIENCE_KL.removesuffix("mean")
 
 
 TRACKING_BAND = 0.1  # a step tracks its target when |KL/target − 1| ≤ this
@@ -82,6 +91,20 @@ def kl_tracking(
     )
 
 
+def logged_tracking(history: Sequence[Mapping[str, float]], prefix: str) -> KLTracking | None:
+    """`kl_tracking` of the KL `<prefix>mean` a run logged against the targets and stages it logged beside it
+    (`<prefix>stderr` for the noise share only for the batch's `kl/`: the probe's rows are the same every step, so
+    its standard error is a constant offset, not noise between steps); None without such steps."""
+    logged = {int(h["step"]): h for h in history if f"{prefix}mean" in h and TARGET_METRIC in h}
+    if not logged:
+        return None
+    stderr = {n: h[EXPERIENCE_STDERR] for n, h in logged.items() if EXPERIENCE_STDERR in h} if prefix == "kl/" \
+        else None  # fmt: skip
+    return kl_tracking({n: h[f"{prefix}mean"] for n, h in logged.items()},
+                       {n: h[TARGET_METRIC] for n, h in logged.items()},
+                       {n: int(h.get(STAGE_METRIC, 0.0)) for n, h in logged.items()}, stderr)  # fmt: skip
+
+
 def build_kl_coefficients(config: PPOConfig, total_steps: int) -> dict[str, KLCoefficient]:
     """β for each enabled KL term: "loss" (starts at actor.kl_loss_coef) and/or "reward" (algorithm.kl_ctrl.kl_coef).
 
@@ -140,6 +163,7 @@ class KLCoefficients:
     def __init__(self, config: PPOConfig, total_steps: int) -> None:
         self.controllers = build_kl_coefficients(config, total_steps)
         self.feedback = FEEDBACK_METRICS[config.algorithm.kl_ctrl.feedback]
+        self.tracked = tracked_kl_prefix(config) + "mean"
 
     def coef(self, term: str) -> float | None:
         """β of `term` for the next update; None when that KL term is off."""
@@ -152,12 +176,12 @@ class KLCoefficients:
         return {k: v for c in self.controllers.values() for k, v in c.guard_overrides.items()}
 
     def step(self, metrics: Mapping[str, float], batch_rows: int) -> dict[str, float]:
-        """Log the β used in this iteration (with its target, stage and `kl/tracking_error`, the experience KL
-        `kl/mean` against that target), then update every controller from the KL of `kl_ctrl.feedback` (per token;
-        the experience KL where the update's is missing, as in a critic warm-up; no update when neither was
-        measured or it is not finite)."""
-        measured = metrics.get(EXPERIENCE_KL)
-        current_kl = metrics.get(self.feedback, measured)
+        """Log the β used in this iteration (with its target, stage and `kl/tracking_error`, the tracked KL — the
+        probe's, else the experience's `kl/mean` — against that target), then update every controller from the KL of
+        `kl_ctrl.feedback` (per token; the experience KL where the update's is missing, as in a critic warm-up; no
+        update when neither was measured or it is not finite)."""
+        measured = metrics.get(self.tracked)
+        current_kl = metrics.get(self.feedback, metrics.get(EXPERIENCE_KL))
         out: dict[str, float] = {}
         for term, controller in self.controllers.items():
             out[COEF_METRICS[term]] = controller.value

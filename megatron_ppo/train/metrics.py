@@ -19,6 +19,7 @@ CONSOLE_KEYS = (
     "actor/pg_loss",
     "actor/ppo_kl",
     "kl/mean",
+    "kl/probe_mean",
     "kl/coef",
     "critic/vf_loss",
     "actor/grad_norm",

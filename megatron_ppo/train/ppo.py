@@ -47,6 +47,7 @@ from megatron_ppo.train.experience import (
 )
 from megatron_ppo.train.guards import ActionKind, GuardAction, Guards, GuardStopped, scale_learning_rate
 from megatron_ppo.train.kl_coefficients import KLCoefficients
+from megatron_ppo.train.kl_probe import KLProbe
 from megatron_ppo.train.memory_backoff import OutOfMemoryBackoff
 from megatron_ppo.train.metrics import MetricsLogger
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler, zero_grads
@@ -126,6 +127,9 @@ class PPOTrainer:
             report=weak_callback(self._offload_event),
         )  # fmt: skip
         self.kl = KLCoefficients(config, self.total_steps)
+        # the controllers' sensor with `kl_ctrl.feedback: probe`: KL after each update on fixed rows (kl_probe.py)
+        probed = config.algorithm.kl_ctrl.feedback == "probe" and self.ref is not None
+        self.probe = KLProbe(config, rows, pad_id) if probed else None
         self.normalizer = algo.RunningRewardNormalizer() if config.reward.normalize else None
         self.guards = Guards(config.guards)
         self.memory = OutOfMemoryBackoff(config)
@@ -234,6 +238,10 @@ class PPOTrainer:
                 ))  # fmt: skip
                 # 3. advantages: token rewards (clipped score, minus β·KL when the KL is in the reward), GAE or GRPO
                 experience, metrics = compute_advantages(config, batch, passes, self.kl.coef("reward"), self.normalizer)
+                if self.probe is not None:  # the reference's log-probs on the probe, once (it is frozen)
+                    self._retry_out_of_memory(Phase.EXPERIENCE, lambda: self.probe.measure_reference(
+                        self.ref, self.memory.micro_batching(Phase.EXPERIENCE)["ref"]
+                    ))  # fmt: skip
             if self.step == 0 and (report := offpolicy_report(config, metrics)):
                 self.logger.event(0, "offpolicy", report)
             metrics |= experience_metrics(config, experience)
@@ -245,10 +253,17 @@ class PPOTrainer:
             for update in updates:
                 metrics |= update.metrics
                 self.skipped_steps += update.skipped
+            if self.probe is not None:  # the KL of the policy this update left, on the probe's fixed rows
+                with phase_timer(timings, "kl_probe"), profiling.phase("kl_probe"):
+                    metrics |= self._retry_out_of_memory(Phase.EXPERIENCE, lambda: self.probe.measure(
+                        self.actor, self.memory.micro_batching(Phase.EXPERIENCE)["actor"]
+                    ))  # fmt: skip
+                metrics["timing/kl_probe_s"] = timings["kl_probe"]
             self.offload.enter(Phase.BETWEEN_ITERATIONS)  # checkpoints, rollbacks, evaluation read weights, optimizers
             self.step += 1
-            # 6. KL control: β for the next iteration from this one's KL — the update's own (`actor/ref_kl`) or the
-            #    experience's (`kl/mean`), as `algorithm.kl_ctrl.feedback` says — and `kl/tracking_error`
+            # 6. KL control: β for the next iteration from this one's KL — the update's own (`actor/ref_kl`), the
+            #    experience's (`kl/mean`) or the probe's, as `algorithm.kl_ctrl.feedback` says — and
+            #    `kl/tracking_error`
             metrics |= self.kl.step(metrics, config.data.train_batch_size)
             # 7. guards: back off, roll back, bump β or stop on grad-norm spikes, KL (of this update) or loss
             #    explosions, high KL, watched metrics and non-finite steps (out-of-memory errors are retried inside

@@ -64,3 +64,26 @@ def test_the_noise_ceiling_is_the_chance_that_a_kl_on_target_measures_within_the
     assert tracking.noise_hits == pytest.approx(expected) and tracking.noise_ceiling == pytest.approx(expected / 22)
     assert math.isnan(recipe_tracking(config, 30, [{k: v for k, v in h.items() if k != "kl/stderr"}
                                                    for h in history]).noise_hits)  # fmt: skip
+
+
+def test_a_probe_run_is_judged_on_the_probe_and_its_batch_kl_beside_it() -> None:
+    """With `feedback: probe` the tracked KL is `kl/probe_mean` (the run summary and compare-kl judge it); the batch's
+    `kl/mean` is judged beside it with its noise share, which the probe has none of (its rows never change)."""
+    from megatron_ppo.train.kl_coefficients import logged_tracking, tracked_kl_prefix
+
+    assert tracked_kl_prefix(load_config(TINY, ["algorithm.kl_ctrl.feedback=probe"])) == "kl/probe_"
+    assert tracked_kl_prefix(load_config(TINY, ["algorithm.kl_ctrl.feedback=update"])) == "kl/"
+    stages = [0] * 2 + [1] * 4 + [2] * 15 + [3] * 9
+    targets = [None] * 2 + [0.2] * 4 + [0.3] * 15 + [0.4] * 9
+    history = [{"step": float(n), "kl/stage": float(stages[n - 1]), "kl/mean": 1.5 * (targets[n - 1] or 0.0),
+                "kl/stderr": 0.01, "kl/probe_mean": targets[n - 1] or 0.0, "kl/probe_stderr": 0.01}
+               | ({"kl/target": targets[n - 1]} if targets[n - 1] else {}) for n in range(1, 31)]  # fmt: skip
+    probe, batch = logged_tracking(history, "kl/probe_"), logged_tracking(history, "kl/")
+    assert (probe.hits, probe.judged, probe.max_ratio) == (22, 22, pytest.approx(1.0)), probe
+    assert math.isnan(probe.noise_hits), "the probe's standard error is an offset constant over steps, not noise"
+    assert (batch.hits, batch.judged, batch.max_ratio) == (0, 22, pytest.approx(1.5)), batch
+    assert batch.noise_hits == pytest.approx(2 * chance_within_band(0.01 / 0.3) + 13 * chance_within_band(0.01 / 0.45)
+                                             + 7 * chance_within_band(0.01 / 0.6))  # fmt: skip
+    config = load_config(TINY)
+    assert recipe_tracking(config, 30, history, "kl/probe_").hits == 22
+    assert logged_tracking([{"step": 1.0, "kl/mean": 0.1}], "kl/") is None, "no target logged: nothing to judge"

@@ -54,6 +54,7 @@ def _log_run(log_dir: Path, run_id: str, overrides: list[str]) -> dict[str, dict
     while step < TOTAL:
         number = step + 1
         metrics = {"reward/mean": 0.3 + 0.01 * number, "kl/mean": 0.05 * number % 0.7, "kl/std": 0.01,
+                   "kl/stderr": 0.001, "kl/probe_std": 0.02, "kl/probe_stderr": 0.002,
                    "kl/post_update_mean": 0.04 * number % 0.6, "actor/grad_norm": 3.0 + number,
                    "actor/grad_norm_max": 4.0 + number, "critic/grad_norm": 30.0 / number,
                    "critic/grad_norm_max": 40.0 / number}  # fmt: skip
@@ -121,7 +122,8 @@ def test_every_series_is_drawn_as_logged(staged) -> None:
                 "actor/grad_norm", "actor/grad_norm_max", "critic/grad_norm", "critic/grad_norm_max"):  # fmt: skip
         assert _line(fig, f"{RUN}|{tag}") == pytest.approx(logged[tag], rel=1e-6), tag
     drawn = {line.get_gid() for axis in fig.axes for line in axis.lines}
-    assert not drawn & {f"{RUN}|kl/std", f"{RUN}|kl/stage", f"{RUN}|kl/target"}, "not per-token KL series"
+    spreads_and_settings = ("kl/std", "kl/stderr", "kl/probe_std", "kl/probe_stderr", "kl/stage", "kl/target")
+    assert not drawn & {f"{RUN}|{tag}" for tag in spreads_and_settings}, "not per-token KL series"
 
 
 def test_iterations_a_rollback_abandoned_are_crosses_and_a_blowup_stays_in_view(staged) -> None:

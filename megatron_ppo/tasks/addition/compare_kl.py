@@ -22,7 +22,7 @@ from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.parallel.collectives import broadcast_from_rank0
 from megatron_ppo.runs.report import table_console
 from megatron_ppo.tasks.addition.recipe import prepare_addition_task, train_on_task
-from megatron_ppo.train.kl_coefficients import KLTracking, build_kl_coefficients, kl_tracking
+from megatron_ppo.train.kl_coefficients import KLTracking, build_kl_coefficients, kl_tracking, tracked_kl_prefix
 from megatron_ppo.train.metrics import is_logging_rank
 
 # variant → the stage rule it swaps into the recipe's stages (None: the recipe's own stages are not used)
@@ -75,17 +75,20 @@ def compare_kl(
         matplotlib_figure()  # a missing extra is named before any training
     task = prepare_addition_task(config)
     invocation = broadcast_from_rank0(new_run_id())
-    results, log_dirs, tracking = {}, {}, {}
+    results, log_dirs, tracking, batch_tracking = {}, {}, {}, {}
+    prefix = tracked_kl_prefix(config)  # every variant measures the recipe's KL: the probe's, else the batch's
+    tracked = prefix + "mean"
     for name, variant in variants(config, invocation).items():
         trainer, history, before, after = train_on_task(variant, task, weights)
-        kls = [h["kl/mean"] for h in history if "kl/mean" in h]
-        tracking[name] = recipe_tracking(config, trainer.total_steps, history)
+        kls = [h[tracked] for h in history if tracked in h]
+        tracking[name] = recipe_tracking(config, trainer.total_steps, history, prefix)
+        batch_tracking[name] = recipe_tracking(config, trainer.total_steps, history)
         results[name] = {"before": before["accuracy"], "after": after["accuracy"],
                          "kl_final": kls[-1] if kls else float("nan"),
                          "coef_final": history[-1].get("kl/coef", 0.0) if history else float("nan"),
                          "within": tracking[name].within, "mean_error": tracking[name].mean_error,
-                         "max_ratio": tracking[name].max_ratio,
-                         "noise_ceiling": tracking[name].noise_ceiling}  # fmt: skip
+                         "max_ratio": tracking[name].max_ratio, "batch_within": batch_tracking[name].within,
+                         "noise_ceiling": batch_tracking[name].noise_ceiling}  # fmt: skip
         log_dirs[name] = str(trainer.run.log_dir)
     if is_logging_rank():
         directory = comparison_directory(config, invocation)
@@ -93,17 +96,18 @@ def compare_kl(
             title="held-out accuracy after offline PPO, by KL control (same SFT start, data and seed)",
             caption=f"runs of this comparison (TensorBoard runs named relative to it), read from {directory}",
         )
-        columns = ("KL control", "SFT start", "after PPO", "change", "KL within ±10 %", "on target: noise allows",
-                   "mean |KL/target − 1|", "max KL/target", "final KL/token", "final β",
+        columns = ("KL control", "SFT start", "after PPO", "change", f"{tracked} ±10 %", "kl/mean ±10 %",
+                   "kl/mean: noise allows", "mean |KL/target − 1|", "max KL/target", "final KL/token", "final β",
                    "TensorBoard run")  # fmt: skip
         for column in columns:
             table.add_column(column, justify="right")
         for name, r in results.items():
-            t = tracking[name]
-            judged = (f"{t.hits}/{t.judged} ({t.within:.0%})", f"{t.noise_ceiling:.0%}", f"{t.mean_error:.3f}",
-                      f"{t.max_ratio:.2f}", f"{r['kl_final']:.3g}")  # fmt: skip
+            t, b = tracking[name], batch_tracking[name]
+            judged = (f"{t.hits}/{t.judged} ({t.within:.0%})", f"{b.hits}/{b.judged} ({b.within:.0%})",
+                      f"{b.noise_ceiling:.0%}", f"{t.mean_error:.3f}", f"{t.max_ratio:.2f}",
+                      f"{r['kl_final']:.3g}")  # fmt: skip
             table.add_row(name, f"{r['before']:.3f}", f"{r['after']:.3f}", f"{r['after'] - r['before']:+.3f}",
-                          *(judged if t.judged else ["— (no KL measured)", "—", "—", "—", "—"]),
+                          *(judged if t.judged else ["— (no KL measured)", "—", "—", "—", "—", "—"]),
                           f"{r['coef_final']:.3g}", str(Path(log_dirs[name]).relative_to(directory)))  # fmt: skip
         table_console().print(table)
         if plot is not None:
@@ -117,11 +121,14 @@ def compare_kl(
     return results
 
 
-def recipe_tracking(config: PPOConfig, total_steps: int, history: list[dict[str, float]]) -> KLTracking:
-    """How a run's `kl/mean` followed the stage targets of `config` (the recipe's, whatever KL control the run
-    itself had): every variant judged against the same targets."""
-    kl = {int(h["step"]): h["kl/mean"] for h in history if "kl/mean" in h}
-    stderr = {int(h["step"]): h["kl/stderr"] for h in history if "kl/stderr" in h}
+def recipe_tracking(
+    config: PPOConfig, total_steps: int, history: list[dict[str, float]], prefix: str = "kl/"
+) -> KLTracking:
+    """How a run's KL `<prefix>mean` (the batch's `kl/mean`, or the probe's `kl/probe_`) followed the stage targets
+    of `config` (the recipe's, whatever KL control the run itself had): every variant judged against the same
+    targets; the noise share from the batch's `kl/stderr` (the probe's rows do not change between steps)."""
+    kl = {int(h["step"]): h[f"{prefix}mean"] for h in history if f"{prefix}mean" in h}
+    stderr = {int(h["step"]): h["kl/stderr"] for h in history if "kl/stderr" in h} if prefix == "kl/" else None
     staged = [c for c in build_kl_coefficients(config, total_steps).values() if isinstance(c, StagedKLSchedule)]
     if not staged:  # a recipe without stages: its one target throughout
         return kl_tracking(kl, dict.fromkeys(kl, config.algorithm.kl_ctrl.target_kl), dict.fromkeys(kl, 0), stderr)

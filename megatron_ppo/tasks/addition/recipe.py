@@ -34,7 +34,7 @@ from megatron_ppo.runs.report import table_console
 from megatron_ppo.tasks.addition.problems import AdditionProblem, corpus, demonstrate, reward, split_problems
 from megatron_ppo.tasks.addition.sft import run_sft
 from megatron_ppo.train.experience import check_rows_for_rollout_correction
-from megatron_ppo.train.kl_coefficients import kl_tracking
+from megatron_ppo.train.kl_coefficients import logged_tracking, tracked_kl_prefix
 from megatron_ppo.train.metrics import is_logging_rank
 from megatron_ppo.train.optimizer import build_optimizer, build_scheduler
 from megatron_ppo.train.ppo import PPOTrainer
@@ -293,24 +293,25 @@ def _summary(config: PPOConfig, trainer: PPOTrainer, history, before, after, dat
     table.add_column("after PPO", justify="right")
     table.add_row("held-out reward (mean)", f"{before['reward_mean']:.3f}", f"{after['reward_mean']:.3f}")
     table.add_row("held-out accuracy", f"{before['accuracy']:.3f}", f"{after['accuracy']:.3f}")
+    tracked = tracked_kl_prefix(config) + "mean"
     stages: dict[float, list[float]] = {}
     for h in history:
-        if "kl/mean" in h:
-            stages.setdefault(h.get("kl/stage", 0.0), []).append(h["kl/mean"])
+        if tracked in h:
+            stages.setdefault(h.get("kl/stage", 0.0), []).append(h[tracked])
     for stage, values in sorted(stages.items()):
         target = next((h["kl/target"] for h in history if h.get("kl/stage") == stage and "kl/target" in h), None)
-        table.add_row(f"KL per token, stage {int(stage)}", "warm-up" if target is None else f"target {target:.4g}",
+        table.add_row(f"KL per token ({tracked}), stage {int(stage)}",
+                      "warm-up" if target is None else f"target {target:.4g}",
                       f"{sum(values) / len(values):.4g}")  # fmt: skip
-    logged = {int(h["step"]): h for h in history if "kl/mean" in h and "kl/target" in h}
-    if logged:
-        tracking = kl_tracking({n: h["kl/mean"] for n, h in logged.items()},
-                               {n: h["kl/target"] for n, h in logged.items()},
-                               {n: int(h.get("kl/stage", 0.0)) for n, h in logged.items()},
-                               {n: h["kl/stderr"] for n, h in logged.items() if "kl/stderr" in h})  # fmt: skip
-        table.add_row("KL within ±10 % of its target", "after each stage's first 2 steps",
+    for prefix in dict.fromkeys((tracked_kl_prefix(config), "kl/")):
+        tracking = logged_tracking(history, prefix)
+        if tracking is None:
+            continue
+        table.add_row(f"{prefix}mean within ±10 % of its target", "after each stage's first 2 steps",
                       f"{tracking.hits}/{tracking.judged} steps (max {tracking.max_ratio:.2f}× target)")  # fmt: skip
-        table.add_row("  a KL exactly on target", "measured with each batch's noise",
-                      f"{tracking.noise_hits:.1f}/{tracking.judged} steps (kl/stderr)")  # fmt: skip
+        if prefix == "kl/":
+            table.add_row("  a kl/mean exactly on target", "measured with each batch's noise",
+                          f"{tracking.noise_hits:.1f}/{tracking.judged} steps (kl/stderr)")  # fmt: skip
     table.add_row("max actor grad norm", "", f"{summary['max_grad_norm']:.3g}")
     table.add_row("skipped steps", "", f"{trainer.skipped_steps}")
     table.add_row("data", "", data_line)
