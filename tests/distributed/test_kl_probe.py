@@ -14,6 +14,9 @@ import pytest
 from tests.distributed import update_workers
 from tests.distributed.harness import run_distributed
 
+# Also run against the oldest megatron-core admitted (`make test-floor`).
+pytestmark = pytest.mark.floor
+
 ROLES = ("actor", "ref", "critic")
 LAYOUTS = {
     "tp2": [],  # the tiny recipe's own
