@@ -248,12 +248,15 @@ class PPOTrainer:
             # 4. critic update: clipped value loss on the returns
             updates = [self._update("critic", experience, timings)] if self.critic is not None else []
             # 5. actor update: clipped surrogate + β·KL − entropy bonus, once the critic has warmed up
-            if self.step >= config.trainer.critic_warmup:
+            actor_updated = self.step >= config.trainer.critic_warmup
+            if actor_updated:
                 updates.append(self._update("actor", experience, timings))
             for update in updates:
                 metrics |= update.metrics
                 self.skipped_steps += update.skipped
-            if self.probe is not None:  # the KL of the policy this update left, on the probe's fixed rows
+            # the KL of the policy this update left, on the probe's fixed rows (with the actor's weights still in
+            # place after its update; a critic warm-up leaves the policy, and the controllers read kl/mean)
+            if self.probe is not None and actor_updated:
                 with phase_timer(timings, "kl_probe"), profiling.phase("kl_probe"):
                     metrics |= self._retry_out_of_memory(Phase.EXPERIENCE, lambda: self.probe.measure(
                         self.actor, self.memory.micro_batching(Phase.EXPERIENCE)["actor"]

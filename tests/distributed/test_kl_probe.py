@@ -2,7 +2,8 @@
 tensor-parallel layout and in a pipeline-parallel one: its reading after update n is the KL of the policy that update
 left, on its fixed rows. With one batch of all the rows and a probe of all of them, the next iteration's batch
 `kl/mean` (taken before its own update) measures the same policy on the same rows, so the two must agree; and the
-controller reads the probe, whose tracking error is logged against the target."""
+controller reads the probe, whose tracking error is logged against the target. A critic warm-up step, which leaves
+the policy (and whose actor weights may be off the device under offload), measures no probe."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ LAYOUTS = {
 def test_the_probe_after_an_update_reads_what_the_next_batch_measures_on_the_same_rows(tmp_path, layout) -> None:
     report = run_distributed(update_workers.kl_probe_through_the_trainer, 2, str(tmp_path), LAYOUTS[layout])[0]
     assert report["probe_rows"] == 32, "probe_rows above the data's size takes every row"
-    history = report["history"]
-    assert history[0]["kl/mean"] == 0.0, "the reference starts as a copy of the actor"
+    warmup, *history = report["history"]
+    assert warmup["kl/mean"] == history[0]["kl/mean"] == 0.0, "the reference starts as a copy of the actor"
+    assert "kl/probe_mean" not in warmup, "a critic warm-up leaves the policy: nothing new for the probe to read"
     for before, after in itertools.pairwise(history):
         probe, batch = before["kl/probe_mean"], after["kl/mean"]
         assert probe > 1e-4, f"an update at lr 1e-3 moves the policy off the reference: {probe}"

@@ -151,8 +151,9 @@ def grpo_through_the_trainer(rank: int, world_size: int, root: str) -> dict[str,
 
 def kl_probe_through_the_trainer(rank: int, world_size: int, root: str, layout: list[str]) -> dict[str, Any]:
     """The tiny recipe's model with `kl_ctrl.feedback: probe` on 32 rows, one batch of all of them and a probe of
-    all of them, in `layout` (overrides of every role's megatron.*): three iterations' metrics, so that the probe after
-    update n and the next batch's `kl/mean` (before update n+1) measure the same policy on the same rows."""
+    all of them, in `layout` (overrides of every role's megatron.*): four iterations' metrics, the first a critic
+    warm-up, so that the probe after update n and the next batch's `kl/mean` (before update n+1) measure the same
+    policy on the same rows."""
     from megatron_ppo.config import load_config
     from megatron_ppo.train.ppo import PPOTrainer
 
@@ -160,15 +161,15 @@ def kl_probe_through_the_trainer(rank: int, world_size: int, root: str, layout: 
     config = load_config(recipe, [
         "data.task=null", "model.allow_random_init=true", "trainer.logger=[]", "data.train_batch_size=32",
         "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_mini_batch_size=16",
-        "critic.ppo_micro_batch_size_per_gpu=8", "trainer.total_training_steps=3",
+        "critic.ppo_micro_batch_size_per_gpu=8", "trainer.total_training_steps=4",
         f"cluster.gpus_per_node={world_size}", "algorithm.kl_ctrl.feedback=probe", "algorithm.kl_ctrl.probe_rows=64",
-        "trainer.critic_warmup=0",
+        "trainer.critic_warmup=1",
         "algorithm.kl_ctrl.stages=[{name: early, end: 1.0, controller: pi, target_kl: 0.05}]", "actor.optim.lr=1e-3",
         f"trainer.default_local_dir={root}/checkpoints", f"trainer.log_dir={root}/tensorboard", *layout,
     ])  # fmt: skip
     init_distributed(config.actor.megatron, seed=0)
     trainer = PPOTrainer(config, grpo_rows(prompts=8, per_prompt=4, seed=5), pad_id=0)
-    report = {"probe_rows": trainer.probe.rows, "history": [trainer.iteration() for _ in range(3)]}
+    report = {"probe_rows": trainer.probe.rows, "history": [trainer.iteration() for _ in range(4)]}
     trainer.close()
     return report
 
