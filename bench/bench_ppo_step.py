@@ -1,6 +1,8 @@
 """One PPO iteration of the tiny recipe's shapes against the bare passes it must do, at TP=2 on 2 processes:
 3 forward passes (actor, reference, critic) and `ppo_epochs` forward+backward passes of actor and critic over the
-same micro-batches, each with a trivial loss. Also the padding of fixed against token-budget micro-batches.
+same micro-batches, each with a trivial loss; beside it the recipe's KL probe (one actor forward over its fixed rows
+after each update, `train/kl_probe.py`) as its share of the iteration. Also the padding of fixed against token-budget
+micro-batches.
 
 Run: torchrun --nproc_per_node 2 -m bench.bench_ppo_step   (or `make bench`)
 """
@@ -19,6 +21,7 @@ from megatron_ppo.data.batching import dynamic_micro_batches, fixed_micro_batche
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import run_micro_batches
 from megatron_ppo.parallel import destroy_distributed, init_distributed
+from megatron_ppo.planner.phases import Phase
 from megatron_ppo.train.batch import collate, select
 from megatron_ppo.train.ppo import PPOTrainer
 
@@ -80,13 +83,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     batch = collate(rows[: config.data.train_batch_size], pad_id=0)
     t_ppo, _ = measure(trainer.iteration, repeats)
     t_bare, _ = measure(lambda: bare_passes(trainer, batch), repeats)
+    micro = trainer.memory.micro_batching(Phase.EXPERIENCE)["actor"]
+    t_probe, _ = measure(lambda: trainer.probe.measure(trainer.actor, micro), repeats)
     tokens = float(batch["lengths"].sum())
     fixed, dynamic = skewed_padding()
     if dist.get_rank() == 0:
         print(f"PPO iteration, tiny recipe shapes ({config.data.train_batch_size} rows, {int(tokens)} tokens), TP=2")
         print(f"  PPO iteration            : {t_ppo * 1e3:8.1f} ms   ({tokens / t_ppo:,.0f} tokens/s)")
         print(f"  bare forward/backward    : {t_bare * 1e3:8.1f} ms")
-        print(f"  ratio PPO / bare passes  : {t_ppo / t_bare:.2f}")
+        print(
+            f"  ratio PPO / bare passes  : {t_ppo / t_bare:.2f}   "
+            f"(without the KL probe: {(t_ppo - t_probe) / t_bare:.2f})"
+        )
+        print(
+            f"{f'  KL probe ({trainer.probe.rows} rows)':<27}: {t_probe * 1e3:8.1f} ms   "
+            f"({t_probe / (t_ppo - t_probe):.2f} of the iteration without it)"
+        )
         print("padding fraction, 512 rows, 90 % of 15–40 tokens and 10 % of 400–600 tokens")
         print(f"  fixed (4 rows)           : {fixed:.3f}")
         print(f"  dynamic (2400 tokens)    : {dynamic:.3f}")

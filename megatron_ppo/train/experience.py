@@ -297,9 +297,9 @@ def kl_summary(
     reward penalty): `<prefix>mean`, `<prefix>std` and the mean's standard error `<prefix>stderr` = std/√sequences."""
     kind = config.actor.kl_loss_type if config.actor.use_kl_loss else config.algorithm.kl_penalty
     per_sequence = algo.masked_mean(algo.kl_penalty(log_prob, ref_log_prob, kind), mask, dim=-1)
-    std = float(per_sequence.std())
+    mean, std = torch.stack([per_sequence.mean(), per_sequence.std()]).tolist()  # one read of the device
     stderr = std / math.sqrt(per_sequence.numel())
-    return {f"{prefix}mean": float(per_sequence.mean()), f"{prefix}std": std, f"{prefix}stderr": stderr}
+    return {f"{prefix}mean": mean, f"{prefix}std": std, f"{prefix}stderr": stderr}
 
 
 def _clip_range(config: PPOConfig) -> tuple[float, float] | None:

@@ -22,11 +22,16 @@ EXPERIENCE_STDERR = "kl/stderr"  # the standard error of the batch's `kl/mean` (
 FEEDBACK_METRICS = {"experience": EXPERIENCE_KL, "update": UPDATE_KL, "probe": PROBE_KL}
 
 
+def tracked_prefix_of(feedback: str) -> str:
+    """The KL whose tracking of the targets is judged under `feedback` (`<prefix>mean`, with `<prefix>stderr`): the
+    probe's when the controllers read it, else the batch's `kl/mean` (the update's own KL is an average along the
+    update, not the policy it leaves)."""
+    return PROBE_PREFIX if feedback == "probe" else EXPERIENCE_KL.removesuffix("mean")
+
+
 def tracked_kl_prefix(config: PPOConfig) -> str:
-    """The KL whose tracking of the targets is judged (`<prefix>mean`, with `<prefix>stderr`): the probe's when the
-    controllers read it, else the batch's `kl/mean` (the update's own KL is an average along the update, not the
-    policy it leaves)."""
-    return PROBE_PREFIX if config.algorithm.kl_ctrl.feedback == "probe" else EXPERIENCE_KL.removesuffix("mean")
+    """`tracked_prefix_of` the config's `algorithm.kl_ctrl.feedback`."""
+    return tracked_prefix_of(config.algorithm.kl_ctrl.feedback)
 
 
 TRACKING_BAND = 0.1  # a step tracks its target when |KL/target − 1| ≤ this
@@ -91,18 +96,25 @@ def kl_tracking(
     )
 
 
+def logged_kl(history: Sequence[Mapping[str, float]], prefix: str) -> tuple[dict[int, float], dict[int, float] | None]:
+    """The KL `<prefix>mean` a run logged, by step, and the standard errors its noise share reads: the batch's
+    `kl/stderr` for `kl/`, None for the probe (its rows are the same every step, so its standard error is a constant
+    offset, not noise between steps)."""
+    kl = {int(h["step"]): h[f"{prefix}mean"] for h in history if f"{prefix}mean" in h}
+    if prefix != tracked_prefix_of("experience"):
+        return kl, None
+    return kl, {int(h["step"]): h[EXPERIENCE_STDERR] for h in history if EXPERIENCE_STDERR in h}
+
+
 def logged_tracking(history: Sequence[Mapping[str, float]], prefix: str) -> KLTracking | None:
-    """`kl_tracking` of the KL `<prefix>mean` a run logged against the targets and stages it logged beside it
-    (`<prefix>stderr` for the noise share only for the batch's `kl/`: the probe's rows are the same every step, so
-    its standard error is a constant offset, not noise between steps); None without such steps."""
-    logged = {int(h["step"]): h for h in history if f"{prefix}mean" in h and TARGET_METRIC in h}
-    if not logged:
+    """`kl_tracking` of the KL `<prefix>mean` a run logged (`logged_kl`) against the targets and stages it logged
+    beside it; None without such steps."""
+    kl, stderr = logged_kl(history, prefix)
+    targeted = {int(h["step"]): h for h in history if TARGET_METRIC in h and int(h["step"]) in kl}
+    if not targeted:
         return None
-    stderr = {n: h[EXPERIENCE_STDERR] for n, h in logged.items() if EXPERIENCE_STDERR in h} if prefix == "kl/" \
-        else None  # fmt: skip
-    return kl_tracking({n: h[f"{prefix}mean"] for n, h in logged.items()},
-                       {n: h[TARGET_METRIC] for n, h in logged.items()},
-                       {n: int(h.get(STAGE_METRIC, 0.0)) for n, h in logged.items()}, stderr)  # fmt: skip
+    return kl_tracking({n: kl[n] for n in targeted}, {n: h[TARGET_METRIC] for n, h in targeted.items()},
+                       {n: int(h.get(STAGE_METRIC, 0.0)) for n, h in targeted.items()}, stderr)  # fmt: skip
 
 
 def build_kl_coefficients(config: PPOConfig, total_steps: int) -> dict[str, KLCoefficient]:

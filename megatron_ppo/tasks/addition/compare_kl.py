@@ -22,7 +22,13 @@ from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.parallel.collectives import broadcast_from_rank0
 from megatron_ppo.runs.report import table_console
 from megatron_ppo.tasks.addition.recipe import prepare_addition_task, train_on_task
-from megatron_ppo.train.kl_coefficients import KLTracking, build_kl_coefficients, kl_tracking, tracked_kl_prefix
+from megatron_ppo.train.kl_coefficients import (
+    KLTracking,
+    build_kl_coefficients,
+    kl_tracking,
+    logged_kl,
+    tracked_kl_prefix,
+)
 from megatron_ppo.train.metrics import is_logging_rank
 
 # variant → the stage rule it swaps into the recipe's stages (None: the recipe's own stages are not used)
@@ -127,8 +133,7 @@ def recipe_tracking(
     """How a run's KL `<prefix>mean` (the batch's `kl/mean`, or the probe's `kl/probe_`) followed the stage targets
     of `config` (the recipe's, whatever KL control the run itself had): every variant judged against the same
     targets; the noise share from the batch's `kl/stderr` (the probe's rows do not change between steps)."""
-    kl = {int(h["step"]): h[f"{prefix}mean"] for h in history if f"{prefix}mean" in h}
-    stderr = {int(h["step"]): h["kl/stderr"] for h in history if "kl/stderr" in h} if prefix == "kl/" else None
+    kl, stderr = logged_kl(history, prefix)
     staged = [c for c in build_kl_coefficients(config, total_steps).values() if isinstance(c, StagedKLSchedule)]
     if not staged:  # a recipe without stages: its one target throughout
         return kl_tracking(kl, dict.fromkeys(kl, config.algorithm.kl_ctrl.target_kl), dict.fromkeys(kl, 0), stderr)
