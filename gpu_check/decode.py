@@ -13,8 +13,27 @@ from typing import Any
 
 import torch
 
+from gpu_check.sizing import START_S, PartShape, Sized
+
 PROMPT_TOKENS = {"real": 128, "dry": 8}
 NEW_TOKENS = {"real": 256, "dry": 8}
+DECODE_S = 20.0  # 256 greedy steps cached and uncached at this size
+
+
+def size(plan) -> Sized:
+    """(i)'s model on `plan.card`: its weights, the prompts' forward (all `plan.rows` at once, the planner's count:
+    high, the decoder keeps the last position's logits only) and the KV cache of their answers at full length, the
+    planner's reservation."""
+    from gpu_check.plan import DRY, ppo_config
+    from megatron_ppo.planner import plan as planner
+
+    name = "dry" if plan == DRY else "real"
+    shape = PartShape(rows=plan.rows, seq=PROMPT_TOKENS[name], micro_batch=plan.rows, layers=plan.shape.layers_c)
+    config = ppo_config(plan, shape)
+    config.data.max_response_length += NEW_TOKENS[name]  # the cache holds the answers too
+    ref = planner.plan_role(config, "ref")
+    gib = ref.weights_gib + ref.activations_gib + planner.kv_cache_gib(config, plan.rows) + planner.RESERVED_GIB
+    return Sized(shape, gib, gib <= plan.card.budget_gib, fixed_s=START_S + DECODE_S)
 
 
 def check_decode(plan, work: Path) -> dict[str, Any]:

@@ -35,7 +35,8 @@ The bf16 bounds, run once on the CPU at the tiny shape (2 layers, bf16): TP2 + S
 and 3.3e-4 max on the log-probs, 2.3e-3 and 8.0e-3 on the values, ≤ 4.2e-4 relative on the grad norms; PP2 not at
 all. Unmeasured on GPUs: no two GPUs have been lent to this project yet.
 
-With fewer than two GPUs the part reports `skipped` and passes: the check stays runnable on one GPU.
+With fewer than two GPUs the driver reports the part `skipped` without starting it (`Part.gpus`): the check stays
+runnable on one GPU.
 Run by `python -m gpu_check` as part (h) (its two checks in a process each); `python -m gpu_check.layouts` is the
 2-process side.
 """
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import math
 import shutil
 import subprocess
@@ -58,7 +60,9 @@ from typing import Any
 import torch
 
 from bench.ports import free_port
+from gpu_check.card import Card
 from gpu_check.plan import PLANS, REPO, Plan, ppo_config, subprocess_env, synthetic_rows, tiny_recipe
+from gpu_check.sizing import START_S, Sized, build_s, iteration_flops, largest_fitting, shrinking
 from megatron_ppo.config.schema import MegatronConfig
 
 PROCESSES = 2
@@ -150,9 +154,22 @@ def compare(
 
 
 # --- one layout's run (this process, or each rank of the 2-process launch) ---------------------------------------
+def size(plan: Plan) -> Sized:
+    """(h) on `plan.card` (each of the two GPUs): its TP=1 reference, the largest trainer of all the layouts, sized
+    as (b)'s first length with padded rows; the 2-process side sizes with the same card (`--card`)."""
+    from megatron_ppo.planner import plan as planner
+
+    def cost(shape) -> Sized:
+        config = ppo_config(plan, shape)
+        return Sized(shape, 0.0, True, flops=3 * iteration_flops(config), fixed_s=2 * START_S + 3 * build_s(config))
+
+    return largest_fitting(plan.card, shrinking(plan.base_shape(plan.seq_lengths[0])),
+                           lambda shape: planner.plan(ppo_config(plan, shape)).peak_gib, cost)  # fmt: skip
+
+
 def layout_model(plan: Plan, work: Path):
     """(b)'s model in the layouts' dtype."""
-    return dataclasses.replace(ppo_config(plan, plan.seq_lengths[0], work).model, params_dtype=dtype_of(plan))
+    return dataclasses.replace(ppo_config(plan, size(plan).shape, work).model, params_dtype=dtype_of(plan))
 
 
 def layout_config(plan: Plan, name: str, layout: MegatronConfig, work: Path):
@@ -166,7 +183,7 @@ def layout_config(plan: Plan, name: str, layout: MegatronConfig, work: Path):
     changes = {f"{role}.megatron": layout for role in ("actor", "ref", "critic")}
     gpus = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
     changes |= {"model": model, "critic.model.init_checkpoint": initial, "cluster.gpus_per_node": gpus}
-    config = with_changes(ppo_config(plan, plan.seq_lengths[0], work / name), changes)
+    config = with_changes(ppo_config(plan, size(plan).shape, work / name), changes)
     problems = validate(config)
     if problems:
         raise RuntimeError(f"the {name} layout's config is invalid: {problems}")
@@ -175,7 +192,8 @@ def layout_config(plan: Plan, name: str, layout: MegatronConfig, work: Path):
 
 def layout_rows(plan: Plan) -> list:
     """(b)'s synthetic rows one token short of its first length: an odd width, which sequence parallelism pads."""
-    return synthetic_rows(plan, plan.seq_lengths[0] - 1, seed=7)
+    shape = size(plan).shape
+    return synthetic_rows(plan, dataclasses.replace(shape, seq=shape.seq - 1), seed=7)
 
 
 def save_initial_weights(plan: Plan, work: Path) -> None:
@@ -222,11 +240,12 @@ def run_layout(plan: Plan, name: str, layout: MegatronConfig, work: Path) -> Non
                     "metrics": {key: float(metrics[key]) for key in UPDATE_METRICS}}, work / f"{name}.pt")  # fmt: skip
 
 
-def layouts_main(work: Path, shape: str) -> None:
-    """The 2-process side: every layout of `LAYOUTS` in turn, one process group re-laid out between them."""
+def layouts_main(work: Path, shape: str, card: Card) -> None:
+    """The 2-process side: every layout of `LAYOUTS` in turn, one process group re-laid out between them, sized to
+    `card` as the check's own process sized its reference."""
     from megatron_ppo.parallel import destroy_distributed, init_distributed
 
-    plan = PLANS[shape]
+    plan = dataclasses.replace(PLANS[shape], card=card)
     for name, layout in LAYOUTS.items():
         init_distributed(layout, seed=SEED, device=plan.device)
         run_layout(plan, name, layout, work)
@@ -257,18 +276,8 @@ def weights_reader(plan: Plan, work: Path) -> Callable[[Path], dict[str, dict[st
 
 
 # --- the part --------------------------------------------------------------------------------------------------
-def gpus_missing(plan: Plan) -> str | None:
-    """Why the part cannot run here (fewer than PROCESSES GPUs on a real run), or None."""
-    if plan.device == "cpu":
-        return None
-    visible = torch.cuda.device_count()
-    return f"{visible} GPU visible" if visible < PROCESSES else None
-
-
 def check_layouts(plan: Plan, work: Path) -> dict[str, Any]:
     """(h) 1: TP=2 + SP and PP=2 against TP=1 (the process groups of this process must be TP=1 on one rank)."""
-    if (missing := gpus_missing(plan)) is not None:
-        return {"skipped": missing, "ok": True}
     from megatron_ppo.parallel.distributed import seed_everything
 
     work = work / "layouts"
@@ -286,7 +295,7 @@ def check_layouts(plan: Plan, work: Path) -> dict[str, Any]:
         torch.cuda.empty_cache()  # the launched ranks use this GPU too
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={PROCESSES}",
                f"--master_port={free_port()}", "-m", "gpu_check.layouts", "--work", str(work),
-               "--shape", plan.name]  # fmt: skip
+               "--shape", plan.name, "--card", json.dumps(asdict(plan.card))]  # fmt: skip
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, check=False)
     launch_s = time.perf_counter() - started
@@ -308,8 +317,6 @@ def check_layouts(plan: Plan, work: Path) -> dict[str, Any]:
 
 def check_tiny_recipe_tp2_sp(plan: Plan, work: Path) -> dict[str, Any]:
     """(h) 2: the tiny recipe at TP=2 with sequence parallelism through the CLI on 2 GPUs."""
-    if (missing := gpus_missing(plan)) is not None:
-        return {"skipped": missing, "ok": True}
     return tiny_recipe(plan, work, "tiny_tp2_sp", tensor_parallel=PROCESSES, sequence_parallel=True)
 
 
@@ -359,8 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the 2-process side of the GPU check's part (h)")
     parser.add_argument("--work", type=Path, required=True, help="the part's folder (initial weights, results)")
     parser.add_argument("--shape", choices=("real", "dry"), required=True)
+    parser.add_argument("--card", required=True, help="the card the check sized its parts to, as JSON")
     args = parser.parse_args(argv)
-    layouts_main(args.work, args.shape)
+    layouts_main(args.work, args.shape, Card(**json.loads(args.card)))
     return 0
 
 

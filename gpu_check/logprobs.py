@@ -16,7 +16,22 @@ from typing import Any
 import torch
 
 from bench.ports import free_port
-from gpu_check.plan import PLANS, REPO, Plan, logprob_model_config, subprocess_env
+from gpu_check.plan import PLANS, REPO, Plan, logprob_model_config, ppo_config, subprocess_env
+from gpu_check.sizing import START_S, PartShape, Sized
+
+ROWS, TOKENS = 2, 512
+CPU_SIDE_S = 25.0  # the CPU's fp32 forward in a process of its own, imports included
+
+
+def size(plan: Plan) -> Sized:
+    """(c)'s model on `plan.card`: its weights and one forward of `ROWS` × `TOKENS` (the planner's reference role),
+    the planner's reservation; a fixed shape, and a CPU forward in a second process."""
+    from megatron_ppo.planner import plan as planner
+
+    shape = PartShape(rows=ROWS, seq=TOKENS, micro_batch=ROWS, layers=plan.shape.layers_c)
+    ref = planner.plan_role(ppo_config(plan, shape), "ref")
+    gib = ref.weights_gib + ref.activations_gib + planner.RESERVED_GIB
+    return Sized(shape, gib, gib <= plan.card.budget_gib, fixed_s=START_S + CPU_SIDE_S)
 
 
 def logprobs_of(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -39,7 +54,7 @@ def check_logprobs(plan: Plan, work: Path) -> dict[str, Any]:
     model = build_role_model("actor", logprob_model_config(plan, plan.dtype), MegatronConfig())
     root = work / "logprob_weights"
     store.save_checkpoint(root, 0, {"actor": model}, {}, {"step": 0})
-    input_ids = torch.randint(1, plan.shape.vocab, (2, 512), generator=torch.Generator().manual_seed(1))
+    input_ids = torch.randint(1, plan.shape.vocab, (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
     torch.save(input_ids, work / "logprob_input.pt")
     device_lp = logprobs_of(model, input_ids)
     del model

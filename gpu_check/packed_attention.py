@@ -17,11 +17,20 @@ from typing import Any
 import torch
 
 from gpu_check.plan import Plan
+from gpu_check.sizing import START_S, Sized
 
 LENGTHS = (700, 300, 24, 1000)
 HEADS, GROUPS, HEAD_DIM = 12, 2, 128
 TOLERANCE = 2.0**-6
 REPEATS = 10
+
+
+def size(plan: Plan) -> Sized:
+    """(j) on `plan.card`: one attention layer's q, k, v and their gradients over the pack (megabytes), the planner's
+    reservation for the process."""
+    from megatron_ppo.planner.plan import RESERVED_GIB
+
+    return Sized(None, RESERVED_GIB, True, fixed_s=START_S + 5.0)
 
 
 def _module():

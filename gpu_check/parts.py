@@ -1,9 +1,13 @@
-"""The GPU check's parts: what each runs, how its result reads in the table, and how it may share the GPU.
+"""The GPU check's parts: what each runs, how its result reads in the table, its size on the card and how it may
+share the GPU.
 
-A part's `run(plan, work)` returns its result (a JSON-able dict with `ok`); `table(result)` its lines. `distributed`:
-it builds models in its own process, which starts a process group of one rank first. `exclusive`: its timings are
-the check's measurements, so it runs alone. `large`: it holds a 1.5B-shaped trainer (60–80 GiB on the GPU), so no
-other large part runs beside it. `letter` selects it (`--parts b` runs both lengths of (b))."""
+A part's `run(plan, work)` returns its result (a JSON-able dict with `ok`); `table(result)` its lines; `size(plan)`
+its shape on `plan.card`, planned peak and estimated time (`gpu_check.sizing`; the part runs the same shape).
+`distributed`: it builds models in its own process, which starts a process group of one rank first. `exclusive`:
+its timings are the check's measurements ((b)'s iterations, (d)'s offload transfers, (j)'s kernels), so it runs
+alone; the others run beside each other while their planned peaks fit the card together (`gpu_check.schedule`).
+`gpus`: the GPUs it needs; with fewer visible the driver reports it skipped without starting it. `letter` selects it
+(`--parts b` runs both lengths of (b))."""
 
 from __future__ import annotations
 
@@ -30,8 +34,14 @@ from gpu_check import (
     resume,
 )
 from gpu_check.plan import Plan, tiny_recipe
+from gpu_check.sizing import NEGLIGIBLE, START_S, Sized
 
 Result = dict[str, Any]
+TINY_RECIPE_S = 133.0  # (a) on the first H200 run (2026-12-04): SFT, 16 PPO steps, evaluations, through torchrun
+
+
+def negligible(plan: Plan) -> Sized:
+    return NEGLIGIBLE
 
 
 @dataclass(frozen=True)
@@ -42,7 +52,15 @@ class Part:
     table: Callable[[Result], list[str]]
     distributed: bool = True
     exclusive: bool = False
-    large: bool = False
+    size: Callable[[Plan], Sized] = negligible
+    gpus: int = 1
+
+
+def tiny_recipe_size(plan: Plan) -> Sized:
+    """(a), (h)'s recipe: the tiny model (well under a GiB) in a process of torchrun's, the planner's reservation."""
+    from megatron_ppo.planner.plan import RESERVED_GIB
+
+    return Sized(None, RESERVED_GIB + 1.0, True, fixed_s=START_S + TINY_RECIPE_S)
 
 
 def check_tiny_recipe(plan: Plan, work: Path) -> Result:
@@ -58,26 +76,32 @@ def tiny_recipe_table(a: Result) -> list[str]:
 
 
 def parts_of(plan: Plan) -> list[Part]:
-    """Every part, in the order they start: the measured iterations first, while nothing else runs."""
+    """Every part, in the order they start: the exclusive ones first (the measured iterations and transfers, while
+    nothing else runs), then the longest beside the others in the order of their value (`schedule.VALUE_ORDER`)."""
     shape = "tiny (dry run)" if plan.name == "dry" else "1.5B shape"
     iterations = [
         Part(f"b{seq}", "b", partial(ppo_iteration.check_ppo_iteration, seq=seq),
-             partial(ppo_iteration.table_lines, shape=shape), exclusive=True, large=True)
+             partial(ppo_iteration.table_lines, shape=shape), exclusive=True,
+             size=partial(ppo_iteration.size, seq=seq))
         for seq in plan.seq_lengths
     ]  # fmt: skip
+    two = layouts.PROCESSES
     return [
-        Part("j", "j", packed_attention.check_packed_attention, packed_attention.table_lines, exclusive=True),
+        Part("j", "j", packed_attention.check_packed_attention, packed_attention.table_lines, exclusive=True,
+             size=packed_attention.size),
         *iterations,
-        Part("a", "a", check_tiny_recipe, tiny_recipe_table, distributed=False),
-        Part("c", "c", logprobs.check_logprobs, logprobs.table_lines),
-        Part("d", "d", offload.check_offload, offload.table_lines, large=True),
-        Part("e", "e", grad_cut.check_grad_norm_by_cut, grad_cut.table_lines, large=True),
-        Part("f", "f", resume.check_resume, resume.table_lines),
-        Part("g", "g", first_update.check_first_update, first_update.table_lines, large=True),
-        Part("i", "i", decode.check_decode, decode.table_lines),
-        Part("h", "h", layouts.check_layouts, layouts.layouts_table_lines),
-        Part("h_recipe", "h", layouts.check_tiny_recipe_tp2_sp, layouts.recipe_table_lines, distributed=False),
-    ]
+        Part("d", "d", offload.check_offload, offload.table_lines, exclusive=True, size=offload.size),
+        Part("a", "a", check_tiny_recipe, tiny_recipe_table, distributed=False, size=tiny_recipe_size),
+        Part("c", "c", logprobs.check_logprobs, logprobs.table_lines, size=logprobs.size),
+        Part("g", "g", first_update.check_first_update, first_update.table_lines, size=first_update.size),
+        Part("i", "i", decode.check_decode, decode.table_lines, size=decode.size),
+        Part("f", "f", resume.check_resume, resume.table_lines, size=resume.size),
+        Part("e", "e", grad_cut.check_grad_norm_by_cut, grad_cut.table_lines, size=grad_cut.size),
+        Part("h", "h", layouts.check_layouts, layouts.layouts_table_lines, exclusive=True, size=layouts.size,
+             gpus=two),
+        Part("h_recipe", "h", layouts.check_tiny_recipe_tp2_sp, layouts.recipe_table_lines, distributed=False,
+             size=tiny_recipe_size, gpus=two),
+    ]  # fmt: skip
 
 
 def run_part(part: Part, plan: Plan, work: Path, result_path: Path, log_path: Path) -> None:

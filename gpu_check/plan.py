@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ import torch
 
 from bench.ports import free_port
 from bench.tiny import SHORT
+from gpu_check.card import Card, named_card
+from gpu_check.sizing import PartShape
 
 GIB = 1024**3
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +49,9 @@ class Plan:
     the others as many rows as keep the tokens of one iteration the same (64 × 1024 = 16 × 4096), so each length
     costs about the same time and the longer one measures the longer sequences' memory and attention, not 4× the
     work. `resume_layers`: (f)'s model, the shape's width and vocabulary with this many layers (the same code path
-    at a tenth of the 1.5B shape's optimizer state, which a save and a load would otherwise spend a minute on)."""
+    at a tenth of the 1.5B shape's optimizer state, which a save and a load would otherwise spend a minute on).
+    `card`: the card the parts are sized to (`gpu_check.sizing`): on a GPU the one measured at the start, in a
+    dry run the named one (the CPU stand-in for the tiny parts)."""
 
     name: str
     device: str
@@ -57,6 +62,12 @@ class Plan:
     micro_batch: int
     recipe_steps: int
     resume_layers: int
+    card: Card
+
+    def base_shape(self, seq: int, layers: int | None = None) -> PartShape:
+        """The shape a part starts its sizing from: (b)'s rows at `seq`, the plan's micro-batch, all layers."""
+        return PartShape(rows=self.rows_at(seq), seq=seq, micro_batch=self.micro_batch,
+                         layers=layers or self.shape.num_layers)  # fmt: skip
 
     def rows_at(self, seq: int) -> int:
         """The rows of (b)'s iteration at `seq` tokens: `rows × seq_lengths[0]` tokens, a multiple of the
@@ -66,44 +77,44 @@ class Plan:
 
 
 REAL = Plan("real", "cuda", "bf16", QWEN_1_5B, rows=64, seq_lengths=(1024, 4096), micro_batch=4, recipe_steps=16,
-            resume_layers=4)  # fmt: skip
-DRY = Plan("dry", "cpu", "bf16", TINY, rows=8, seq_lengths=(32, 64), micro_batch=4, recipe_steps=0, resume_layers=2)
+            resume_layers=4, card=named_card("h100"))  # fmt: skip
+DRY = Plan("dry", "cpu", "bf16", TINY, rows=8, seq_lengths=(32, 64), micro_batch=4, recipe_steps=0, resume_layers=2,
+           card=named_card("cpu"))  # fmt: skip
 PLANS = {plan.name: plan for plan in (REAL, DRY)}
 
 
-def gpu_type_and_memory() -> tuple[str, float]:
-    from megatron_ppo.config.gpus import GPU_SPECS, gpu_type_named
-
-    if not torch.cuda.is_available():
-        return "cpu", GPU_SPECS["cpu"].memory_gib
-    memory = torch.cuda.get_device_properties(0).total_memory / GIB
-    return gpu_type_named(torch.cuda.get_device_name()), memory
+SIZING_DIR = Path(tempfile.gettempdir()) / "gpu_check_sizing"  # a sized config's directories: never written
 
 
-def ppo_config(plan: Plan, seq: int, work: Path, pack_sequences: bool = False, layers: int | None = None):
-    """The PPO config of (b): GAE with a KL loss (actor, reference and critic), one epoch, one mini-batch of
-    `plan.rows_at(seq)` rows; `pack_sequences` (`model.pack_sequences`, what every GPU recipe sets): each
-    micro-batch enters as one THD pack (Transformer Engine's THD attention where TE is present, else one
-    variable-length attention call per layer where torch has it); `layers`: fewer layers than the shape's."""
+def ppo_config(plan: Plan, shape: PartShape, work: Path = SIZING_DIR, pack_sequences: bool = False):
+    """The PPO config of (b) at `shape`: GAE with a KL loss (actor, reference and critic), one epoch, one mini-batch
+    of `shape.rows` rows of `shape.seq` tokens, every pass (experience and update) `shape.micro_batch` rows at a time,
+    `shape.layers` layers; on `plan.card` (its GPU type and memory, for the planner and the MFU), in the layers that
+    run there: Transformer Engine's where it imports, else the local spec (said so, so the planner counts what runs:
+    the check's GPU has no Transformer Engine). `pack_sequences` (`model.pack_sequences`, what every GPU recipe
+    sets): each micro-batch enters as one THD pack (Transformer Engine's THD attention where TE is present, else one
+    variable-length attention call per layer where torch has it)."""
     from megatron_ppo.config.schema import ClusterConfig, ModelConfig, PPOConfig
     from megatron_ppo.config.validate import resolve, validate
+    from megatron_ppo.models.kernels import transformer_engine_importable
 
     s = plan.shape
-    rows = plan.rows_at(seq)
     config = PPOConfig(
         model=ModelConfig(
-            name="qwen2.5-1.5b-shape", num_layers=layers or s.num_layers, hidden_size=s.hidden,
-            num_attention_heads=s.heads, num_query_groups=s.groups, ffn_hidden_size=s.ffn, vocab_size=s.vocab,
-            max_position_embeddings=32768, rotary_base=1_000_000.0, add_qkv_bias=True, params_dtype=plan.dtype,
-            pack_sequences=pack_sequences,
+            name="qwen2.5-1.5b-shape", num_layers=shape.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
+            num_query_groups=s.groups, ffn_hidden_size=s.ffn, vocab_size=s.vocab, max_position_embeddings=32768,
+            rotary_base=1_000_000.0, add_qkv_bias=True, params_dtype=plan.dtype, pack_sequences=pack_sequences,
+            transformer_impl="auto" if transformer_engine_importable() else "local",
         ),
     )  # fmt: skip
-    gpu_type, memory = gpu_type_and_memory()
-    config.cluster = ClusterConfig(device=plan.device, gpus_per_node=1, gpu_type=gpu_type, gpu_memory_gib=memory)
-    config.data.max_prompt_length, config.data.max_response_length = seq // 4, seq - seq // 4
-    config.data.train_batch_size = rows
+    config.cluster = ClusterConfig(device=plan.device, gpus_per_node=1, gpu_type=plan.card.gpu_type,
+                                   gpu_memory_gib=plan.card.memory_gib)  # fmt: skip
+    config.data.max_prompt_length, config.data.max_response_length = shape.seq // 4, shape.seq - shape.seq // 4
+    config.data.train_batch_size = shape.rows
     for role in (config.actor, config.critic):
-        role.ppo_mini_batch_size, role.ppo_micro_batch_size_per_gpu, role.ppo_epochs = rows, plan.micro_batch, 1
+        role.ppo_mini_batch_size, role.ppo_micro_batch_size_per_gpu, role.ppo_epochs = shape.rows, shape.micro_batch, 1
+    config.actor.log_prob_micro_batch_size_per_gpu = config.ref.log_prob_micro_batch_size_per_gpu = shape.micro_batch
+    config.critic.forward_micro_batch_size_per_gpu = shape.micro_batch
     config.trainer.total_training_steps = 3
     config.trainer.logger = []
     config.trainer.default_local_dir, config.trainer.log_dir = str(work / "ckpt"), str(work / "tb")
@@ -114,12 +125,13 @@ def ppo_config(plan: Plan, seq: int, work: Path, pack_sequences: bool = False, l
     return config
 
 
-def synthetic_rows(plan: Plan, seq: int, seed: int) -> list:
-    """Two batches of `plan.rows_at(seq)` rows of exactly `seq` tokens (a quarter prompt), random tokens (never the
+def synthetic_rows(plan: Plan, shape: PartShape, seed: int) -> list:
+    """Two batches of `shape.rows` rows of exactly `shape.seq` tokens (a quarter prompt), random tokens (never the
     pad id 0), ±1 rewards."""
     from megatron_ppo.data.rows import Row
 
     rng = random.Random(seed)
+    seq = shape.seq
     vocab, prompt = plan.shape.vocab, seq // 4
     return [
         Row(
@@ -132,7 +144,7 @@ def synthetic_rows(plan: Plan, seq: int, seed: int) -> list:
             "gpu-check",
             f"synthetic row {i}",
         )
-        for i in range(plan.rows_at(seq) * 2)
+        for i in range(shape.rows * 2)
     ]
 
 
@@ -148,18 +160,22 @@ def logprob_model_config(plan: Plan, dtype: str):
     )  # fmt: skip
 
 
-def device_memory() -> dict[str, float]:
-    """This process's GPU memory in GiB: the allocator's peaks, and what the device holds beyond the allocator's
-    reservation (the CUDA context, cuBLAS/cuDNN workspaces and libraries: the planner's `CUDA_CONTEXT_GIB`); empty
-    on the CPU."""
+def device_memory(plan: Plan) -> dict[str, float]:
+    """This process's GPU memory in GiB: the allocator's peaks, and its measured peak on the device — the peak
+    reservation plus its CUDA context as the card's reading measured it alone (`Card.context_gib`); not from
+    `mem_get_info`, which counts every process on the card (a neighbouring part's too). Empty on the CPU."""
     if not torch.cuda.is_available():
         return {}
-    free, total = torch.cuda.mem_get_info()
-    return {
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
-        "outside_allocator_gib": (total - free - torch.cuda.memory_reserved()) / GIB,
-    }
+    reserved = torch.cuda.max_memory_reserved() / GIB
+    return {"peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB, "peak_reserved_gib": reserved,
+            "context_gib": plan.card.context_gib, "measured_peak_gib": reserved + plan.card.context_gib}  # fmt: skip
+
+
+def backoff_record(trainer) -> dict[str, Any]:
+    """The trainer's out-of-memory back-offs so far (`train/memory_backoff.py`): how many, and the micro-batch sizes
+    they lowered (config key → size). A part that reports a figure measured after one says so and fails."""
+    state = trainer.memory.state_dict()
+    return {"retries": state["retries"], "lowered": dict(state["overrides"])}
 
 
 def reset_peak_memory() -> None:

@@ -16,7 +16,37 @@ from typing import Any
 
 import torch
 
-from gpu_check.plan import Plan, device_memory, ppo_config, reset_peak_memory, synthetic_rows, timed
+from gpu_check.plan import Plan, backoff_record, device_memory, ppo_config, reset_peak_memory, synthetic_rows, timed
+from gpu_check.sizing import START_S, Sized, build_s, iteration_flops, largest_fitting, shrinking
+
+PROFILE_S = 15.0  # the profiler's trace parsed after the profiled iteration
+COMPILE_S = 10.0  # the first iteration's kernel choices and torch.compile'd fusions
+
+
+def iterations_run(plan: Plan, seq: int) -> float:
+    """The iterations (b) runs at `seq`: warm-up and timed, and at the first length profiled and twice padded;
+    the bare passes about one more."""
+    return 6.0 if seq == plan.seq_lengths[0] else 3.0
+
+
+def size(plan: Plan, seq: int) -> Sized:
+    """(b) at `seq` on `plan.card`: the largest shape that fits (`gpu_check.sizing`), its iteration's tokens kept."""
+
+    def config_of(shape):
+        return ppo_config(plan, shape, pack_sequences=True)
+
+    def cost(shape) -> Sized:
+        config = config_of(shape)
+        fixed = START_S + build_s(config) + COMPILE_S + (PROFILE_S if seq == plan.seq_lengths[0] else 0.0)
+        return Sized(shape, 0.0, True, flops=iterations_run(plan, seq) * iteration_flops(config), fixed_s=fixed)
+
+    return largest_fitting(plan.card, shrinking(plan.base_shape(seq)), lambda s: planner_peak(config_of(s)), cost)
+
+
+def planner_peak(config) -> float:
+    from megatron_ppo.planner import plan as planner
+
+    return planner.plan(config).peak_gib
 
 
 def bare_passes(trainer, batch) -> None:
@@ -74,11 +104,14 @@ def check_ppo_iteration(plan: Plan, work: Path, seq: int) -> dict[str, Any]:
     from megatron_ppo.train.ppo import PPOTrainer
     from megatron_ppo.train.throughput import throughput_metrics
 
-    config = ppo_config(plan, seq, work / f"ppo{seq}", pack_sequences=True)
-    rows = plan.rows_at(seq)
+    first = seq == plan.seq_lengths[0]
+    sized = size(plan, seq)
+    shape = sized.shape
+    seq, rows = shape.seq, shape.rows  # shorter rows where the card needs them
+    config = ppo_config(plan, shape, work / f"ppo{seq}", pack_sequences=True)
     reset_peak_memory()
     started = time.perf_counter()
-    trainer = PPOTrainer(config, synthetic_rows(plan, seq, seed=seq), pad_id=0)
+    trainer = PPOTrainer(config, synthetic_rows(plan, shape, seed=seq), pad_id=0)
     build_s = time.perf_counter() - started
     models = [model for model in (trainer.actor, trainer.ref, trainer.critic) if model is not None]
     try:
@@ -87,9 +120,10 @@ def check_ppo_iteration(plan: Plan, work: Path, seq: int) -> dict[str, Any]:
         trainer.sampler.load_state_dict(state)  # the timed iteration and the bare passes see the warm-up's batch
         metrics: dict[str, float] = {}
         iteration_s = timed(lambda: metrics.update(trainer.iteration()))
-        memory = device_memory()
+        memory = device_memory(plan)
+        measured_after = backoff_record(trainer)  # a back-off by now: the figures are a smaller shape's
         profiled = None
-        if seq == plan.seq_lengths[0]:
+        if first:
             trainer.sampler.load_state_dict(state)
             profiled = profile_iteration(trainer)
         packed_passes = sorted(note for model in models for note in model.pass_notes)
@@ -97,13 +131,14 @@ def check_ppo_iteration(plan: Plan, work: Path, seq: int) -> dict[str, Any]:
         bare_s = timed(lambda: bare_passes(trainer, batch))
         padded_metrics: dict[str, float] = {}
         padded_s = float("nan")
-        if seq == plan.seq_lengths[0]:  # the same batch again padded (warmed first): what packing costs here
+        if first:  # the same batch again padded (warmed first): what packing costs here
             for model in models:
                 model.pack_sequences = False
             trainer.sampler.load_state_dict(state)
             trainer.iteration()
             trainer.sampler.load_state_dict(state)
             padded_s = timed(lambda: padded_metrics.update(trainer.iteration()))
+        backoff = backoff_record(trainer)
     finally:
         trainer.close()
     roles = ("actor", "ref", "critic")
@@ -123,19 +158,19 @@ def check_ppo_iteration(plan: Plan, work: Path, seq: int) -> dict[str, Any]:
         "perf": {key: value for key, value in metrics.items() if key.startswith(("perf/", "timing/"))},
         "padded_iteration_s": padded_s, "packed_over_padded": iteration_s / padded_s, "profile": profiled,
         "padded_computed_over_real": padded_metrics.get("perf/padded_over_real_tokens", float("nan")),
-        **memory,
+        "shape": shape.describe(), "sized": sized.describe(), "oom_backoff": backoff,
+        "measured_after_backoff": bool(measured_after["retries"]), **memory,
     }  # fmt: skip
-    if memory:  # the device's peak: the allocator's reservation and what it holds outside it
-        out["measured_peak_gib"] = memory["peak_reserved_gib"] + memory["outside_allocator_gib"]
-        out["planned_over_measured"] = planned.peak_gib / out["measured_peak_gib"]
-    out["ok"] = True
+    if memory:
+        out["planned_over_measured"] = planned.peak_gib / memory["measured_peak_gib"]
+    out["ok"] = not backoff["retries"]  # a figure measured after a back-off is not the shape's: it fails
     return out
 
 
 def table_lines(b: dict[str, Any], shape: str) -> list[str]:
     header = (f"(b) PPO iteration, {shape:<18}tokens  iter s  tokens/s  MFU iter  MFU bare  iter/bare  peak GiB  "
               "planned GiB  computed/real  padded s  packed/padded")  # fmt: skip
-    if not b.get("ok"):
+    if "iteration_s" not in b:
         return [header, f"    FAILED {b.get('error', '')[:300]}"]
     lines = [header, (
         f"    {b['rows']} rows × {b['seq']:<5}                {b['rows'] * b['seq']:>7} {b['iteration_s']:7.2f} "
@@ -143,6 +178,11 @@ def table_lines(b: dict[str, Any], shape: str) -> list[str]:
         f"{b.get('measured_peak_gib', float('nan')):9.1f} {b['planned_peak_gib']:12.1f} "
         f"{b['computed_over_real']:14.3f} {b['padded_iteration_s']:9.2f} {b['packed_over_padded']:14.3f}"
     )]  # fmt: skip
+    lines.append(f"      ran {b['shape']} (sized to the card: {b['sized']})")
+    if b["oom_backoff"]["retries"]:
+        lines.append(f"      FAILED: out of memory, backed off {b['oom_backoff']['retries']} time(s) to "
+                     f"{b['oom_backoff']['lowered']}: the figures above are "
+                     f"{'a smaller shape' if b['measured_after_backoff'] else 'partly a smaller shape'}'s")  # fmt: skip
     phases = ", ".join(f"{key.removeprefix('perf/mfu/')} {value:.1%}" for key, value in b["perf"].items()
                        if key.startswith("perf/mfu/"))  # fmt: skip
     if phases:

@@ -24,7 +24,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from gpu_check.plan import ppo_config, synthetic_rows
+from gpu_check.plan import GIB, Plan, ppo_config, synthetic_rows
+from gpu_check.sizing import START_S, Sized, build_s, iteration_flops, largest_fitting, shrinking
 
 UNTIMED = ("perf/", "timing/")  # wall-clock metrics: never equal
 BACKWARD = "/grad_norm"  # `{role}/grad_norm`, `{role}/grad_norm_max`: the one metric of the update's backward
@@ -32,13 +33,30 @@ GRAD_NORM_RTOL = 1e-3  # on CUDA (module docstring)
 SEED = 0
 
 
+def size(plan: Plan) -> Sized:
+    """(f) on `plan.card`: (b)'s first length at `plan.resume_layers` layers, sized as (b); three iterations over two
+    trainers, and the checkpoint (actor and critic: weights and optimizer states) written once and read once."""
+    from megatron_ppo.planner import plan as planner
+
+    def cost(shape) -> Sized:
+        config = ppo_config(plan, shape)
+        roles = planner.plan(config).roles
+        saved = sum(roles[role].weights_gib + roles[role].optimizer_gib for role in ("actor", "critic"))
+        return Sized(shape, 0.0, True, flops=3 * iteration_flops(config), disk_gb=2 * saved * GIB / 1e9,
+                     fixed_s=START_S + 2 * build_s(config))  # fmt: skip
+
+    base = plan.base_shape(plan.seq_lengths[0], layers=plan.resume_layers)
+    return largest_fitting(plan.card, shrinking(base), lambda shape: planner.plan(ppo_config(plan, shape)).peak_gib,
+                           cost)  # fmt: skip
+
+
 def check_resume(plan, work: Path) -> dict[str, Any]:
     from megatron_ppo.parallel.distributed import seed_everything
     from megatron_ppo.train.ppo import PPOTrainer
 
-    seq = plan.seq_lengths[0]
-    config = ppo_config(plan, seq, work / "resume", layers=plan.resume_layers)
-    rows = synthetic_rows(plan, seq, seed=seq + 2)
+    shape = size(plan).shape
+    config = ppo_config(plan, shape, work / "resume")
+    rows = synthetic_rows(plan, shape, seed=shape.seq + 2)
     seed_everything(SEED)  # each trainer starts as a new job of the run would (its random initial weights too)
     trainer = PPOTrainer(config, rows, pad_id=0)
     try:

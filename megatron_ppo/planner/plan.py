@@ -165,8 +165,42 @@ def micro_batches_per_mini_batch(config: PPOConfig, role: str) -> int:
     return max(1, math.ceil(owner.ppo_mini_batch_size / dp * config.data.max_length / cp / tokens))
 
 
+@dataclass(frozen=True)
+class LayerKernels:
+    """What the layer implementation that runs saves beyond Transformer Engine's fused layers
+    (`layer_activation_bytes`): torch's RMSNorm (the local spec's `LocalNorm`, on any device) keeps x/rms too; the
+    unfused SwiGLU (every fusion off: the CPU) keeps silu(gate) and a copy of up; the unfused RoPE (no Transformer
+    Engine: its fused RoPE is the only one Megatron finds) keeps cos and sin; a pack through one SDPA call per
+    sequence (no varlen kernel: the CPU) keeps each sequence's output beside their concatenation. Measured on the
+    CPU (tests/distributed/test_planner_memory.py); the local spec on CUDA is counted as the CPU's norms and RoPE
+    with Megatron's fused SwiGLU and the varlen pack path: where torch's RMSNorm runs a fused CUDA kernel that
+    keeps less, the plan errs high."""
+
+    local_norms: bool
+    unfused_swiglu: bool
+    unfused_rope: bool
+    per_sequence_pack: bool
+
+
+TE_KERNELS = LayerKernels(local_norms=False, unfused_swiglu=False, unfused_rope=False, per_sequence_pack=False)
+LOCAL_CUDA_KERNELS = LayerKernels(local_norms=True, unfused_swiglu=False, unfused_rope=True, per_sequence_pack=False)
+CPU_KERNELS = LayerKernels(local_norms=True, unfused_swiglu=True, unfused_rope=True, per_sequence_pack=True)
+
+
+def layer_kernels(config: PPOConfig, role: str) -> LayerKernels:
+    """The layers `role` runs (`models.gpt.select_layer_spec`): on the CPU the local spec with every fusion off; on
+    CUDA the local spec where `model.transformer_impl` is `local` or the role trains LoRA adapters under `auto`,
+    else Transformer Engine's (what a GPU cluster's job runs: the planner may run where TE is not installed)."""
+    if config.cluster.device == "cpu":
+        return CPU_KERNELS
+    lora = config.critic.lora if role == "critic" else config.actor.lora
+    impl = config.model.transformer_impl
+    local = impl == "local" or (impl == "auto" and lora.enabled)
+    return LOCAL_CUDA_KERNELS if local else TE_KERNELS
+
+
 def layer_activation_bytes(
-    model: ModelConfig, layout: MegatronConfig, tokens: int, rows: int, *, cpu: bool, packed: bool
+    model: ModelConfig, layout: MegatronConfig, tokens: int, rows: int, *, kernels: LayerKernels, packed: bool
 ) -> float:
     """Bytes one transformer layer keeps for its backward on one GPU, for a micro-batch of `tokens` tokens (this CP
     rank's) in `rows` rows (1 for a pack), each saved tensor counted once (a saved view holds its base; parameters
@@ -193,8 +227,8 @@ def layer_activation_bytes(
     attention. At Qwen2.5-32B's shape (bf16, sequence parallel) it is 47.6·s·b·h / TP bytes, where Megatron-LM's
     form gives 39.6 and the 34 planned before: both short.
 
-    `cpu`: the CPU path, where the check runs (Megatron's local spec with every fusion off); otherwise the CUDA path
-    (Transformer Engine's spec), which saves less, and is what a GPU recipe plans: TE's norm and fused
+    `kernels` (`LayerKernels`, `layer_kernels`): what the implementation that runs keeps beyond Transformer Engine's
+    spec, which saves least and is what a GPU recipe plans: TE's norm and fused
     layernorm-linear save x, their output and 1/rms, where torch's RMSNorm on the CPU also keeps x/rms (+ h·e per
     norm; QK layernorm + (a + g)·d·e); Megatron's fused SwiGLU saves FC1's output only, where the unfused one also
     keeps silu(gate) and a copy of up (+ 2·f_t·e); the fused RoPE saves its frequencies, the unfused one cos and sin
@@ -211,21 +245,22 @@ def layer_activation_bytes(
     if layout.recompute_granularity == "full":
         return tokens * h * e / (t if sp else 1)
     rmsnorm, rope = model.normalization == "RMSNorm", model.position_embedding_type == "rope"
-    norms = 4 * h * e + (8 if rmsnorm else 16) + (2 * h * e if cpu and rmsnorm else 0)
+    local_norms = kernels.local_norms and rmsnorm
+    norms = 4 * h * e + (8 if rmsnorm else 16) + (2 * h * e if local_norms else 0)
     query_copy = a * d if g > 1 else 0  # Megatron's reshape of a rank's grouped query heads copies them
     qkv = (a + 2 * g) * d + (a * d + g * d if rope else query_copy) + a * d
     selective = layout.recompute_granularity == "selective"
-    if cpu and packed and not selective:  # the per-sequence outputs, saved beside their concatenation
+    if kernels.per_sequence_pack and packed and not selective:  # the per-sequence outputs beside their concatenation
         qkv += a * d
     attention = qkv * e + (0 if selective else 4 * a)
     if model.qk_layernorm:
-        attention += query_copy * e + 4 * (a + g) + ((a + g) * d * e if cpu and rmsnorm else 0)
+        attention += query_copy * e + 4 * (a + g) + ((a + g) * d * e if local_norms else 0)
     if model.num_experts:
         mlp = model.num_experts_per_tok * (h + 3 * model.moe_intermediate_size) * e / t
     else:
         gated = model.activation == "swiglu"
-        mlp = ((3 if gated else 2) + (2 if cpu and gated else 0)) * ffn * e / t
-    positions = 4 * d * e / rows if cpu and rope else 0  # cos and sin of Q and K, per position of a row
+        mlp = ((3 if gated else 2) + (2 if kernels.unfused_swiglu and gated else 0)) * ffn * e / t
+    positions = 4 * d * e / rows if kernels.unfused_rope and rope else 0  # cos and sin of Q and K, per row position
     return tokens * (norms / (t if sp else 1) + attention + mlp + positions)
 
 
@@ -238,17 +273,17 @@ def _activations_gib(config: PPOConfig, role: str, train: bool) -> float:
     m, layout = config.model, getattr(config, role).megatron
     pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
     tokens, rows = micro_batch_tokens(config, role, train)
-    cpu, packed = config.cluster.device == "cpu", m.pack_sequences
+    kernels, packed = layer_kernels(config, role), m.pack_sequences
     no_recompute = dataclasses.replace(layout, recompute_granularity=None)
-    working = layer_activation_bytes(m, no_recompute, tokens, rows, cpu=cpu, packed=packed)
+    working = layer_activation_bytes(m, no_recompute, tokens, rows, kernels=kernels, packed=packed)
     layers, group = m.num_layers / pp, layout.recompute_num_layers or 1
     if not train:
         per_micro_batch = working
     elif layout.recompute_granularity == "full" and layout.recompute_method == "block":  # the first `group` only
-        per_micro_batch = group * layer_activation_bytes(m, layout, tokens, rows, cpu=cpu, packed=packed)
+        per_micro_batch = group * layer_activation_bytes(m, layout, tokens, rows, kernels=kernels, packed=packed)
         per_micro_batch += (layers - group) * working
     else:
-        per_micro_batch = layers * layer_activation_bytes(m, layout, tokens, rows, cpu=cpu, packed=packed)
+        per_micro_batch = layers * layer_activation_bytes(m, layout, tokens, rows, kernels=kernels, packed=packed)
     in_flight = 1.0
     if train:
         in_flight = min(pp, micro_batches_per_mini_batch(config, role))

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from megatron_ppo.config.schema import MegatronConfig
-from megatron_ppo.planner.plan import layer_activation_bytes, stage_parameters
+from megatron_ppo.planner.plan import CPU_KERNELS, layer_activation_bytes, stage_parameters
 from tests.distributed import planner_workers
 from tests.distributed.harness import run_distributed
 from tests.distributed.planner_workers import LENGTHS, MODEL, RECOMPUTE, ROWS, VARIANTS, WIDTH
@@ -36,7 +36,7 @@ def test_a_layer_saves_what_the_planner_counts(measured: list[dict], case: tuple
     model = dataclasses.replace(MODEL, **VARIANTS[variant])
     layout = dataclasses.replace(LAYOUTS[layout_name], **RECOMPUTE[recompute])
     tokens, rows = (sum(LENGTHS), 1) if packed else (ROWS * WIDTH, ROWS)
-    planned = layer_activation_bytes(model, layout, tokens, rows, cpu=True, packed=packed)
+    planned = layer_activation_bytes(model, layout, tokens, rows, kernels=CPU_KERNELS, packed=packed)
     for rank, result in enumerate(measured):
         saved = result["activations"][case]
         assert saved == pytest.approx(planned, rel=0.01), f"rank {rank}: saved {saved} B, planned {planned:.0f} B"

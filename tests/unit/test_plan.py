@@ -315,13 +315,13 @@ def test_the_interleaved_schedule_adds_megatron_lms_in_flight_penalty() -> None:
     """llama3.1-70b (PP 4, 12 micro-batches of 16384 tokens a mini-batch, full recompute): with 5 virtual stages the
     first stage keeps 4 · (1 + 3/20) micro-batches of its 20 layers' inputs (Megatron-LM's interleaved penalty),
     without them 4; the recomputed layer's working set and the log-probs are the same."""
-    from megatron_ppo.planner.plan import layer_activation_bytes
+    from megatron_ppo.planner.plan import TE_KERNELS, layer_activation_bytes
 
     recipe = REPO / "recipes" / "llama3.1-70b.yaml"
     config = load_config(recipe)
     plain = load_config(recipe, [f"{role}.megatron.virtual_pipeline_model_parallel_size=null" for role in
                                  ("actor", "critic", "ref")])  # fmt: skip
-    layer = layer_activation_bytes(config.model, config.actor.megatron, 16384, 1, cpu=False, packed=True)
+    layer = layer_activation_bytes(config.model, config.actor.megatron, 16384, 1, kernels=TE_KERNELS, packed=True)
     assert layer == 16384 * 8192 * 2 / 8  # each layer's bf16 input, split by TP 8 under sequence parallelism
     added = (plan(config).roles["actor"].activations_gib - plan(plain).roles["actor"].activations_gib) * 2**30
     assert added == pytest.approx(layer * 20 * 4 * 3 / 20)
