@@ -150,11 +150,12 @@ bench: setup
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_task_sft
 	$(PY) -m bench.bench_gae
 
-# The GPU check (one CUDA GPU, no network, ~5 min on an H200): each part in its own process, its result printed as it
-# ends (gpu_check/__main__.py): the tiny recipe on CUDA, a 1.5B-shaped PPO iteration (tokens/s, MFU, peak memory
-# against the planner), GPU bf16 against CPU fp32 log-probs, offload, micro-batch cuts, resume, the first update,
-# layouts (2 GPUs), KV-cached decoding; outputs/gpu_check.json. `make gpu-check DRY_RUN=1` runs it on the CPU with a
-# tiny model (CI does); PARTS=a,b,... runs some parts.
+# The GPU check (one CUDA GPU, no network, ≤ 330 s by its estimate): the card read first, each part sized to it and in
+# its own process, its result printed as it ends (gpu_check/__main__.py): the tiny recipe on CUDA, a 1.5B-shaped PPO
+# iteration (tokens/s, MFU, peak memory against the planner), GPU bf16 against CPU fp32 log-probs, offload,
+# micro-batch cuts, resume, the first update, layouts (2 GPUs), KV-cached decoding; outputs/gpu_check.json.
+# `make gpu-check DRY_RUN=1` runs it on the CPU with a tiny model (CI does); DRY_RUN=1 CARD=h100 (or h200) plans
+# every real part for that card and fails over its memory; PARTS=a,b,... runs some parts.
 # Works without `make setup` on a bare CUDA machine (Python 3.12 and PyTorch, no network): `make gpu-wheels` here
 # fetches what it lacks at the lock's versions into .whl/ — only what the machine named by TARGET (its
 # `pip list --format=freeze`; gpu_check/targets/ has the lent H200's) lacks; TARGET= for a bare Python + PyTorch —
@@ -171,4 +172,4 @@ gpu-check:
 		$(GPU_PY) -m pip install -q --no-index --no-deps --target .whl/site .whl/*.whl; fi
 	@PYTHONPATH=$(CURDIR):$(CURDIR)/.whl/site$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PY) -m gpu_check.wheels --check
 	PYTHONPATH=$(CURDIR):$(CURDIR)/.whl/site$(if $(PYTHONPATH),:$(PYTHONPATH)) OMP_NUM_THREADS=$(or $(OMP_NUM_THREADS),8) \
-		$(GPU_PY) -m gpu_check $(if $(DRY_RUN),--dry-run) $(if $(PARTS),--parts $(PARTS)) $(ARGS)
+		$(GPU_PY) -m gpu_check $(if $(DRY_RUN),--dry-run) $(if $(CARD),--card $(CARD)) $(if $(PARTS),--parts $(PARTS)) $(ARGS)

@@ -110,7 +110,7 @@ class CardPlan:
         """`gpus`: the GPUs visible (None: the dry run's CPU processes, which stand in for any number)."""
         self.plan, self.jobs = plan, jobs
         self.sized: dict[str, Sized] = {part.key: part.size(plan) for part in parts}
-        self.skipped = {part.key: f"{gpus} GPU visible (needs {part.gpus})" for part in parts
+        self.skipped = {part.key: f"{gpus} GPU visible" for part in parts
                         if gpus is not None and gpus < part.gpus}  # fmt: skip
         self.over = {key: sized for key, sized in self.sized.items() if not sized.fits and key not in self.skipped}
         runnable = [part for part in parts if part.key not in self.skipped and part.key not in self.over]
@@ -140,17 +140,18 @@ class CardPlan:
 
     def lines(self) -> list[str]:
         card = self.plan.card
-        lines = [
-            f"card {card.describe()}",
-            f"  {'part':<9}{'planned GiB':>12}{'est. s':>8}{'start–end s':>14}  shape (sized to the card)",
-        ]
+        lines = [f"card {card.describe()}",
+                 f"  {'part':<9}{'planned GiB':>12}{'PFLOP':>7}{'host GB':>8}{'disk GB':>8}{'fixed s':>8}{'est. s':>7}"
+                 f"{'start–end s':>14}  shape (sized to the card)"]  # fmt: skip
         slots = {slot.key: slot for slot in self.slots}
         for key, sized in self.sized.items():
             if key in slots:
                 when = f"{slots[key].start_s:5.0f}–{slots[key].end_s:<5.0f}"
             else:
                 when = "skipped" if key in self.skipped else "left out" if key in self.left_out else "over"
-            lines.append(f"  {key:<9}{sized.planned_gib:12.1f}{self.seconds(key):8.0f}{when:>14}  {sized.describe()}")
+            lines.append(f"  {key:<9}{sized.planned_gib:12.1f}{sized.flops / 1e15:7.1f}{sized.transfer_gb:8.0f}"
+                         f"{sized.disk_gb:8.0f}{sized.fixed_s:8.0f}{self.seconds(key):7.0f}{when:>14}  "
+                         f"{sized.describe()}")  # fmt: skip
         lines.append(f"  estimated {schedule.makespan(self.slots):.0f} s at {self.jobs} at once"
                      + (f"; left out for time: {', '.join(self.left_out)}" if self.left_out else "")
                      + (f"; skipped: {', '.join(self.skipped)}" if self.skipped else ""))  # fmt: skip
@@ -159,7 +160,8 @@ class CardPlan:
     def to_json(self) -> dict[str, Any]:
         return {"card": asdict(self.plan.card), "budget_gib": self.plan.card.budget_gib,
                 "sized": {key: {"shape": s.describe(), "planned_gib": s.planned_gib, "fits": s.fits,
-                                "estimated_s": self.seconds(key), "tried": list(s.tried)}
+                                "flops": s.flops, "transfer_gb": s.transfer_gb, "disk_gb": s.disk_gb,
+                                "fixed_s": s.fixed_s, "estimated_s": self.seconds(key), "tried": list(s.tried)}
                           for key, s in self.sized.items()},
                 "schedule": [asdict(slot) for slot in self.slots], "left_out": self.left_out,
                 "estimated_s": schedule.makespan(self.slots)}  # fmt: skip

@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from gpu_check.plan import GIB, Plan, ppo_config, synthetic_rows
+from gpu_check.plan import GIB, Plan, backoff_record, ppo_config, synthetic_rows
 from gpu_check.sizing import START_S, Sized, build_s, iteration_flops, largest_fitting, shrinking
 
 UNTIMED = ("perf/", "timing/")  # wall-clock metrics: never equal
@@ -63,6 +63,7 @@ def check_resume(plan, work: Path) -> dict[str, Any]:
         trainer.iteration()
         trainer.save(wait=True)  # published before the second trainer resumes from it
         straight = trainer.iteration()
+        backoffs = [backoff_record(trainer)]
     finally:
         trainer.close()
     del trainer  # freed here, before the second one is built (nothing holds it: models/ and train/callbacks.py)
@@ -71,6 +72,7 @@ def check_resume(plan, work: Path) -> dict[str, Any]:
     try:
         resumed_from = resumed_trainer.resume()
         resumed = resumed_trainer.iteration()
+        backoffs.append(backoff_record(resumed_trainer))
     finally:
         resumed_trainer.close()
         shutil.rmtree(work / "resume", ignore_errors=True)
@@ -79,8 +81,8 @@ def check_resume(plan, work: Path) -> dict[str, Any]:
     differing = {key: (straight[key], resumed.get(key)) for key in keys
                  if not _same(key, straight[key], resumed.get(key), bounded)}  # fmt: skip
     return {"resumed_from": str(resumed_from), "metrics_compared": len(keys), "differing": differing,
-            "grad_norm_rtol": GRAD_NORM_RTOL if bounded else 0.0,
-            "ok": resumed_from is not None and not differing}  # fmt: skip
+            "grad_norm_rtol": GRAD_NORM_RTOL if bounded else 0.0, "oom_backoff": backoffs, "shape": shape.describe(),
+            "ok": resumed_from is not None and not differing and not any(b["retries"] for b in backoffs)}  # fmt: skip
 
 
 def _same(key: str, straight: float, resumed: float | None, bounded: bool) -> bool:
@@ -97,7 +99,10 @@ def table_lines(f: dict[str, Any]) -> list[str]:
         return [f"(f) save + resume, same layout        FAILED {f.get('error', '')[:300]}"]
     if f["ok"]:
         bound = f" (grad norms within {f['grad_norm_rtol']:g} relative)" if f.get("grad_norm_rtol") else ""
-        return [f"(f) save + resume, same layout        ok  {f['metrics_compared']} metrics bitwise equal{bound}"]
+        return [f"(f) save + resume, same layout        ok  {f['metrics_compared']} metrics bitwise equal{bound}; "
+                f"ran {f['shape']}"]  # fmt: skip
     shown = "; ".join(f"{key}: {a!r} vs {b!r}" for key, (a, b) in list(f["differing"].items())[:4])
+    retries = sum(backoff["retries"] for backoff in f["oom_backoff"])
+    shown += f"; out of memory, backed off {retries} time(s)" if retries else ""
     return [f"(f) save + resume, same layout        FAILED  resumed from {f['resumed_from']}; "
             f"{len(f['differing'])} of {f['metrics_compared']} differ: {shown}"]  # fmt: skip

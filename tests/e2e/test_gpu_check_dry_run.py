@@ -33,6 +33,12 @@ def test_gpu_check_dry_run_runs_every_part_in_its_own_process_and_streams_its_ta
         assert recipe["exit_code"] == 0 and "accuracy_after" in recipe and recipe["accuracy_judged"] is False, recipe
     assert parts["f"]["metrics_compared"] > 10 and parts["f"]["grad_norm_rtol"] == 0.0, "bitwise on CPU"
     assert parts["g"]["alive_after_drop"] == 0, "the dropped trainer is freed without the collector"
+    assert parts["g"]["attention_kernel"] == "flash" and parts["g"]["bounds"]["ppo_kl"] == 1e-6, parts["g"]
+    # every part sized to the card (the CPU stand-in here) before it started, and ran the shape it planned
+    assert set(report["plan"]["sized"]) == set(PARTS) and report["plan"]["left_out"] == []
+    assert result.stdout.index("card a CPU process") < result.stdout.index("… j started")
+    assert parts["b32"]["shape"] == report["plan"]["sized"]["b32"]["shape"].split(";")[0], parts["b32"]
+    assert all(part["oom_backoff"]["retries"] == 0 for part in (parts["b32"], parts["b64"], parts["g"]))
     offload = parts["d"]
     assert set(offload["on"]["resident_gib"]) == set(offload["off"]["resident_gib"]) == {
         "experience", "critic update", "actor update", "between iterations"}  # fmt: skip
