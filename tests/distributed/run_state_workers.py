@@ -1,0 +1,90 @@
+"""Workers of tests/distributed/test_run_state.py: what a checkpoint's `trainer_state.pt` holds, and a checkpoint saved
+by the trainer of 2026-12-06 (before the loop was split into parts, `tests/fixtures/trainer_checkpoint/`) resumed and
+rolled back to by today's trainer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_ppo.checkpoint.directory import TRAINER_STATE
+from megatron_ppo.parallel import init_distributed
+from tests.distributed.memory_workers import tiny_config
+from tests.distributed.update_workers import grpo_rows
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "trainer_checkpoint"
+FIXTURE_STEP = 1
+SMALL = ("model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2")  # a fixture of ~0.6 MB
+
+
+def _trainer(root: str, *overrides: str):
+    from megatron_ppo.train.ppo import PPOTrainer
+
+    config = tiny_config(root, *SMALL, "trainer.total_training_steps=3", "trainer.save_freq=1", *overrides)
+    init_distributed(config.actor.megatron, seed=0)
+    return PPOTrainer(config, grpo_rows(prompts=24, per_prompt=4, seed=5), pad_id=0)
+
+
+def write_fixture(rank: int, world_size: int, root: str) -> None:
+    """The fixture: one iteration of the tiny config, saved and published (run once, by hand, with the code of its
+    date: `python -m tests.distributed.run_state_workers`)."""
+    trainer = _trainer(root)
+    try:
+        trainer.resume()
+        trainer.iteration()
+        trainer.save(wait=True)
+    finally:
+        trainer.close()
+
+
+def saved_state(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Today's trainer, one iteration, saved: the keys of its `trainer_state.pt`, and of its parts' entries."""
+    trainer = _trainer(root)
+    try:
+        trainer.resume()
+        trainer.iteration()
+        path = trainer.save(wait=True)
+    finally:
+        trainer.close()
+    state = torch.load(Path(path) / TRAINER_STATE, weights_only=True)
+    nested = {key: sorted(value) for key, value in state.items() if isinstance(value, dict)}
+    return {"keys": sorted(state), "nested": nested}
+
+
+def resume_and_roll_back(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Today's trainer on a copy of the fixture: it resumes at the fixture's step, runs an iteration, and a rollback
+    into the fixture's checkpoint restores its step, sampler and learning rates (× the rollback's factor)."""
+    from megatron_ppo.train.guards import GuardAction
+
+    shutil.copytree(FIXTURE, Path(root) / "checkpoints")
+    trainer = _trainer(root, "trainer.save_freq=0")
+    try:
+        resumed_from = trainer.resume()
+        step_after_resume = trainer.step
+        sampler = trainer.sampler.state_dict()
+        lr = trainer.schedulers["actor"].get_lr(trainer.optimizers["actor"].param_groups[0])
+        trainer.iteration()
+        step_after_iteration = trainer.step
+        action = GuardAction(kind="rollback", guard="kl_explosion", message="test", factor=0.5, max_rollbacks=3,
+                             value=1.0)  # fmt: skip
+        trainer._act([action])  # before the split; today: trainer.respond
+        rolled_lr = trainer.schedulers["actor"].get_lr(trainer.optimizers["actor"].param_groups[0])
+        return {"resumed_from": str(resumed_from), "step_after_resume": step_after_resume,
+                "step_after_iteration": step_after_iteration, "step_after_rollback": trainer.step,
+                "sampler_restored": trainer.sampler.state_dict() == sampler, "lr": lr,
+                "rolled_lr": rolled_lr}  # fmt: skip
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    from tests.distributed.harness import run_distributed
+
+    with __import__("tempfile").TemporaryDirectory() as folder:
+        run_distributed(write_fixture, 1, folder)
+        if FIXTURE.exists():
+            shutil.rmtree(FIXTURE)
+        shutil.copytree(Path(folder) / "checkpoints", FIXTURE, ignore=shutil.ignore_patterns(".lock"))
