@@ -90,7 +90,7 @@ def check_first_update(plan, work: Path) -> dict[str, Any]:
             backoff = backoff_record(trainer)
         finally:
             trainer.close()
-        held = [weakref.ref(x) for x in (trainer, *trainer._built_roles().values(), *trainer.optimizers.values())]
+        held = [weakref.ref(x) for x in (trainer, *trainer.roles.built().values(), *trainer.optimizers.values())]
         del trainer
         alive = sum(ref() is not None for ref in held)
         left_mib = (allocated_bytes() - before) / MIB

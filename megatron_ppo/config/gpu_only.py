@@ -189,4 +189,22 @@ CUDA_BRANCHES: tuple[CudaBranch, ...] = (
         "none: pinning needs a CUDA context; the same copies run unpinned on CPU",
         "tests/distributed/test_host_offload.py::test_an_offloaded_run_equals_one_without_offload (unpinned)",
     ),
+    CudaBranch(
+        "gpu_check/card.py measure_card: the card read on the device (memory, its context alone, bf16 matmul rate),"
+        " every part sized to it",
+        "a named card (`--dry-run --card h100|h200`: the spec's memory, an assumed context and rate)",
+        "tests/unit/test_gpu_check_sizing.py::test_the_dry_run_for_a_card_plans_every_part_within_its_budget",
+    ),
+    CudaBranch(
+        "gpu_check/first_update.py: cuBLAS workspaces released before the allocator is read; the KL bound widened"
+        " to bf16 noise where cuDNN or TE attention runs",
+        "none: the CPU has no cuBLAS workspace and runs one attention kernel (the strict bound); unverified on a GPU",
+        "tests/e2e/test_gpu_check_dry_run.py::test_gpu_check_dry_run_runs_every_part_in_its_own_process_and_streams_its_table",
+    ),
+    CudaBranch(
+        "gpu_check/plan.py device_memory: a part's peak is its allocator's peak reservation plus the context"
+        " measured alone",
+        "none: the CPU has no device memory; an out-of-memory back-off inside a part is injected and fails it",
+        "tests/distributed/test_gpu_check_backoff.py::test_a_backed_off_iteration_is_reported_and_fails",
+    ),
 )

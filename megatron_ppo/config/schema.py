@@ -695,7 +695,7 @@ class GuardsConfig(Freezable):
         None, SPIKE_FACTOR, "|loss| above this × its running median, or a non-finite loss → rollback; null: off"
     )
     rollback_lr_factor: float = ranged(0.5, FACTOR, "every learning rate × this after a rollback")
-    max_rollbacks: int = ranged(3, NON_NEGATIVE, "rollbacks allowed per run")
+    max_rollbacks: int = ranged(3, NON_NEGATIVE, "rollbacks allowed per run; one more asked for stops the run")
     kl_bump_threshold: float | None = ranged(
         None, POSITIVE, "the update's KL per token above this → every active β × kl_bump_factor; null: off"
     )

@@ -361,7 +361,7 @@ def _draw_events(axis: Any, runs: Sequence[PlottedRun], colours: Sequence[str], 
                   gid=f"{run.name}|{tag}")  # fmt: skip
         returns = rollbacks(run.log) if tag == ROLLBACK else []
         refused = [step for step in steps if tag == ROLLBACK and step not in {fired for fired, _ in returns}]
-        if refused:  # nothing to return to yet, or guards.max_rollbacks reached: drawn hollow
+        if refused:  # nothing to return to yet: drawn hollow
             axis.plot(refused, [lane] * len(refused), linestyle="none", marker="o", markersize=5,
                       markerfacecolor="white", markeredgecolor=colour, gid=f"{run.name}|rollback not done")  # fmt: skip
         for fired, returned in returns:

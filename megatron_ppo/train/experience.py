@@ -245,33 +245,6 @@ def rollout_correction(
     return batch, ({} if weights is None else {"rollout_is_weights": weights}), metrics
 
 
-def offpolicy_report(config: PPOConfig, metrics: dict[str, float]) -> str | None:
-    """A line on how far the rows' behaviour policy is from the actor (the first batch's `rollout_corr/*`), a
-    warning when the effective sample size, or the share of tokens whose ratio π/μ lies inside
-    [1/threshold, threshold], is below `rollout_correction.min_eff_sample_size` (ESS alone misses a uniform shift:
-    weights all near 0 are as even as weights all near 1); None without behaviour log-probs."""
-    ess = metrics.get("rollout_corr/rollout_is_eff_sample_size")
-    if ess is None:
-        return None
-    floor = config.algorithm.rollout_correction.min_eff_sample_size
-    inside = (
-        1.0
-        - metrics["rollout_corr/rollout_is_ratio_fraction_high"]
-        - metrics["rollout_corr/rollout_is_ratio_fraction_low"]
-    )
-    numbers = (f"ESS {ess:.3f} of the tokens, ratio inside the threshold band on {inside:.3f} of them, KL(μ‖π) "
-               f"{metrics['rollout_corr/kl']:.4f} (k3 {metrics['rollout_corr/k3_kl']:.4f}), χ² token "
-               f"{metrics['rollout_corr/chi2_token']:.3f} / sequence {metrics['rollout_corr/chi2_seq']:.3f}, "
-               f"PPL actor {metrics['rollout_corr/training_ppl']:.3f} vs rows "
-               f"{metrics['rollout_corr/rollout_ppl']:.3f}")  # fmt: skip
-    if min(ess, inside) >= floor:
-        return f"behaviour log-probs vs the actor at step 0: {numbers}"
-    return (f"WARNING: the rows' behaviour policy is far from the actor at step 0 — {numbers}; below "
-            f"algorithm.rollout_correction.min_eff_sample_size={floor}: the rows were not sampled from this actor "
-            "(another checkpoint, or log-probs of another tokenisation?); consider rollout_correction.rollout_is / "
-            "rollout_rs, or check model.init_checkpoint")  # fmt: skip
-
-
 def experience_metrics(config: PPOConfig, experience: Experience) -> dict[str, float]:
     """Response length; KL(actor‖ref) per token over sequences: mean, std and the mean's standard error
     (std/√sequences; the estimator of the KL loss, else of the reward penalty); GRPO groups of one row in the batch;

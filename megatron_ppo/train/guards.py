@@ -230,8 +230,13 @@ def scale_learning_rate(scheduler: Any, factor: float, floor: float = 0.0) -> fl
     """Scale a `BackedOffScheduler`'s learning rates from now on by a back-off `factor` ≤ 1 (its `backoff`), never
     taking the peak, backoff · max_lr, below `floor` (nor raising it); returns the factor applied. The optimizer's
     groups take the new rate at once."""
-    peak = scheduler.backoff * scheduler.max_lr
-    applied = min(1.0, max(factor, floor / peak if peak > 0 else 0.0))
+    applied = applied_factor(scheduler.backoff * scheduler.max_lr, factor, floor)
     scheduler.backoff *= applied
     scheduler.step(0)
     return applied
+
+
+def applied_factor(peak: float, factor: float, floor: float) -> float:
+    """The back-off factor that takes a peak rate `peak` down by `factor` but not below `floor` (nor up): 1.0 when
+    the peak is at the floor already."""
+    return min(1.0, max(factor, floor / peak if peak > 0 else 0.0))

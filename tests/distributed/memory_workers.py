@@ -45,7 +45,7 @@ def collector_off() -> Iterator[None]:
 def _references(trainer) -> dict[str, weakref.ref]:
     """Weak references to the trainer, each model, its chunks, a parameter, each optimizer and its inner ones."""
     refs: dict[str, weakref.ref] = {"trainer": weakref.ref(trainer)}
-    for role, model in trainer._built_roles().items():
+    for role, model in trainer.roles.built().items():
         refs[role] = weakref.ref(model)
         for index, chunk in enumerate(model.chunks):
             refs[f"{role} chunk {index}"] = weakref.ref(chunk)
@@ -89,7 +89,7 @@ def failed_pass_is_released(rank: int, world_size: int, root: str, release: bool
     back-off retries it. Returns whether the failed pass's activation at the norm's input (and its graph) was alive
     when the retry began its forward, and the names the release set to None. `release=False` runs the trainer
     with the release disabled (the test's red case)."""
-    import megatron_ppo.train.ppo as ppo
+    import megatron_ppo.train.phases as phases
     from megatron_ppo.train.ppo import PPOTrainer
 
     config = tiny_config(root)
@@ -114,18 +114,18 @@ def failed_pass_is_released(rank: int, world_size: int, root: str, release: bool
     layers[0].input_layernorm.register_forward_pre_hook(check_at_retry_start)
     layers[-1].pre_mlp_layernorm.register_forward_pre_hook(record_norm_input)
     layers[-1].mlp.linear_fc1.register_forward_pre_hook(fail_once)
-    original = ppo.release_failed_pass
+    original = phases.release_failed_pass
 
     def release_and_record(model):
         names = original(model) if release else []
         seen["released"] += names
         return names
 
-    ppo.release_failed_pass = release_and_record
+    phases.release_failed_pass = release_and_record
     try:
         metrics = trainer.iteration()
     finally:
-        ppo.release_failed_pass = original
+        phases.release_failed_pass = original
         trainer.close()
     return {"alive_at_retry": seen["alive_at_retry"], "released": seen["released"],
             "retries": trainer.memory.retries, "finite": all(v == v for v in metrics.values())}  # fmt: skip

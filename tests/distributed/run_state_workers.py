@@ -70,7 +70,7 @@ def resume_and_roll_back(rank: int, world_size: int, root: str) -> dict[str, Any
         step_after_iteration = trainer.step
         action = GuardAction(kind="rollback", guard="kl_explosion", message="test", factor=0.5, max_rollbacks=3,
                              value=1.0)  # fmt: skip
-        trainer._act([action])  # before the split; today: trainer.respond
+        trainer.respond([action])
         rolled_lr = trainer.schedulers["actor"].get_lr(trainer.optimizers["actor"].param_groups[0])
         return {"resumed_from": str(resumed_from), "step_after_resume": step_after_resume,
                 "step_after_iteration": step_after_iteration, "step_after_rollback": trainer.step,
@@ -88,3 +88,31 @@ if __name__ == "__main__":
         if FIXTURE.exists():
             shutil.rmtree(FIXTURE)
         shutil.copytree(Path(folder) / "checkpoints", FIXTURE, ignore=shutil.ignore_patterns(".lock"))
+
+
+def rollbacks_into_one_checkpoint(rank: int, world_size: int, root: str, min_lr_fraction: float) -> dict[str, Any]:
+    """From the fixture's checkpoint (good: the run resumed from it): an iteration, then a rollback into it, three
+    times; then a fourth rollback asked for. Each replay's update metrics and each rollback's learning-rate back-off,
+    and the message a refused rollback stops with."""
+    from megatron_ppo.train.guards import GuardAction, GuardStopped
+
+    shutil.copytree(FIXTURE, Path(root) / "checkpoints")
+    trainer = _trainer(root, "trainer.save_freq=0", f"guards.min_lr_fraction={min_lr_fraction}")
+    action = GuardAction(kind="rollback", guard="kl_explosion", message="injected", factor=0.5, max_rollbacks=3,
+                         value=1.0)  # fmt: skip
+    replays, backoffs, steps, stopped = [], [], [], None
+    try:
+        trainer.resume()
+        for _ in range(4):
+            metrics = trainer.iteration()
+            steps.append(trainer.step)
+            replays.append([metrics[key] for key in ("actor/pg_loss", "actor/ref_kl", "actor/grad_norm")])
+            try:
+                trainer.respond([action])
+            except GuardStopped as stop:
+                stopped = str(stop)
+                break
+            backoffs.append(trainer.schedulers["actor"].backoff)
+    finally:
+        trainer.close()
+    return {"replays": replays, "backoffs": backoffs, "steps": steps, "stopped": stopped}

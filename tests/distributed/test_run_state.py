@@ -36,3 +36,24 @@ def test_a_checkpoint_of_the_trainer_before_its_parts_resumes_and_is_rolled_back
     assert report["step_after_iteration"] == run_state_workers.FIXTURE_STEP + 1
     assert report["step_after_rollback"] == run_state_workers.FIXTURE_STEP and report["sampler_restored"], report
     assert report["rolled_lr"] == pytest.approx(report["lr"] * 0.5), report
+
+
+def test_rollbacks_into_one_checkpoint_compound_their_back_offs_and_each_replay_differs(tmp_path) -> None:
+    """Three rollbacks into one checkpoint: the learning rates × 0.5, 0.25, 0.125 (each rollback lowers the back-off
+    the run had reached, not the checkpoint's), so no two replays of the step are alike (before, every rollback
+    restored the checkpoint's rate and halved it once: replays 2 and 3 were identical to the digit); a fourth is
+    refused with `guards.max_rollbacks` reached, a guard stop naming the good checkpoint."""
+    report = run_distributed(run_state_workers.rollbacks_into_one_checkpoint, 1, str(tmp_path), 1e-6)[0]
+    assert report["steps"] == [2, 2, 2, 2], "each iteration ran step 2 (no guard of its own rolled it back)"
+    assert report["backoffs"] == [0.5, 0.25, 0.125], report["backoffs"]
+    replays = report["replays"]
+    assert all(replays[i] != replays[j] for i in range(4) for j in range(i)), replays
+    assert "guards.max_rollbacks=3 reached" in report["stopped"] and "step_1" in report["stopped"], report["stopped"]
+
+
+def test_a_rollback_that_cannot_lower_the_rates_stops_instead_of_replaying(tmp_path) -> None:
+    """At `guards.min_lr_fraction=0.5` the first rollback halves the rates to the floor; a second could not lower
+    them and would replay the same steps with the same settings: the run stops, saying so."""
+    report = run_distributed(run_state_workers.rollbacks_into_one_checkpoint, 1, str(tmp_path), 0.5)[0]
+    assert report["backoffs"] == [0.5] and len(report["replays"]) == 2, report
+    assert "a rollback would replay the same steps with the same settings" in report["stopped"], report["stopped"]

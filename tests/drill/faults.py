@@ -20,6 +20,7 @@ runs that step again.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 import megatron_ppo.tasks.addition.recipe as recipe_module
+import megatron_ppo.train.phases as phases_module
 import megatron_ppo.train.ppo as ppo_module
 import megatron_ppo.train.update as update_module
 
@@ -99,12 +101,26 @@ class Injector:
         return [p.main_grad for chunk in self.model.chunks for p in chunk.parameters() if p.requires_grad]
 
 
+def patch(owner: Any, name: str, replacement: Any) -> None:
+    """Set `owner.name` (a module's global, a class's method) to `replacement`, where it is called: the owner's own
+    source must call `name(` — a patch of a name the code no longer calls from there would inject nothing, and the
+    drill would pass without its faults (when the code moves, move the patch)."""
+    if not hasattr(owner, name):
+        raise AssertionError(f"the drill patches {owner.__name__}.{name}, which no longer exists: follow the code")
+    source = inspect.getsource(owner)
+    called = f"{name}(" in source or (inspect.isclass(owner) and f"def {name}(" in source)
+    if not called:
+        raise AssertionError(f"{owner.__name__} no longer calls {name}(): the drill's patch of it would inject "
+                             "nothing; patch the module that calls it now")  # fmt: skip
+    setattr(owner, name, replacement)
+
+
 def install(injector: Injector) -> None:
     """Patch the trainer's iteration, the role update, its forward-backward, the optimizer step and the task's
-    scoring."""
+    scoring, each where it is called (`patch`)."""
     iteration, update_role, actor_loss = (
         ppo_module.PPOTrainer.iteration,
-        ppo_module.update_role,
+        phases_module.update_role,
         update_module.actor_loss,
     )
     optimizer_step, score = update_module.optimizer_step, recipe_module.score
@@ -174,9 +190,9 @@ def install(injector: Injector) -> None:
             result = {**result, "reward_mean": result["reward_mean"] - 0.5}
         return result
 
-    ppo_module.PPOTrainer.iteration = drilled_iteration
-    ppo_module.update_role = drilled_update_role
-    update_module.actor_loss = drilled_actor_loss  # what `update.role_loss` builds the actor's loss with
-    update_module.optimizer_step = drilled_optimizer_step
-    update_module.run_micro_batches = drilled_run_micro_batches
-    recipe_module.score = drilled_score
+    patch(ppo_module.PPOTrainer, "iteration", drilled_iteration)
+    patch(phases_module, "update_role", drilled_update_role)
+    patch(update_module, "actor_loss", drilled_actor_loss)  # what `update.role_loss` builds the actor's loss with
+    patch(update_module, "optimizer_step", drilled_optimizer_step)
+    patch(update_module, "run_micro_batches", drilled_run_micro_batches)
+    patch(recipe_module, "score", drilled_score)

@@ -121,7 +121,8 @@ def _loaded(message: str) -> str | None:
 def _best_evaluation(accumulator: EventAccumulator, before: float) -> int | None:
     """The step of the best `eval/reward_mean` (the first of equals) the run held at wall time `before`, as the
     trainer keeps it: every evaluation logged until then, less those a rollback forgot — an evaluation at a step
-    past the checkpoint an earlier rollback loaded went with the iterations it passed over (`PPOTrainer._roll_back`)."""
+    past the checkpoint an earlier rollback loaded went with the iterations it passed over
+    (`GuardResponses.roll_back`)."""
     timeline = [(e.wall_time, "eval", e.step, e.value) for e in accumulator.Scalars("eval/reward_mean")]
     timeline += [(e.wall_time, "rollback", e.step, tensor_util.make_ndarray(e.tensor_proto).reshape(-1)[0].decode())
                  for e in accumulator.Tensors("guard/rollback/text_summary")]  # fmt: skip

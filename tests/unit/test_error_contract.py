@@ -240,3 +240,15 @@ def test_a_taken_port_is_named_with_the_fix(tmp_path, tokenizer, capsys, monkeyp
     message = _one_error(capsys)
     assert f"port {port} on 127.0.0.1 (MASTER_PORT) is already in use" in message and "torchrun --standalone" in message
     assert port_taken(message), "the tests' launches must recognise this refusal and try another port"
+
+
+def test_data_smaller_than_one_batch_is_the_users_error_naming_the_key(tmp_path, tokenizer, capsys) -> None:
+    """One row for `data.train_batch_size=2`: one `error:` block naming the rows and the key to change, exit 2,
+    before any run starts (it was a `ValueError` and "this is a bug")."""
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps(GOOD) + "\n")
+    assert main(_train_args(tmp_path, tokenizer, data)) == 2
+    message = _one_error(capsys)
+    assert "the data gives 1 rows, fewer than one batch of data.train_batch_size=2" in message, message
+    assert "set data.train_batch_size to at most 1" in message, message
+    assert not (tmp_path / "tb").exists() or not any((tmp_path / "tb").iterdir()), "nothing logged: no run started"

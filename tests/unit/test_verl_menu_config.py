@@ -14,8 +14,9 @@ from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.fields import choices_of
 from megatron_ppo.config.frozen import with_changes
 from megatron_ppo.config.schema import AlgorithmConfig, GuardsConfig, PolicyLossSettings, WatchConfig
-from megatron_ppo.train.experience import offpolicy_report, rollout_correction
+from megatron_ppo.train.experience import rollout_correction
 from megatron_ppo.train.guards import Guards
+from megatron_ppo.train.observers import offpolicy_report
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
 
