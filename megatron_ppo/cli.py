@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 
 def _validate(args: argparse.Namespace) -> int:
     config = load_config(args.recipe, args.overrides)
+    initial = [p for p in (config.model.init_checkpoint, config.critic.model.init_checkpoint) if p]
+    if initial:  # the model the checkpoints hold (training refuses others)
+        from megatron_ppo.checkpoint.shapes import checkpoint_problems, step_directory
+
+        found = filter(None, map(step_directory, dict.fromkeys(initial)))
+        problems = [problem for checkpoint in found for problem in checkpoint_problems(checkpoint, config)]
+        if problems:
+            raise ConfigError(problems, source=str(args.recipe))
     print(OmegaConf.to_yaml(OmegaConf.structured(config)), end="")
     return 0
 

@@ -10,10 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 from megatron_ppo import algo
+from megatron_ppo.checkpoint import directory
 from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.checkpoint.run_start import RunStart, start_run
+from megatron_ppo.checkpoint.shapes import checkpoint_problems
+from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.data.rows import DataError, Row
 from megatron_ppo.models.kernels import describe_kernels
@@ -79,6 +83,7 @@ def set_up(
     logger = MetricsLogger(run.log_dir, trainer.logger, total_steps, config=config, run_id=run.identity.run_id)
     state = RunState()  # the parts' reports below log at its step (closures over the logger and it: no cycle)
     weights = InitialWeights.of(config) if weights is None else weights
+    refuse_mismatched_checkpoints(config, weights, run.resume_from)
     roles = build_roles(config, weights, total_steps, report=lambda line: logger.event(state.step, "offload", line))
     logger.event(0, "kernels", describe_kernels(config))
     kl = KLCoefficients(config, total_steps)
@@ -108,3 +113,13 @@ def set_up(
     return Parts(total_steps, run, logger, state, sampler, roles, kl, probe, normalizer, guards, memory, keeper,
                  profiler, phases, responses, saves, Stops(trainer, saves, state, logger, total_steps), evaluation,
                  observers)  # fmt: skip
+
+
+def refuse_mismatched_checkpoints(config: PPOConfig, weights: InitialWeights, resume_from: Path | None) -> None:
+    """Every `model.*` setting the checkpoints the models will load disagree with (`checkpoint/shapes.py`): the
+    initial weights (the actor's, the critic's own) and the checkpoint a resume loads, each role they hold; one
+    `ConfigError` naming them all, before any model is built."""
+    paths = dict.fromkeys(p for p in (weights.actor, weights.critic, resume_from) if p is not None)
+    problems = [problem for path in paths for problem in checkpoint_problems(directory.resolve(path), config)]
+    if problems:
+        raise ConfigError(problems)

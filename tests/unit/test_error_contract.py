@@ -252,3 +252,37 @@ def test_data_smaller_than_one_batch_is_the_users_error_naming_the_key(tmp_path,
     assert "the data gives 1 rows, fewer than one batch of data.train_batch_size=2" in message, message
     assert "set data.train_batch_size to at most 1" in message, message
     assert not (tmp_path / "tb").exists() or not any((tmp_path / "tb").iterdir()), "nothing logged: no run started"
+
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "trainer_checkpoint"  # 1 layer, hidden 32, 2 heads
+FIXTURE_MODEL = ("model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2")
+
+
+def test_validate_refuses_a_model_that_does_not_match_its_checkpoint(tmp_path, capsys) -> None:
+    """The tiny recipe's model (2 layers, hidden 128, 4 heads) with a checkpoint of 1 layer, hidden 32, 2 heads:
+    `validate` names each differing setting with both values and exits 2 (it accepted it, and `train` died in
+    Megatron's `Global shape mismatch`); with the checkpoint's shape it passes."""
+    assert main(["validate", str(RECIPE), f"model.init_checkpoint={FIXTURE}"]) == 2
+    message = _one_error(capsys)
+    for named in ("model.hidden_size: the config builds 128", "model.num_layers: the config builds 2",
+                  "(4 + 2·4)·32 = 384 QKV rows", "model.ffn_hidden_size: the config builds 512"):  # fmt: skip
+        assert named in message, message
+    assert "[1, 96, 32]" in message and str(FIXTURE / "step_1") in message, message
+    assert main(["validate", str(RECIPE), f"model.init_checkpoint={FIXTURE}", *FIXTURE_MODEL]) == 0
+
+
+def test_training_refuses_a_model_that_does_not_match_its_checkpoint_before_building_it(
+    tmp_path, tokenizer, capsys, monkeypatch
+) -> None:
+    """The same through `train` (the run's process group started, its models not yet built): one `error:` block
+    naming the settings, exit 2, where Megatron's load used to stop with a traceback."""
+    from bench.ports import free_port
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # its own process group, beside the suite's other workers
+    data = tmp_path / "rows.jsonl"
+    data.write_text((json.dumps(GOOD) + "\n") * 4)
+    args = _train_args(tmp_path, tokenizer, data, f"model.init_checkpoint={FIXTURE}", "model.allow_random_init=false")
+    assert main(args) == 2
+    message = _one_error(capsys)
+    assert "model.hidden_size: the config builds 128" in message and "model.num_layers" in message, message
+    assert "Global shape mismatch" not in message
