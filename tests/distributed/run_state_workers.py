@@ -116,3 +116,15 @@ def rollbacks_into_one_checkpoint(rank: int, world_size: int, root: str, min_lr_
     finally:
         trainer.close()
     return {"replays": replays, "backoffs": backoffs, "steps": steps, "stopped": stopped}
+
+
+def resume_with_another_width(rank: int, world_size: int, root: str) -> str:
+    """The fixture resumed (`auto`) by a config whose model is twice as wide: the refusal's message."""
+    from megatron_ppo.config.errors import ConfigError
+
+    shutil.copytree(FIXTURE, Path(root) / "checkpoints")
+    try:
+        _trainer(root, "model.hidden_size=64")
+    except ConfigError as error:
+        return str(error)
+    return "not refused"

@@ -57,3 +57,10 @@ def test_a_rollback_that_cannot_lower_the_rates_stops_instead_of_replaying(tmp_p
     report = run_distributed(run_state_workers.rollbacks_into_one_checkpoint, 1, str(tmp_path), 0.5)[0]
     assert report["backoffs"] == [0.5] and len(report["replays"]) == 2, report
     assert "a rollback would replay the same steps with the same settings" in report["stopped"], report["stopped"]
+
+
+def test_a_resume_into_a_model_of_another_shape_is_refused_before_it_is_built(tmp_path) -> None:
+    """`model.hidden_size` changed between jobs of one run: a `ConfigError` naming it with both values (the resume
+    used to die inside Megatron's load with `Global shape mismatch`)."""
+    message = run_distributed(run_state_workers.resume_with_another_width, 1, str(tmp_path))[0]
+    assert "model.hidden_size: the config builds 64" in message and "step_1" in message, message
