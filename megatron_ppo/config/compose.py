@@ -121,7 +121,10 @@ def parse_override(override: str) -> Override:
             [f"override {override!r} is not of the form key=value (e.g. actor.optim.lr=1e-6), +key=value or ~key"]
         )
     ours = alias(key)
-    parsed = None if delete else value.strip() if ours in AS_WRITTEN else _parse_value(value)
+    try:
+        parsed = None if delete else value.strip() if ours in AS_WRITTEN else _parse_value(value)
+    except ValueError as error:
+        raise ConfigError([f"override {override!r}: {error}"]) from None
     return Override(ours, parsed, key, delete=delete, added=added)
 
 
@@ -158,9 +161,17 @@ def _name_written_keys(problem: str, overrides: list[Override]) -> str:
 
 
 def _parse_value(text: str) -> Any:
+    """The override's value as YAML reads it; text YAML cannot read stays text (a path with a colon), but not one
+    opening a list or a mapping (`[a.jsonl` would otherwise be a file name beginning with `[`): `ValueError`."""
     try:
         value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as error:
+        if text.lstrip().startswith(("[", "{")):
+            closing = "]" if text.lstrip().startswith("[") else "}"
+            raise ValueError(
+                f"{text!r} opens a YAML {'list' if closing == ']' else 'mapping'} that does not parse "
+                f"({str(error).splitlines()[0]}); close it with {closing!r}, or quote the value"
+            ) from None
         return text
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
         return float(value)  # YAML 1.1 reads 1e-6 as a string

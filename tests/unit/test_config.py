@@ -338,3 +338,13 @@ def test_a_recipe_naming_a_checkpoint_with_rope_scaling_megatron_cannot_express_
 def test_rope_scaling_factor_needs_rope_and_a_factor_of_at_least_one() -> None:
     assert "model.rope_scaling_factor=0.5: must be ≥ 1" in _problems("model.rope_scaling_factor=0.5")
     assert "use rope" in _problems("model.rope_scaling_factor=8", "model.position_embedding_type=learned_absolute")
+
+
+@pytest.mark.parametrize("value", ["[a.jsonl", "[a.jsonl, b.jsonl", "{path: a.jsonl"])
+def test_an_override_opening_a_list_it_does_not_close_is_refused(value: str) -> None:
+    """`data.train_files=[a.jsonl` was read as one file named `[a.jsonl` (YAML could not parse it, and the text was
+    kept as written); now it is a config problem naming the override and the fix. Text YAML cannot read that opens no
+    list or mapping stays text."""
+    with pytest.raises(ConfigError, match=r"does not parse.*close it with"):
+        load_config(TINY, [f"data.train_files={value}"])
+    assert load_config(TINY, ["data.train_files=[a.jsonl]"]).data.train_files == ["a.jsonl"]
