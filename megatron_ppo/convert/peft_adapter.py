@@ -68,6 +68,14 @@ def peft_tensors(name: str, tensor: torch.Tensor, shapes: Shapes) -> list[tuple[
     return [(f"{PEFT_PREFIX}{hf.removesuffix('.weight')}.{matrix}.weight", part.clone()) for hf, part in parts]
 
 
+def base_model_path(hf_config_dir: str | Path) -> str:
+    """What the adapter names as its base (`base_model_name_or_path`, where peft loads the base from): the Hugging
+    Face model's folder as an absolute path (a relative one would name another folder wherever the adapter is
+    loaded from), or the argument as written where no such folder exists here (a Hub name)."""
+    path = Path(hf_config_dir)
+    return str(path.resolve()) if path.exists() else str(hf_config_dir)
+
+
 def write_peft_adapter(source: CheckpointWeights, hf_config_dir: str | Path, out_dir: str | Path, rank: int,
                        alpha: float, shapes: Shapes) -> int:  # fmt: skip
     """Write the checkpoint's actor adapters (`source`) as a peft LoRA adapter for the Hugging Face model at
@@ -82,7 +90,7 @@ def write_peft_adapter(source: CheckpointWeights, hf_config_dir: str | Path, out
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(hf_config_dir),
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_path(hf_config_dir),
         "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
         "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
     }  # fmt: skip

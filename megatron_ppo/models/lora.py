@@ -228,3 +228,16 @@ def adapters_disabled(chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.lora_enabled = True
+
+
+def describe_adapters(role: str, chunks: Iterable[torch.nn.Module], lora: LoraSettings) -> str:
+    """One line for the run's log: the role's adapters (rank, alpha, targets) and the parameters this rank trains
+    (adapters, and a critic's value head) against all it holds."""
+    parameters = [p for chunk in chunks for p in chunk.parameters()]
+    trained = sum(p.numel() for p in parameters if p.requires_grad)
+    held = sum(p.numel() for p in parameters)
+    return (
+        f"LoRA on the {role}: rank {lora.rank}, alpha {lora.alpha:g} (scale {lora.alpha / lora.rank:g}), on "
+        f"{', '.join(lora.target_modules)}; {trained:,} of this rank's {held:,} parameters trained "
+        f"({trained / max(held, 1):.2%}), the base frozen"
+    )

@@ -21,6 +21,7 @@ from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.data.rows import DataError, Row
 from megatron_ppo.models.kernels import describe_kernels
+from megatron_ppo.models.lora import describe_adapters
 from megatron_ppo.parallel.collectives import global_rank
 from megatron_ppo.train import profiling
 from megatron_ppo.train.batch import EpochSampler, GroupSampler, build_sampler
@@ -107,6 +108,9 @@ def set_up(
     logger.event(0, "run", f"{trainer.project_name}/{trainer.experiment_name}")
     if roles.critic_source is not None:
         logger.event(0, "critic", roles.critic_source)
+    for role, model in roles.models.items():
+        if (lora := getattr(config, role).lora).enabled:
+            logger.event(0, "lora", describe_adapters(role, model.chunks, lora))
     if grouping:
         logger.event(0, "data", grouping)
     logger.event(0, "evaluation", evaluation.describe())

@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
 
 from megatron_ppo.checkpoint.weights import CheckpointWeights
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.convert.huggingface import hf_logits, mcore_to_hf
 from megatron_ppo.convert.peft_adapter import ADAPTER_CONFIG
 from megatron_ppo.models.lora import is_adapter
+from megatron_ppo.runs.report import find_runs
 from tests.distributed import conversion_workers, lora_workers
 from tests.distributed.harness import run_distributed
 from tests.support.hf_models import offline_recipe, save_hf_model
@@ -111,6 +114,14 @@ def test_one_ppo_step_changes_only_adapters_and_value_head(tmp_path: Path) -> No
               for key in ("sequence_parallel", "use_distributed_optimizer")]  # fmt: skip
     lora = [f"{role}.lora.{key}={value}" for role in ("actor", "critic") for key, value in LORA.items()]
     assert run_distributed(conversion_workers.train_recipe, 2, recipe, [*layout, *lora]) == [1, 1]
+    events = EventAccumulator(str(find_runs(tmp_path / "tb")[-1]))
+    events.Reload()
+    said = [
+        tensor_util.make_ndarray(e.tensor_proto).reshape(-1)[0].decode() for e in events.Tensors("lora/text_summary")
+    ]
+    for role in ("actor", "critic"):  # the run's log says the adapters are on, and what it trains
+        assert any(line.startswith(f"LoRA on the {role}: rank 4, alpha 8 (scale 2)") and "parameters trained" in line
+                   for line in said), said  # fmt: skip
     initial = CheckpointWeights(base, "actor")
     before = {name: tensor for group in initial.groups for name, tensor in initial.read(group).items()}
     for role in ("actor", "critic"):

@@ -63,3 +63,15 @@ def test_lora_plans_the_72b_recipe_on_one_node_where_the_full_fine_tune_does_not
     one_node = [f"{role}.megatron.{key}" for role in ("actor", "ref", "critic")
                 for key in ("pipeline_model_parallel_size=1", "virtual_pipeline_model_parallel_size=null")]  # fmt: skip
     assert not plan(load_config(REPO / "recipes" / "qwen2.5-72b.yaml", ["cluster.nodes=1", *one_node])).fits
+
+
+def test_the_adapter_names_its_base_by_an_absolute_path_or_as_a_hub_name(tmp_path, monkeypatch) -> None:
+    """`convert mcore-to-hf --hf-config hf/qwen` (relative) wrote `hf/qwen` into `adapter_config.json`, a folder
+    relative to wherever peft later loads the adapter from; now the absolute folder. A name with no such folder here
+    (a Hub model) stays as written."""
+    from megatron_ppo.convert.peft_adapter import base_model_path
+
+    (tmp_path / "hf" / "qwen").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert base_model_path("hf/qwen") == str(tmp_path / "hf" / "qwen")
+    assert base_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
