@@ -163,6 +163,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from megatron_ppo.convert import huggingface
+    from megatron_ppo.models.hf_conversion import hf_params_dtype
     from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 
     needed = {
@@ -195,14 +196,20 @@ def _convert(args: argparse.Namespace) -> int:
     init_distributed(layout, seed=0)
     try:
         if args.direction == "hf-to-mcore":
-            written = huggingface.hf_to_mcore(args.hf, args.out, args.dtype, layout)
+            hf_dtype = hf_params_dtype(args.hf)
+            dtype = args.dtype or hf_dtype or "bf16"
+            written = huggingface.hf_to_mcore(args.hf, args.out, dtype, layout)
+            how = (f"cast from the Hugging Face model's {hf_dtype} by --dtype" if args.dtype and args.dtype != hf_dtype
+                   else "the Hugging Face model's dtype" if hf_dtype else "its config.json names no dtype")  # fmt: skip
             if dist_env_from_environment().rank == 0:
-                print(f"wrote {written} (converted at TP {args.tp} PP {args.pp} EP {args.ep}; loads at any TP/PP/EP)")
+                print(f"wrote {written} as {dtype} ({how}; converted at TP {args.tp} PP {args.pp} EP {args.ep}; loads "
+                      "at any TP/PP/EP)")  # fmt: skip
         else:
-            difference = huggingface.verify(args.hf, args.megatron, layout)
-            if difference is not None:
-                print(f"largest logit difference: {difference:.3e} (tolerance {args.tolerance:g})")
-                return 0 if difference <= args.tolerance else 1
+            verdict = huggingface.verify(args.hf, args.megatron, layout)
+            if verdict is not None:
+                ok, line = verdict.line(args.tolerance)
+                print(line)
+                return 0 if ok else 1
         return 0
     finally:
         destroy_distributed()
@@ -310,10 +317,21 @@ def build_parser() -> argparse.ArgumentParser:
     converter.add_argument("--tp", type=int, default=1, help="hf-to-mcore, verify: run at this TP (under torchrun)")
     converter.add_argument("--pp", type=int, default=1, help="hf-to-mcore, verify: run at this PP (under torchrun)")
     converter.add_argument("--ep", type=int, default=1, help="hf-to-mcore, verify: expert parallel size (MoE)")
-    converter.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    converter.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bf16", "fp16", "fp32"],
+        help="hf-to-mcore: the weights' dtype (default: the Hugging Face model's torch_dtype)",
+    )
     converter.add_argument("--max-shard-gb", type=float, help="mcore-to-hf: largest safetensors file in GB (10^9 "
                            "bytes; default huggingface_hub's 5); a larger tensor gets a file of its own")  # fmt: skip
-    converter.add_argument("--tolerance", type=float, default=1e-3, help="verify: largest allowed logit difference")
+    converter.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="verify: largest allowed logit difference "
+        "(default: 1e-3 for an fp32 checkpoint, 2^-5 of the largest logit for a 16-bit one)",
+    )
     converter.set_defaults(run=_convert)
     return parser
 

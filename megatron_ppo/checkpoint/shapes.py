@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -31,6 +32,16 @@ def saved_shapes(checkpoint: str | Path) -> dict[str, tuple[int, ...]]:
     """Every tensor's global shape in the checkpoint directory `checkpoint` (a `step_N`), by key."""
     metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     return {key: tuple(md.size) for key, md in metadata.items() if isinstance(md, TensorStorageMetadata)}
+
+
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def saved_dtype(checkpoint: str | Path, role: str) -> str:
+    """The dtype `role`'s weights were saved in (its final norm's), as `model.params_dtype` spells it."""
+    metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    md = metadata[f"{role}.decoder.final_layernorm.weight"]
+    return DTYPES.get(md.properties.dtype, str(md.properties.dtype))
 
 
 def shape_problems(shapes: dict[str, tuple[int, ...]], role: str, model: ModelConfig, tensor_parallel: int,

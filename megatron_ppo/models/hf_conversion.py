@@ -151,6 +151,16 @@ def _moe_keys(config: dict) -> tuple[dict, list[str]]:
     return keys, problems
 
 
+HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def hf_params_dtype(hf_dir: str | Path) -> str | None:
+    """Our `model.params_dtype` for the dtype a Hugging Face `config.json` says its weights are in (`torch_dtype`,
+    `dtype` in newer transformers); None where it says none we know."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    return HF_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")))
+
+
 def model_config_from_hf(hf_dir: str | Path) -> dict:
     """Our `model.*` keys from a Hugging Face `config.json` (Llama, Qwen2, Qwen3, Qwen3-MoE); a `ConfigError` naming
     the key where the checkpoint needs what the conversion cannot express. The router's aux-loss coefficient is a

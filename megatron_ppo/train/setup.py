@@ -16,7 +16,7 @@ from megatron_ppo import algo
 from megatron_ppo.checkpoint import directory
 from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.checkpoint.run_start import RunStart, start_run
-from megatron_ppo.checkpoint.shapes import checkpoint_problems
+from megatron_ppo.checkpoint.shapes import checkpoint_problems, saved_dtype
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.data.rows import DataError, Row
@@ -87,6 +87,9 @@ def set_up(
     refuse_mismatched_checkpoints(config, weights, run.resume_from)
     roles = build_roles(config, weights, total_steps, report=lambda line: logger.event(state.step, "offload", line))
     logger.event(0, "kernels", describe_kernels(config))
+    if weights.actor and (saved := saved_dtype(directory.resolve(weights.actor), "actor")) != config.model.params_dtype:
+        logger.event(0, "weights", f"{weights.actor} holds {saved} weights; this {config.model.params_dtype} run "
+                     f"casts them (model.params_dtype), and their {saved} rounding stays")  # fmt: skip
     kl = KLCoefficients(config, total_steps)
     # the controllers' sensor with `kl_ctrl.feedback: probe`: KL after each update on fixed rows (kl_probe.py)
     probed = config.algorithm.kl_ctrl.feedback == "probe" and roles.ref is not None

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from megatron_ppo.config import load_config
 from megatron_ppo.config.schema import MegatronConfig
-from megatron_ppo.convert.huggingface import fill_from_hf, hf_model_config, hf_to_mcore, verify
+from megatron_ppo.convert import huggingface
+from megatron_ppo.convert.huggingface import fill_from_hf, hf_model_config, hf_to_mcore
 from megatron_ppo.models import build_role_model
 from megatron_ppo.parallel import init_distributed
 from megatron_ppo.train.run import train
+
+
+def verify(hf_dir: str, megatron_dir: str, layout: MegatronConfig) -> float | None:
+    """The largest logit difference `convert verify` finds (None on a rank that does not report)."""
+    verdict = huggingface.verify(hf_dir, megatron_dir, layout)
+    return None if verdict is None else verdict.difference
 
 
 def logit_difference(rank: int, world_size: int, hf_dir: str, megatron_dir: str, layout: MegatronConfig):
