@@ -68,8 +68,9 @@ def test_a_second_new_run_in_the_directory_is_refused_and_changes_nothing(first_
 
 def test_overwrite_moves_the_first_run_aside_and_the_second_never_loads_it(first_run: Path) -> None:
     """Run B with trainer.overwrite=true and a KL threshold every actor update exceeds (a rollback whenever it can:
-    the actor starts updating at step 3, so step 1's save is good, having passed step 2); then a resume, which must
-    continue run B."""
+    the actor starts updating at step 3, so step 1's save is good, having passed step 2): it rolls back into step 1
+    `guards.max_rollbacks` times, each at a lower learning rate, and the one after is a guard stop leaving step 1 in
+    `latest`; then a resume, which must continue run B."""
     ckpt = first_run / "ckpt"
     first_id = run_id(ckpt / "step_6")
     overrides = ["trainer.total_training_steps=3", "trainer.resume_mode=disable", "trainer.overwrite=true",
@@ -77,17 +78,18 @@ def test_overwrite_moves_the_first_run_aside_and_the_second_never_loads_it(first
                  "trainer.max_ckpt_to_keep=2"]  # fmt: skip
     status = train(first_run, overrides, first_run / "b.log")
     log = (first_run / "b.log").read_text()
-    assert status == 0, log[-3000:]
+    assert status == 3, log[-3000:]  # a guard stop: its rollbacks are spent
+    assert log.count("stopped: guard/kl_explosion stopped the run") == 1 and "guards.max_rollbacks=3 reached" in log
     (moved,) = (ckpt / "moved-aside").iterdir()
     assert sorted(p.name for p in moved.iterdir()) == ["latest", "step_2", "step_4", "step_6"], "run A, moved aside"
     assert {run_id(moved / f"step_{step}") for step in (2, 4, 6)} == {first_id}
-    assert (ckpt / "latest").read_text() == "step_3", "latest names run B's last checkpoint"
-    # the newest two, and step_1: the good checkpoint the rollbacks load, never pruned
-    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_1", "step_2", "step_3"]
-    second_id = run_id(ckpt / "step_3")
+    assert (ckpt / "latest").read_text() == "step_1", "latest names run B's good checkpoint"
+    # the newest two (step 2 saved again by each replay), and step_1: the good checkpoint the rollbacks load
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_1", "step_2"]
+    second_id = run_id(ckpt / "step_1")
     assert second_id != first_id and run_id(ckpt / "step_2") == second_id
     rolled_back_to = re.findall(r"rolled back to (\S+),", log)
-    assert rolled_back_to, f"the KL threshold should have forced a rollback; log tail:\n{log[-3000:]}"
+    assert len(rolled_back_to) == 3, f"the KL threshold should have forced 3 rollbacks; log tail:\n{log[-3000:]}"
     assert all(run_id(Path(path)) == second_id for path in rolled_back_to), rolled_back_to
     assert sorted(p.name for p in (first_run / "tb").iterdir()) == sorted([first_id, second_id]), "a folder per run"
 
@@ -96,7 +98,7 @@ def test_overwrite_moves_the_first_run_aside_and_the_second_never_loads_it(first
     status = train(first_run, resume, first_run / "c.log")
     log = (first_run / "c.log").read_text()
     assert status == 0, log[-3000:]
-    assert f"resumed from {ckpt}/step_3 (named by {ckpt}/latest): run {second_id} continues" in log
+    assert f"resumed from {ckpt}/step_1 (named by {ckpt}/latest): run {second_id} continues" in log
     assert "actor.optim.lr: 0.0001 → 0.0002;" in log and "the run continues with the new values" in log, log[-3000:]
 
 
