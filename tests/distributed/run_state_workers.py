@@ -30,7 +30,8 @@ def _trainer(root: str, *overrides: str):
 
 def write_fixture(rank: int, world_size: int, root: str) -> None:
     """The fixture: one iteration of the tiny config, saved and published (run once, by hand, with the code of its
-    date: `python -m tests.distributed.run_state_workers`)."""
+    date and the floor leg's megatron-core, whose checkpoint format both legs read:
+    `PYTHONPATH=.venv/floor python -m tests.distributed.run_state_workers`)."""
     trainer = _trainer(root)
     try:
         trainer.resume()
