@@ -7,7 +7,6 @@ import logging
 import os
 import shlex
 import signal
-import sys
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from omegaconf import OmegaConf
 
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.errors import UserError
+from megatron_ppo.launcher import NPROC, tell_user
 
 if TYPE_CHECKING:
     from megatron_ppo.config.schema import PPOConfig
@@ -39,6 +39,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.nproc is not None:
+        return _launch(args)
     from megatron_ppo.checkpoint.directory import named_by_latest
     from megatron_ppo.tasks import addition
     from megatron_ppo.train.guards import GuardStopped
@@ -51,22 +53,37 @@ def _train(args: argparse.Namespace) -> int:
             config = load_config(args.recipe, args.overrides)
             (addition.run if config.data.task == "addition" else train)(config)
     except Interrupted as stop:
-        _say_once(f"interrupted: saved {stop}; resume with: {resume_command(args.recipe, args.overrides, config)}")
-        return _end_as_interrupted()
+        _end_as_interrupted()
+        return tell_user(stop.exit_status, f"interrupted: saved {stop}; resume with: "
+                                           f"{resume_command(args.recipe, args.overrides, config)}")  # fmt: skip
     except KeyboardInterrupt:  # before the training loop (nothing to save yet), or a second Ctrl-C in it
         latest = named_by_latest(Path(config.trainer.default_local_dir)) if config is not None else None
         kept = f"`latest` still names {latest}" if latest else "no checkpoint of this run yet"
-        _say_once(f"interrupted: nothing new saved ({kept}); resume with: "
-                  f"{resume_command(args.recipe, args.overrides, config)}")  # fmt: skip
-        return _end_as_interrupted()
+        return tell_user(_end_as_interrupted(), f"interrupted: nothing new saved ({kept}); resume with: "
+                                                f"{resume_command(args.recipe, args.overrides, config)}")  # fmt: skip
     except JobStopped as stop:
         then = "the job is requeued" if isinstance(stop, Preempted) else "the next job resumes from it"
-        print(f"stopped early: saved {stop}; exiting with {stop.exit_status}, {then}", file=sys.stderr)
-        return stop.exit_status
+        return tell_user(stop.exit_status, f"stopped early: saved {stop}; exiting with {stop.exit_status}, {then}")
     except GuardStopped as stop:
-        report_guard_stop(stop)
-        return stop.exit_status
+        return report_guard_stop(stop)
     return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """`train --nproc N`: the config validated for N processes on this machine, then N workers under the launcher
+    (`megatron_ppo/launcher.py`), which says their outcome once and exits with its status."""
+    from megatron_ppo.config import world_size
+    from megatron_ppo.launcher import launch
+
+    config = load_config(args.recipe, args.overrides)
+    if config.cluster.nodes != 1 or world_size(config) != args.nproc:
+        raise ConfigError([f"--nproc {args.nproc} starts {args.nproc} process(es) on this machine, but the config asks "
+                           f"for cluster.nodes × cluster.gpus_per_node = {config.cluster.nodes} × "
+                           f"{config.cluster.gpus_per_node}; set cluster.nodes=1 cluster.gpus_per_node={args.nproc} "
+                           "or launch as many processes (several nodes: slurm/ppo.sbatch)"],
+                          source=str(args.recipe))  # fmt: skip
+    resume = resume_command(args.recipe, args.overrides, config, nproc=args.nproc)
+    return launch(args.nproc, ["train", args.recipe, *args.overrides], resume)
 
 
 def _score(args: argparse.Namespace) -> int:
@@ -83,8 +100,7 @@ def _score(args: argparse.Namespace) -> int:
 
             score(config)
     except DataError as problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return tell_user(2, f"error: {problem}")
     return 0
 
 
@@ -92,28 +108,25 @@ def _score(args: argparse.Namespace) -> int:
 NOT_ON_RESUME = ("trainer.resume_mode=", "trainer.resume_from_path=", "trainer.overwrite=", "+trainer.resume_mode=")
 
 
-def resume_command(recipe: str, overrides: Sequence[str], config: PPOConfig | None) -> str:
-    """The command line that continues an interrupted run: the same launch (torchrun with this job's processes per
-    node, when it ran under torchrun) and overrides, less those that would start another run, with
-    `trainer.resume_mode=auto` where the recipe resumes otherwise."""
+def resume_command(recipe: str, overrides: Sequence[str], config: PPOConfig | None, nproc: int | None = None) -> str:
+    """The command line that continues an interrupted run: the same launch (`train --nproc N` under the launcher;
+    `torchrun --standalone` with this job's processes per node when it ran under torchrun on one node) and
+    overrides, less those that would start another run, with `trainer.resume_mode=auto` where the recipe resumes
+    otherwise. `nproc`: the launcher's own, where this process is the launcher."""
     kept = [o for o in overrides if not o.startswith(NOT_ON_RESUME)]
     if config is not None and config.trainer.resume_mode != "auto":
         kept.append("trainer.resume_mode=auto")
     words = ["-m", "megatron_ppo", "train", recipe, *kept]
     nodes, per_node = int(os.environ.get("GROUP_WORLD_SIZE", "1")), os.environ.get("LOCAL_WORLD_SIZE")
-    if "TORCHELASTIC_RUN_ID" in os.environ and per_node:
-        launch = ["torchrun", *(["--nnodes", str(nodes)] if nodes > 1 else []), "--nproc_per_node", per_node]
+    if nproc := nproc or (int(os.environ[NPROC]) if NPROC in os.environ else None):
+        words.insert(3, f"--nproc={nproc}")
+        launch = ["python"]
+    elif "TORCHELASTIC_RUN_ID" in os.environ and per_node:
+        launch = ["torchrun", *(["--nnodes", str(nodes)] if nodes > 1 else ["--standalone"]), "--nproc_per_node",
+                  per_node]  # fmt: skip
     else:
         launch = ["python"]
     return shlex.join([*launch, *words])
-
-
-def _say_once(line: str) -> None:
-    """A line on stderr from the first process only (every rank stops alike)."""
-    from megatron_ppo.parallel import dist_env_from_environment
-
-    if dist_env_from_environment().rank == 0:
-        print(line, file=sys.stderr, flush=True)
 
 
 def _end_as_interrupted() -> int:
@@ -125,12 +138,10 @@ def _end_as_interrupted() -> int:
     return INTERRUPTED_EXIT
 
 
-def report_guard_stop(stop: GuardStopped) -> None:
-    """A guard's stop as one line on stderr, from the first process only (every rank stops at the same guard)."""
-    from megatron_ppo.parallel import dist_env_from_environment
-
-    if dist_env_from_environment().rank == 0:
-        print(f"stopped: {stop}; exiting with {stop.exit_status} (not requeued)", file=sys.stderr)
+def report_guard_stop(stop: GuardStopped) -> int:
+    """A guard's stop as one line for the user (`tell_user`: once; every rank stops at the same guard); returns its
+    exit status."""
+    return tell_user(stop.exit_status, f"stopped: {stop}; exiting with {stop.exit_status} (not requeued)")
 
 
 def _compare_kl(args: argparse.Namespace) -> int:
@@ -257,13 +268,16 @@ def build_parser() -> argparse.ArgumentParser:
         _validate,
         "megatron-ppo validate recipes/qwen2.5-7b.yaml actor.optim.lr=5e-7 algorithm.kl_ctrl.type=adaptive",
     )
-    _recipe_command(
+    trainer = _recipe_command(
         commands,
         "train",
-        "run a recipe (under torchrun for several processes)",
+        "run a recipe (--nproc N: in N processes on this machine; several nodes: slurm/ppo.sbatch)",
         _train,
-        "torchrun --nproc_per_node 2 -m megatron_ppo train recipes/tiny-cpu.yaml algorithm.kl_ctrl.max_coef=1.0",
+        "megatron-ppo train --nproc 2 recipes/tiny-cpu.yaml algorithm.kl_ctrl.max_coef=1.0",
     )
+    trainer.add_argument("--nproc", type=int, metavar="N", help="start N worker processes on this machine (torch's "
+                         "elastic agent, as torchrun --standalone does) and say their outcome once, with its exit "
+                         "status; the config must ask for N (cluster.nodes=1, cluster.gpus_per_node=N)")  # fmt: skip
     _recipe_command(
         commands,
         "score",
@@ -394,20 +408,16 @@ BUG = "this is a bug in megatron-ppo, not in your config or data: please report 
 
 def run_reporting_errors(args: argparse.Namespace) -> int:
     """Run the subcommand under the one error contract: a `UserError` (config, data, checkpoint, conversion,
-    directory, launch) is one `error:` block on stderr, printed once (by rank 0 under torchrun), and every process
-    exits 2; anything else is a bug: its traceback, a line saying so, exit 1."""
-    from megatron_ppo.parallel import dist_env_from_environment
-
+    directory, launch) is one `error:` block on stderr, said once (`tell_user`: by the launcher under
+    `train --nproc`, by rank 0 under torchrun), and every process exits 2 (under torchrun it finishes its exit when
+    the agent SIGTERMs the ranks still running); anything else is a bug: its traceback, a line saying so, exit 1."""
     try:
         return args.run(args)
     except UserError as error:
-        if dist_env_from_environment().rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return tell_user(2, f"error: {error}")
     except KeyboardInterrupt:  # Ctrl-C in any other command: one line, no traceback
-        _say_once("interrupted")
-        return _end_as_interrupted()
+        return tell_user(_end_as_interrupted(), "interrupted")
     except Exception:
-        traceback.print_exc()
-        print(BUG, file=sys.stderr, flush=True)
-        return 1
+        return tell_user(1, f"{traceback.format_exc()}{BUG}", every_rank=True)

@@ -86,7 +86,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # The modules whose tests use a costly session fixture (built once per worker): run on one worker together.
 WORKER_GROUPS = {
     "tiny_work": ("test_fault_drill", "test_tiny_recipe"),
-    "quick_run": ("test_faults", "test_two_runs_one_directory"),
+    "quick_run": ("test_faults", "test_two_runs_one_directory", "test_launcher"),
 }
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from megatron_ppo import cli
 from megatron_ppo.config import load_config
+from megatron_ppo.launcher import NPROC
 from megatron_ppo.train.preemption import INTERRUPTED_EXIT, Interrupted, Preempted, watching
 from slurm import submit
 
@@ -106,10 +107,14 @@ def test_the_resume_command_repeats_the_launch_without_starting_another_run(monk
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.delenv("GROUP_WORLD_SIZE", raising=False)
+    monkeypatch.delenv(NPROC, raising=False)
     assert cli.resume_command(recipe, overrides, config) == (
-        f"torchrun --nproc_per_node 2 -m megatron_ppo train {recipe} actor.optim.lr=1e-5 data.seed=3 "
+        f"torchrun --standalone --nproc_per_node 2 -m megatron_ppo train {recipe} actor.optim.lr=1e-5 data.seed=3 "
         "trainer.resume_mode=auto"
-    )  # the new run and the moving aside dropped, resuming asked for
+    )  # the new run and the moving aside dropped, resuming asked for; one node: a rendezvous of its own
+    monkeypatch.setenv(NPROC, "2")  # a worker of `train --nproc 2`
+    assert cli.resume_command(recipe, ["x=a b"], None) == f"python -m megatron_ppo train --nproc=2 {recipe} 'x=a b'"
+    monkeypatch.delenv(NPROC)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert cli.resume_command(recipe, ["x=a b"], None) == f"python -m megatron_ppo train {recipe} 'x=a b'"
 

@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "train": 6,
     "runs": 7,
     "tasks": 8,
+    "launcher": 8,  # `train --nproc`: the command line's workers, and what they tell the user
     "cli": 9,
     "__main__": 9,
 }

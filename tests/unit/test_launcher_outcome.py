@@ -1,0 +1,60 @@
+"""Which outcome `train --nproc` reports at the shell (`launcher.conclude`), and how a worker hands it over
+(`launcher.tell_user`). The real launches are tests/e2e/test_launcher.py; these are the choices between ranks that a
+launch cannot stage on demand (which rank fails first, a death in the same second as another rank's error)."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+from megatron_ppo.launcher import FIRST_FAILURES_S, OUTCOME_DIR, Exit, Outcome, conclude, read_outcomes, tell_user
+
+BUG = Outcome(0, 1, "Traceback ... Connection reset by peer\nthis is a bug in megatron-ppo")
+CONFIG = Outcome(1, 2, "error: 1 config problem")
+KILL, TERM = -signal.SIGKILL, -signal.SIGTERM
+
+
+def test_a_rank_killed_by_another_signal_is_reported_before_the_errors_that_follow_from_it() -> None:
+    """Rank 1 SIGKILLed; rank 0's collective then fails (its "bug" outcome) in the same second."""
+    outcome = conclude({0: BUG}, {1: Exit(KILL, 100), 0: Exit(1, 100)}, None, "python -m megatron_ppo train r.yaml")
+    assert outcome.status == 128 + signal.SIGKILL and outcome.rank == -1
+    assert outcome.text.startswith("error: rank 1 died (SIGKILL)") and "resume with: python -m" in outcome.text
+
+
+def test_the_agents_own_signals_are_not_deaths() -> None:
+    """Rank 1 decides a config error; the agent SIGTERMs rank 0, which is SIGKILLed 30 s later (stuck in a
+    collective): rank 1's outcome, whichever rank it is."""
+    exits = {1: Exit(2, 100), 0: Exit(KILL, 100 + 30)}
+    assert conclude({1: CONFIG}, exits, None, "") == CONFIG
+    assert conclude({1: CONFIG}, {1: Exit(2, 100), 0: Exit(TERM, 100)}, None, "") == CONFIG
+    late = {1: Exit(2, 100), 0: Exit(KILL, 100 + FIRST_FAILURES_S + 1)}
+    assert conclude({1: CONFIG}, late, None, "") == CONFIG
+
+
+def test_the_lowest_rank_with_a_non_zero_status_speaks_else_rank_0() -> None:
+    interrupted = {r: Outcome(r, 130, "interrupted: saved step_4; resume with: ...") for r in (0, 1)}
+    assert conclude(interrupted, {0: Exit(130, 5), 1: Exit(130, 5)}, signal.SIGINT, "").rank == 0
+    assert conclude({0: Outcome(0, 0, "stopped early"), 1: CONFIG}, {1: Exit(2, 5)}, None, "") == CONFIG
+    budget = {r: Outcome(r, 0, "stopped early: saved step_4; exiting with 0") for r in (0, 1)}
+    assert conclude(budget, {}, None, "") == budget[0]
+
+
+def test_without_an_outcome_the_status_or_the_signal_is_said() -> None:
+    crashed = conclude({}, {1: Exit(1, 5), 0: Exit(TERM, 5)}, None, "")
+    assert crashed.status == 1 and "rank 1 exited with status 1" in crashed.text
+    stopped = conclude({}, {}, signal.SIGTERM, "")
+    assert stopped.status == 128 + signal.SIGTERM and "SIGTERM" in stopped.text
+    assert conclude({}, {}, None, "") == Outcome(-1, 0, "")
+
+
+def test_a_worker_under_the_launcher_writes_its_outcome_and_prints_nothing(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv(OUTCOME_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert tell_user(2, "error: x") == 2
+    assert capsys.readouterr().err == ""
+    assert json.loads((tmp_path / "rank1.json").read_text()) == {"status": 2, "text": "error: x"}
+    assert read_outcomes(tmp_path) == {1: Outcome(1, 2, "error: x")}
+    monkeypatch.delenv(OUTCOME_DIR)
+    assert tell_user(2, "error: y") == 2 and capsys.readouterr().err == "", "rank 1 of torchrun: rank 0 says it"
+    assert tell_user(1, "a traceback", every_rank=True) == 1 and capsys.readouterr().err == "a traceback\n"
