@@ -10,6 +10,9 @@ FLOOR  := $(VENV)/floor
 PYTEST := $(PY) -m pytest -q --durations=25
 # torchrun --standalone: a free port per launch, so two jobs on one machine (two `make train`, or one beside the suite) never collide.
 TORCHRUN = OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone
+# A training run's launch: the workers under megatron-ppo's own launcher (torchrun's engine), which validates first and
+# ends with the workers' one message and exit status (2 a user error, 130 Ctrl-C, 75 preemption, 3 a guard stop).
+TRAIN = OMP_NUM_THREADS=1 $(PY) -m megatron_ppo train --nproc $(NPROC)
 
 .PHONY: setup test test-fast test-floor lint docs lock gpu-wheels validate bench train score figure compare-kl drill faults plan submit report gpu-check profile
 
@@ -77,7 +80,7 @@ NPROC  ?= 2
 # The main job: the tiny recipe end to end on CPU (data, SFT, offline PPO, evaluation table), then its figure
 # (<trainer.log_dir>/<run id>.png).
 train: setup
-	$(TORCHRUN) --nproc_per_node $(NPROC) -m megatron_ppo train $(RECIPE) $(OVERRIDES)
+	$(TRAIN) $(RECIPE) $(OVERRIDES)
 	$(PY) -m megatron_ppo report $(RECIPE) $(OVERRIDES) --plot
 
 # Rewards from a reward model (reward_model.*) for every row of the recipe's data, written to new Parquet files (the
@@ -112,7 +115,7 @@ faults: setup
 STEPS ?= 2:4
 PROFILE_DIR ?= outputs/profile/$(DRILL_STAMP)
 profile: setup
-	$(TORCHRUN) --nproc_per_node $(NPROC) -m megatron_ppo train $(RECIPE) profiling.use_pytorch_profiler=true \
+	$(TRAIN) $(RECIPE) profiling.use_pytorch_profiler=true \
 		profiling.profile_step_start=$(word 1,$(subst :, ,$(STEPS))) profiling.profile_step_end=$(word 2,$(subst :, ,$(STEPS))) \
 		trainer.total_training_steps=$(shell echo $$(( $(word 2,$(subst :, ,$(STEPS))) - 1 ))) trainer.save_freq=-1 \
 		trainer.resume_mode=disable trainer.default_local_dir=$(PROFILE_DIR)/checkpoints trainer.log_dir=$(PROFILE_DIR)/tensorboard $(OVERRIDES)
