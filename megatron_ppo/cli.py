@@ -62,7 +62,7 @@ def _train(args: argparse.Namespace) -> int:
         return tell_user(_end_as_interrupted(), f"interrupted: nothing new saved ({kept}); resume with: "
                                                 f"{resume_command(args.recipe, args.overrides, config)}")  # fmt: skip
     except JobStopped as stop:
-        then = "the job is requeued" if isinstance(stop, Preempted) else "the next job resumes from it"
+        then = "requeued unless it was cancelled" if isinstance(stop, Preempted) else "the next job resumes from it"
         return tell_user(stop.exit_status, f"stopped early: saved {stop}; exiting with {stop.exit_status}, {then}")
     except GuardStopped as stop:
         return report_guard_stop(stop)
@@ -350,13 +350,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# What Megatron-Core and torch announce about optional kernels they did not find (when imported) and, at the first
-# asynchronous save, that Megatron's own writer is deprecated for NVRx's (a CUDA-only package): the run's first lines
-# already say which layer spec, attention kernel, fusions and optimizer run (`describe_kernels`).
-IMPORT_NOTICES = ("Apex is not installed", "Transformer Engine and Apex are not installed", "No CUDA runtime is found",
-                  "MCore's async save is deprecated")  # fmt: skip
+# What Megatron-Core and torch tell their own developers, not a user of a run (each kept in the debug log):
+# - optional kernels not found when imported, and at the first asynchronous save that Megatron's own writer is
+#   deprecated for NVRx's (a CUDA-only package): the run's first lines already say which layer spec, attention kernel,
+#   fusions and optimizer run (`describe_kernels`);
+# - Megatron-Core's notes on its own API: GPTModel's deprecation for HybridModel (per model built), its experimental
+#   MiMo config (a class defined at import), the `cuda_graph_scope` default it renames itself (per config copied);
+# - torch's distributed-checkpoint notes on how Megatron calls it (a load without a process group, its argument
+#   order, ShardedTensor's deprecation for DTensor).
+LIBRARY_NOTICES = ("Apex is not installed", "Transformer Engine and Apex are not installed",
+                   "No CUDA runtime is found", "MCore's async save is deprecated", "GPTModel IS DEPRECATED",
+                   "MimoModelConfig is experimental", "full scope is deprecated",
+                   "torch.distributed is disabled, unavailable or uninitialized",
+                   "The argument order of load has been changed",
+                   "Please use DTensor instead and we are deprecating ShardedTensor")  # fmt: skip
 # the loggers that log some of them (the others are Python warnings)
-NOTICE_LOGGERS = ("torch.utils.cpp_extension", "megatron.core.dist_checkpointing.strategies.torch")
+NOTICE_LOGGERS = ("torch.utils.cpp_extension", "megatron.core.dist_checkpointing.strategies.torch",
+                  "megatron.core.models.gpt.gpt_model")  # fmt: skip
 LOG_LEVEL = "MEGATRON_PPO_LOG_LEVEL"  # e.g. DEBUG: the notices above, and every library's debug log
 
 
@@ -365,21 +375,22 @@ NOTICES = logging.getLogger("megatron_ppo.notices")
 
 def _demote(record: logging.LogRecord) -> bool:
     """A logging filter: an import notice goes to the debug log instead."""
-    if record.getMessage().startswith(IMPORT_NOTICES):
+    if record.getMessage().startswith(LIBRARY_NOTICES):
         NOTICES.debug("%s", record.getMessage())
         return False
     return True
 
 
-def quiet_import_notices() -> None:
-    """Keep the import-time notices off a user's screen: logged at debug level (`megatron_ppo.notices`) instead of
-    printed, the warnings and the log records (`NOTICE_LOGGERS`) alike; anything else is shown as before."""
+def quiet_library_notices() -> None:
+    """Keep the libraries' notices (`LIBRARY_NOTICES`) off a user's screen: logged at debug level
+    (`megatron_ppo.notices`) instead of printed, the warnings and the log records (`NOTICE_LOGGERS`) alike; anything
+    else is shown as before."""
     if level := os.environ.get(LOG_LEVEL):
         logging.basicConfig(level=level.upper())
     show = warnings.showwarning
 
     def show_or_demote(message, category, filename, lineno, file=None, line=None) -> None:
-        if str(message).startswith(IMPORT_NOTICES):
+        if str(message).startswith(LIBRARY_NOTICES):
             NOTICES.debug("%s (%s:%d)", message, filename, lineno)
         else:
             show(message, category, filename, lineno, file, line)
@@ -392,7 +403,7 @@ def quiet_import_notices() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    quiet_import_notices()
+    quiet_library_notices()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may also follow options (`plan RECIPE --json k=v`): argparse leaves those over

@@ -19,6 +19,7 @@ import pytest
 
 from bench.tiny import RECIPE, REPO
 from megatron_ppo.checkpoint.directory import named_by_latest
+from megatron_ppo.cli import LIBRARY_NOTICES
 from tests.faults.cases import QUICK
 
 # Two processes of data parallelism on the quick run's task cache (the shared SFT start)
@@ -108,6 +109,8 @@ def test_ctrl_c_saves_and_ends_130_with_one_resume_command_that_relaunches_alike
     line = next(line for line in training.lines if line.startswith("interrupted: saved"))
     assert "resume with: python -m megatron_ppo train --nproc=2 " in line, line
     assert named_by_latest(training.folder / "ckpt") is not None
+    shown = [notice for notice in LIBRARY_NOTICES if notice in training.output]
+    assert not shown, f"the libraries' notices are the debug log's, not the run's: {shown}"
 
 
 def test_a_killed_peer_is_named_with_its_signal_not_called_a_bug(training: Launch) -> None:

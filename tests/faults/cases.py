@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.ports import free_port
 from bench.tiny import RECIPE, REPO
-from megatron_ppo.cli import IMPORT_NOTICES
+from megatron_ppo.cli import LIBRARY_NOTICES
 
 # One process, a quick SFT start: what is tested is what a fault does to the run's files, not how well it learns
 QUICK = [
@@ -97,7 +97,7 @@ def _refused(code: int, output: str, expected: str, before: dict, after: dict, e
     unchanged = before == after
     kept = ("everything: latest and every checkpoint file unchanged" if unchanged else
             f"CHANGED: {sorted(set(before.items()) ^ set(after.items()))[:4]}")  # fmt: skip
-    quiet = not any(notice in output for notice in IMPORT_NOTICES)  # Megatron's import-time notices: debug log only
+    quiet = not any(notice in output for notice in LIBRARY_NOTICES)  # Megatron's import-time notices: debug log only
     ok = code == 2 and expected in output and unchanged and "Traceback" not in output and quiet and extra_ok
     return Outcome(code, saw, kept, ok, output)
 

@@ -122,7 +122,7 @@ def test_the_resume_command_repeats_the_launch_without_starting_another_run(monk
 def test_megatrons_import_notices_go_to_the_debug_log_and_other_warnings_still_show(capsys, caplog) -> None:
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
-        cli.quiet_import_notices()
+        cli.quiet_library_notices()
         with caplog.at_level(logging.DEBUG, logger="megatron_ppo.notices"):
             warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning, stacklevel=1)
             logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found, using CUDA_HOME='/x'")
