@@ -68,12 +68,18 @@ def damage(checkpoint: Path) -> str | None:
 @contextmanager
 def reading(checkpoint: Path, what: str) -> Iterator[None]:
     """Turn a failure to read `checkpoint`'s files (truncated pickles, a zip archive torch cannot open, Megatron's
-    metadata missing) into a `CheckpointError` naming the checkpoint and `what` was being read."""
+    metadata missing, a shard torch's reader fails on: its `CheckpointException`, which derives from
+    `BaseException`, with the first failing rank's error) into a `CheckpointError` naming the checkpoint and `what`
+    was being read."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
-    except (EOFError, pickle.UnpicklingError, AssertionError, RuntimeError, OSError, ValueError) as error:
-        if isinstance(error, UserError):
+    except (EOFError, pickle.UnpicklingError, AssertionError, RuntimeError, OSError, ValueError,
+            CheckpointException) as caught:  # fmt: skip
+        if isinstance(caught, UserError):
             raise
+        error = next(iter(caught.failures.values()))[0] if isinstance(caught, CheckpointException) else caught
         first_line = next(iter(str(error).splitlines()), "")
         raise CheckpointError(
             f"{checkpoint} cannot be read ({what}: {type(error).__name__}: {first_line}): "

@@ -129,3 +129,23 @@ def resume_with_another_width(rank: int, world_size: int, root: str) -> str:
     except ConfigError as error:
         return str(error)
     return "not refused"
+
+
+def resume_damaged_without_manifest(rank: int, world_size: int, root: str) -> str:
+    """The fixture with its manifest gone and a shard cut in half (nothing can tell it is damaged before the read):
+    the refusal's message on resuming it."""
+    from megatron_ppo.config.errors import UserError
+
+    shutil.copytree(FIXTURE, Path(root) / "checkpoints")
+    step = Path(root) / "checkpoints" / f"step_{FIXTURE_STEP}"
+    (step / "manifest.json").unlink()
+    shard = sorted(step.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    trainer = _trainer(root, "trainer.save_freq=0")
+    try:
+        trainer.resume()
+    except UserError as error:
+        return str(error)
+    finally:
+        trainer.close()
+    return "not refused"

@@ -64,3 +64,12 @@ def test_a_resume_into_a_model_of_another_shape_is_refused_before_it_is_built(tm
     used to die inside Megatron's load with `Global shape mismatch`)."""
     message = run_distributed(run_state_workers.resume_with_another_width, 1, str(tmp_path))[0]
     assert "model.hidden_size: the config builds 64" in message and "step_1" in message, message
+
+
+def test_a_shard_torchs_reader_fails_on_is_the_checkpoints_error_not_a_traceback(tmp_path) -> None:
+    """A shard cut in half in a checkpoint without a manifest: torch's reader raises its `CheckpointException`, a
+    `BaseException` that went past every handler (pages of traceback, not even the "bug" line); now a
+    `CheckpointError` naming the checkpoint, what was read and the first failing rank's error."""
+    message = run_distributed(run_state_workers.resume_damaged_without_manifest, 1, str(tmp_path))[0]
+    assert "step_1 cannot be read (the models' and optimizers' shards:" in message, message
+    assert "resume from another one" in message, message
