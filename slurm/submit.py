@@ -13,6 +13,7 @@ In a chain every job but the last must stop on its own before its time limit: un
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import shutil
@@ -20,7 +21,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_ppo.config import ConfigError, load_config
+
+def in_the_projects_environment() -> None:
+    """Run in megatron-ppo's environment whichever Python started this script: where this one cannot import the
+    package, re-execute with the checkout's `.venv/bin/python` (what `make setup` builds), or end in one `error:`
+    line saying how to run it (exit 2)."""
+    try:
+        import megatron_ppo.config  # noqa: F401
+    except ImportError as missing:
+        venv = Path(__file__).resolve().parents[1] / ".venv"
+        if (venv / "bin" / "python").exists() and Path(sys.prefix).resolve() != venv.resolve():
+            os.execv(venv / "bin" / "python", [str(venv / "bin" / "python"), __file__, *sys.argv[1:]])
+        print(f"error: slurm/submit.py runs in megatron-ppo's environment, and this Python ({sys.executable}) cannot "
+              f"import {missing.name}: run `make setup` and then `.venv/bin/python slurm/submit.py ...` (or "
+              "`make submit`), or install the package into this Python (pip install -e .)",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    in_the_projects_environment()
+
+from megatron_ppo.config import ConfigError, load_config  # noqa: E402
 
 SBATCH_SCRIPT = Path(__file__).with_name("ppo.sbatch")
 CHAIN_MARGIN_MINUTES = 10

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -117,3 +120,20 @@ def test_without_sbatch_the_wrapper_says_where_to_run(monkeypatch, capsys) -> No
     monkeypatch.setenv("PATH", "/nonexistent")
     assert main([str(REPO / "recipes" / "tiny-cpu.yaml")]) == 1
     assert "sbatch is not on PATH" in capsys.readouterr().err
+
+
+def test_any_python_runs_the_script_in_the_projects_environment_or_says_how_in_one_line(tmp_path) -> None:
+    """`python -S` (no site-packages: a Python without the package, as a cluster's system python3 is) re-executes in
+    the checkout's `.venv`; a copy of the script outside any checkout ends in one `error:` line and exit 2 (it was a
+    `ModuleNotFoundError` traceback)."""
+    script = REPO / "slurm" / "submit.py"
+    command = [sys.executable, "-S", str(script), str(REPO / "recipes" / "tiny-cpu.yaml"), "--dry-run"]
+    ran = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert ran.returncode == 0 and "sbatch --parsable" in ran.stdout, ran.stderr[-2000:]
+    (tmp_path / "slurm").mkdir()
+    alone = shutil.copy(script, tmp_path / "slurm" / "submit.py")
+    refused = subprocess.run([sys.executable, "-S", alone, "x.yaml"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60, check=False)  # fmt: skip
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+    assert refused.stderr.startswith("error: slurm/submit.py runs in megatron-ppo's environment"), refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.splitlines()) == 1, refused.stderr
