@@ -173,7 +173,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from megatron_ppo.convert import huggingface
+    from megatron_ppo.convert import huggingface, peft_adapter
     from megatron_ppo.models.hf_conversion import hf_params_dtype
     from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 
@@ -189,12 +189,12 @@ def _convert(args: argparse.Namespace) -> int:
         if dist_env_from_environment().world_size > 1:
             raise ConfigError(["mcore-to-hf runs in one process: python -m megatron_ppo convert mcore-to-hf ..."])
         shard = {"max_shard_bytes": int(args.max_shard_gb * 10**9)} if args.max_shard_gb else {}
-        written = huggingface.mcore_to_hf(args.megatron, args.hf_config, args.out, **shard)
+        written = huggingface.mcore_to_hf(args.megatron, args.hf_config, args.out, **shard, merge_lora=args.merge_lora)
         print(f"wrote {written.describe()}")
         return 0
     if args.direction == "hf-to-mcore":
         huggingface.check_new_output(args.out)
-    model = huggingface.hf_model_config(args.hf)
+    model = huggingface.hf_model_config(peft_adapter.adapter_base(args.hf) or args.hf)  # verify: an adapter's base
     layout = huggingface.conversion_layout(model, args.tp, args.pp, args.ep)
     problems = huggingface.layout_problems(model, layout)
     if problems:
@@ -324,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out ckpt/qwen7b-init --tp 4",
     )
     converter.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf", "verify"])
-    converter.add_argument("--hf", help="Hugging Face directory (config.json + safetensors)")
+    converter.add_argument("--hf", help="Hugging Face directory (config.json + safetensors); verify: also a peft "
+                           "adapter export (compared on the base it names)")  # fmt: skip
     converter.add_argument("--megatron", help="megatron-ppo checkpoint directory (mcore-to-hf, verify)")
     converter.add_argument("--hf-config", help="Hugging Face directory whose config.json describes the model")
     converter.add_argument("--out", help="output directory")
@@ -337,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["bf16", "fp16", "fp32"],
         help="hf-to-mcore: the weights' dtype (default: the Hugging Face model's torch_dtype)",
     )
+    converter.add_argument("--merge-lora", action="store_true", help="mcore-to-hf: a LoRA checkpoint's actor as "
+                           "merged weights W + (alpha/r)·BA (default: a peft adapter, unless the run set "
+                           "actor.lora.merge)")  # fmt: skip
     converter.add_argument("--max-shard-gb", type=float, help="mcore-to-hf: largest safetensors file in GB (10^9 "
                            "bytes; default huggingface_hub's 5); a larger tensor gets a file of its own")  # fmt: skip
     converter.add_argument(

@@ -394,11 +394,12 @@ def set_rng_states(states: dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
 
 
-def load_weights(model: RoleModel, path: str | Path, source_role: str, drop: tuple[str, ...] = ()) -> None:
+def load_weights(model: RoleModel, path: str | Path, source_role: str, drop: tuple[str, ...] = (),
+                 adapters: bool = False) -> None:  # fmt: skip
     """Initialise `model` from `source_role`'s weights in a checkpoint (any layout; `path` may be a checkpoint
     root), except keys containing `drop` (the critic takes the actor's trunk but not its vocabulary output). A LoRA
-    model's adapters are not read: initial weights are the base they start on (resuming reads them:
-    `load_checkpoint`)."""
-    asked = model_sharded_state(model, f"{source_role}.", (*drop, *ADAPTER_KEYS))
+    model's adapters are read with `adapters` (the trained model, as `convert verify` compares it), and otherwise
+    not: initial weights are the base they start on (resuming reads them: `load_checkpoint`)."""
+    asked = model_sharded_state(model, f"{source_role}.", drop if adapters else (*drop, *ADAPTER_KEYS))
     state = _load_sharded(asked, directory.resolve(path))
-    _load_model_state(model, state, f"{source_role}.", strict=not drop, fresh_adapters=True)
+    _load_model_state(model, state, f"{source_role}.", strict=not drop, fresh_adapters=not adapters)

@@ -24,7 +24,7 @@ from megatron_ppo.checkpoint.shapes import saved_dtype
 from megatron_ppo.checkpoint.weights import CheckpointWeights
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.frozen import with_changes
-from megatron_ppo.config.schema import ROLES, ClusterConfig, MegatronConfig, ModelConfig, PPOConfig
+from megatron_ppo.config.schema import ROLES, ClusterConfig, LoraSettings, MegatronConfig, ModelConfig, PPOConfig
 from megatron_ppo.config.validate import validate
 from megatron_ppo.convert import peft_adapter
 from megatron_ppo.models import RoleModel, build_role_model, run_micro_batches, unwrap
@@ -195,6 +195,7 @@ def mcore_to_hf(
     hf_config_dir: str | Path,
     out_dir: str | Path,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    merge_lora: bool = False,
 ) -> Export:
     """Write a checkpoint's actor as Hugging Face safetensors, one layer at a time: its tensors are read from the
     checkpoint's files (any TP/PP/EP layout saved them; no model is built, no process group needed), converted by the
@@ -202,16 +203,17 @@ def mcore_to_hf(
     process holds one layer's weights (or the embedding's) at a time, never the model. The output dtype is the one
     `hf_config_dir`'s config.json declares, else the checkpoint's; `megatron_dir` may be a checkpoint root (its
     newest complete checkpoint). A LoRA run's actor (`actor.lora.*` in its run.json) is written as a peft adapter
-    for the model at `hf_config_dir`, or with `actor.lora.merge` as merged weights (`peft_adapter`)."""
+    for the model at `hf_config_dir`, or with `merge_lora` (`--merge-lora`) or the run's `actor.lora.merge` as
+    merged weights (`peft_adapter`)."""
     model = hf_model_config(hf_config_dir)
     shapes, dtype = Shapes.of(model), hf_dtype(hf_config_dir)
     source = CheckpointWeights(directory.resolve(megatron_dir), "actor")
     if problems := _export_mismatches(source, model):
         raise ConfigError(problems, source=str(Path(hf_config_dir) / "config.json"))
     lora = peft_adapter.adapter_settings(source)  # a LoRA run's actor: its adapters, or merged weights
-    if lora is not None and not lora[2]:
+    if lora is not None and not (lora.merge or merge_lora):
         check_new_output(out_dir)
-        written = peft_adapter.write_peft_adapter(source, hf_config_dir, out_dir, lora[0], lora[1], shapes)
+        written = peft_adapter.write_peft_adapter(source, hf_config_dir, out_dir, lora.rank, lora.alpha, shapes)
         return Export(Path(out_dir), (peft_adapter.ADAPTER_WEIGHTS,), written, source.largest_group_bytes)
     planned = {hf: (part.shape, dtype or weight.dtype) for weight in source.weights() if not is_adapter(weight.name)
                for hf, part in to_hf(weight.name, torch.empty(weight.shape, device="meta"), shapes)}  # fmt: skip
@@ -219,7 +221,7 @@ def mcore_to_hf(
         for group in source.groups:
             tensors = source.read(group, None if lora else dtype)
             if lora is not None:  # merged in the checkpoint's precision (fp32 at least), then cast
-                merged = peft_adapter.merge_adapters(tensors, lora[1] / lora[0])
+                merged = peft_adapter.merge_adapters(tensors, lora.alpha / lora.rank)
                 tensors = {name: tensor.to(dtype or tensor.dtype) for name, tensor in merged.items()}
             for name, tensor in tensors.items():
                 for hf, part in to_hf(name, tensor, shapes):
@@ -255,11 +257,16 @@ def _export_mismatches(source: CheckpointWeights, model: ModelConfig) -> list[st
     return [f"{p}: pass the --hf-config the checkpoint was trained from" for p in problems]
 
 
-def megatron_logits(megatron_dir: str | Path, model: ModelConfig, layout: MegatronConfig, input_ids: torch.Tensor):
+def megatron_logits(megatron_dir: str | Path, model: ModelConfig, layout: MegatronConfig, input_ids: torch.Tensor,
+                    lora: LoraSettings | None = None):  # fmt: skip
     """Full-vocabulary logits `[b, s, V]` of the checkpoint's actor under `layout` (on the last pipeline stage,
-    `None` elsewhere)."""
-    actor = build_role_model("ref", model, layout)
-    store.load_weights(actor, megatron_dir, "actor")
+    `None` elsewhere); with `lora` (a LoRA checkpoint's), its adapters on: W x + (α / r) · B A x, as it trained."""
+    if lora is None:
+        actor = build_role_model("ref", model, layout)
+        store.load_weights(actor, megatron_dir, "actor")
+    else:
+        actor = build_role_model("actor", model, layout, lora=lora)
+        store.load_weights(actor, megatron_dir, "actor", adapters=True)
 
     def gather(batch, logits):
         full = gather_from_tensor_model_parallel_region(logits)[..., : model.vocab_size]
@@ -270,9 +277,15 @@ def megatron_logits(megatron_dir: str | Path, model: ModelConfig, layout: Megatr
 
 
 def hf_logits(hf_dir: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
+    """The Hugging Face model's logits in fp32; a peft adapter export at `hf_dir` on the base it names (peft)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    base = peft_adapter.adapter_base(hf_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base or hf_dir, dtype=torch.float32)
+    if base is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, hf_dir)
     with torch.no_grad():
         return model(input_ids).logits.float()
 
@@ -285,6 +298,7 @@ class Verdict:
     difference: float
     largest_logit: float
     saved_dtype: str
+    compared: str = ""  # what was compared, where more than the weights: the adapters on, a peft adapter
 
     def tolerance(self, given: float | None = None) -> tuple[float, str]:
         """`given`, or by the dtype compared: an fp32 checkpoint against the fp32 Hugging Face model holds the same
@@ -302,17 +316,24 @@ class Verdict:
         tolerance, why = self.tolerance(given)
         ok = self.difference <= tolerance
         return ok, (f"convert verify {'passed' if ok else 'FAILED'}: largest logit difference {self.difference:.3e} "
-                    f"{'≤' if ok else '>'} {tolerance:.3e} ({why})")  # fmt: skip
+                    f"{'≤' if ok else '>'} {tolerance:.3e} ({why}{'; ' if self.compared else ''}"
+                    f"{self.compared})")  # fmt: skip
 
 
 def verify(hf_dir: str | Path, megatron_dir: str | Path, layout: MegatronConfig, seed: int = 0) -> Verdict | None:
     """The HF model and the converted checkpoint on a fixed prompt batch, on one reporting rank (last pipeline
-    stage, first TP and DP rank); `None` on the others."""
-    model = hf_model_config(hf_dir)
+    stage, first TP and DP rank); `None` on the others. A LoRA checkpoint is compared with its adapters on, against
+    a merged export (`mcore-to-hf --merge-lora`) or a peft adapter export at `hf_dir` (on the base it names)."""
+    base = peft_adapter.adapter_base(hf_dir)
+    model = hf_model_config(base or hf_dir)
+    checkpoint = directory.resolve(megatron_dir)
+    lora = peft_adapter.adapter_settings(CheckpointWeights(checkpoint, "actor"))
     input_ids = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
-    ours = megatron_logits(megatron_dir, model, layout, input_ids)
+    ours = megatron_logits(checkpoint, model, layout, input_ids, lora)
     if ours is None or not is_first_of_last_stage():
         return None
     theirs = hf_logits(hf_dir, input_ids)  # HF's model runs on the host
-    saved = saved_dtype(directory.resolve(megatron_dir), "actor")
-    return Verdict(float((ours.cpu() - theirs).abs().max()), float(theirs.abs().max()), saved)
+    compared = [f"the checkpoint's LoRA adapters on (rank {lora.rank}, alpha {lora.alpha:g})"] if lora else []
+    compared += [f"against the peft adapter on {base}"] if base else []
+    return Verdict(float((ours.cpu() - theirs).abs().max()), float(theirs.abs().max()),
+                   saved_dtype(checkpoint, "actor"), ", ".join(compared))  # fmt: skip

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.checkpoint.weights import CheckpointWeights
 from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.config.schema import LoraSettings
 from megatron_ppo.models.hf_conversion import Shapes, mapping_of, to_hf
 from megatron_ppo.models.lora import is_adapter
 
@@ -33,9 +34,9 @@ def base_name(adapter_name: str) -> tuple[str, str]:
     return f"{layer}.weight", matrix
 
 
-def adapter_settings(source: CheckpointWeights) -> tuple[int, float, bool] | None:
-    """(rank, alpha, merge) of the checkpoint's actor adapters, from the run's config saved with it; None when the
-    actor holds no adapters."""
+def adapter_settings(source: CheckpointWeights) -> LoraSettings | None:
+    """The checkpoint's actor adapters' settings (rank, alpha, target layers, merge), from the run's config saved with
+    it; None when the actor holds no adapters."""
     if not any(is_adapter(weight.name) for weight in source.weights()):
         return None
     checkpoint = source.path
@@ -44,7 +45,16 @@ def adapter_settings(source: CheckpointWeights) -> tuple[int, float, bool] | Non
         raise ConfigError([f"{checkpoint} holds LoRA adapters but no run.json saying their alpha; export a checkpoint "
                            "a training run saved"])  # fmt: skip
     config = identity.config
-    return int(config["actor.lora.rank"]), float(config["actor.lora.alpha"]), bool(config["actor.lora.merge"])
+    return LoraSettings(rank=int(config["actor.lora.rank"]), alpha=float(config["actor.lora.alpha"]),
+                        target_modules=list(config["actor.lora.target_modules"]),
+                        merge=bool(config["actor.lora.merge"]))  # fmt: skip
+
+
+def adapter_base(hf_dir: str | Path) -> Path | None:
+    """The Hugging Face model a peft adapter export at `hf_dir` sits on (its `base_model_name_or_path`); None when
+    `hf_dir` is not an adapter."""
+    config = Path(hf_dir) / ADAPTER_CONFIG
+    return Path(json.loads(config.read_text())["base_model_name_or_path"]) if config.is_file() else None
 
 
 def merge_adapters(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:

@@ -83,3 +83,13 @@ def logits_under(
     on, off = _logits(actor, input_ids, model.vocab_size), _logits(ref, input_ids, model.vocab_size)
     again = _logits(actor, input_ids, model.vocab_size)  # the adapters are back after the reference's pass
     return None if on is None else {"actor": on, "ref": off, "actor_again": again}
+
+
+def verdicts(rank: int, world_size: int, checkpoint: str, hf_dirs: list[str]) -> list[tuple[bool, str]] | None:
+    """`convert verify`'s verdict line for the checkpoint against each Hugging Face folder in turn (None on ranks
+    that do not report)."""
+    from megatron_ppo.convert.huggingface import verify
+
+    init_distributed(MegatronConfig(), seed=0)
+    found = [verify(hf_dir, checkpoint, MegatronConfig()) for hf_dir in hf_dirs]
+    return None if found[0] is None else [verdict.line() for verdict in found]

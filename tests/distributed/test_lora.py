@@ -105,6 +105,32 @@ def test_a_merged_export_gives_the_adapted_model_in_transformers(lora_run) -> No
     assert difference < 1e-4, f"merged weights differ from base + adapter by {difference:.2e}"
 
 
+def test_merge_lora_writes_any_lora_checkpoint_as_merged_weights(lora_run) -> None:
+    """`mcore-to-hf --merge-lora` on the checkpoint that trained without `actor.lora.merge` writes what the run with
+    it writes: the same adapters (drawn from the same seeds), the same merged tensors bit for bit."""
+    from safetensors.torch import load_file
+
+    asked = mcore_to_hf(lora_run["adapters"], lora_run["hf"], lora_run["root"] / "merge-lora", merge_lora=True)
+    from_the_run = lora_run["root"] / "merged-by-the-run"
+    mcore_to_hf(lora_run["merged"], lora_run["hf"], from_the_run)
+    ours, theirs = load_file(asked.path / "model.safetensors"), load_file(from_the_run / "model.safetensors")
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_verify_compares_a_lora_checkpoint_with_its_adapters_on(lora_run) -> None:
+    """`convert verify` of the LoRA checkpoint: against its peft adapter export (on the base it names) and against
+    its merged export it passes, saying the adapters were on; against the base model it fails (before, it passed
+    against the base, 3e-7, and failed against its own merged export: it ignored the adapters)."""
+    merged = mcore_to_hf(lora_run["adapters"], lora_run["hf"], lora_run["root"] / "verify-merged", merge_lora=True)
+    folders = [str(lora_run["export"]), str(merged.path), str(lora_run["hf"])]
+    (peft_ok, peft_line), (merged_ok, merged_line), (base_ok, base_line) = next(
+        found for found in run_distributed(lora_workers.verdicts, 1, lora_run["adapters"], folders) if found
+    )
+    assert peft_ok and "LoRA adapters on (rank 4, alpha 8)" in peft_line and "against the peft adapter" in peft_line
+    assert merged_ok and "LoRA adapters on" in merged_line, merged_line
+    assert not base_ok and "FAILED" in base_line, base_line
+
+
 def test_one_ppo_step_changes_only_adapters_and_value_head(tmp_path: Path) -> None:
     hf_dir = save_hf_model("llama", tmp_path / "hf", tied=False)
     base = Path(run_distributed(conversion_workers.saved_under, 1, str(hf_dir), str(tmp_path / "base"),
