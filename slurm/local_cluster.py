@@ -6,7 +6,9 @@ for trying the sbatch path without a cluster. Everything Slurm writes (state, sp
     python slurm/local_cluster.py stop DIR
 
 Made for a root shell without systemd or cgroups (containers, CI machines): Linux process tracking, no task plugin,
-no accounting, one default partition `local`.
+no accounting, a default partition `local` and a partition `urgent` on the same nodes whose jobs preempt those of
+`local` (preempt/partition_prio, PreemptMode=REQUEUE: Slurm requeues the preempted job itself, as a cluster does).
+KillWait is Slurm's default 30 s: the time a cancelled or preempted job has to save between SIGTERM and SIGKILL.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 MUNGE_RUN_DIR = Path("/run/munge")
 PARTITION = "local"
+URGENT_PARTITION = "urgent"  # same nodes, higher PriorityTier: its jobs preempt (requeue) those of `local`
 
 SLURM_CONF = """\
 ClusterName=local
@@ -50,10 +53,13 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
 SlurmdParameters=config_overrides
-KillWait=10
+KillWait=30
 SchedulerParameters=sched_interval=1,bf_interval=1
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 {node_lines}
-PartitionName={partition} Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
+PartitionName={partition} Nodes={node_list} Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName={urgent} Nodes={node_list} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
 NODE_LINE = "NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} RealMemory={memory_mb}"
 
@@ -132,7 +138,7 @@ class LocalSlurm:
                                        memory_mb=memory_mb) for node in self.nodes]  # fmt: skip
         self.conf.write_text(SLURM_CONF.format(
             host=self.host, root=self.root, ctld_port=_free_port(), node_lines="\n".join(node_lines),
-            node_list=",".join(self.nodes), partition=PARTITION,
+            node_list=",".join(self.nodes), partition=PARTITION, urgent=URGENT_PARTITION,
         ))  # fmt: skip
         subprocess.run(["slurmctld", "-c", "-f", str(self.conf)], env=self.env, check=True)
         for node in self.nodes:
@@ -173,7 +179,7 @@ class LocalSlurm:
         deadline = time.monotonic() + timeout_s
         states: list[str] = []
         while time.monotonic() < deadline:
-            states = self.query(["sinfo", "--noheader", "--Node", "--format=%T"]).split()
+            states = self.query(["sinfo", "--noheader", "--Node", f"--partition={PARTITION}", "--format=%T"]).split()
             if len(states) == len(self.nodes) and all(state.rstrip("*") == "idle" for state in states):
                 return
             time.sleep(0.2)

@@ -1,11 +1,12 @@
 """Ending a job early without losing anything, for the next job to resume.
 
-- Preemption: Slurm signals a job before its time limit or a preemption (`#SBATCH --signal=USR1@120`, SIGTERM on
-  `scancel`). Every rank finishes its current iteration; the ranks agree that one of them was signalled, a
-  checkpoint is saved, and the process exits with `PREEMPTED_EXIT` so the batch script requeues the job. Because
+- Preemption: Slurm signals a job before its time limit (`#SBATCH --signal=USR1@120`) and on a preemption
+  (SIGTERM), and SIGTERM is also what `scancel` sends. Every rank finishes its current iteration; the ranks agree
+  that one of them was signalled, a checkpoint is saved, and the process exits with `PREEMPTED_EXIT`. Because
   `srun --kill-on-bad-exit` may kill the slower ranks once the first exits (turning 75 into 143), rank 0 also
   writes the file named by `$MEGATRON_PPO_PREEMPTED_MARKER`, after every rank has saved: that is what the batch
-  script checks.
+  script checks. The trainer cannot tell a cancel from a preemption; the batch script can (from the job's record
+  at slurmctld) and requeues the job unless it was cancelled (`slurm/ppo.sbatch`).
 - Job budget (`trainer.exit_interval`, `trainer.exit_duration_in_mins`): one job of a `--dependency=afterok` chain
   saves and exits 0; the next job resumes.
 - Ctrl-C (SIGINT; torchrun forwards it to each of its processes once): in the training loop it ends as a preemption
@@ -41,7 +42,8 @@ class JobStopped(Exception):
 
 
 class Preempted(JobStopped):
-    """A preemption or time-limit signal: exit `PREEMPTED_EXIT` so the batch script requeues the job."""
+    """A preemption, time-limit or cancel signal: exit `PREEMPTED_EXIT`; the batch script requeues the job unless
+    Slurm cancelled it."""
 
     exit_status = PREEMPTED_EXIT
 

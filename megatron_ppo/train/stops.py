@@ -49,7 +49,8 @@ class Stops:
             if isinstance(stop, Interrupted):
                 self.logger.event(step, "interrupted", f"Ctrl-C; checkpoint {path}, exiting")
                 raise stop
-            self.logger.event(step, "preempted", f"signal received; checkpoint {path}, exiting to requeue")
+            self.logger.event(step, "preempted", f"signal received; checkpoint {path}, exiting 75 (the batch script "
+                                                 "requeues the job unless it was cancelled)")  # fmt: skip
             mark_preempted()
             raise stop
         if step < self.total_steps and (reason := self.budget.reason(step)):

@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 
 from bench.ports import free_port, on_a_free_port, port_taken
-from slurm.local_cluster import LocalSlurm, SlurmUnavailable
+from slurm.local_cluster import URGENT_PARTITION, LocalSlurm, SlurmUnavailable
 from tests.support.tensorboard import scalars
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-cpu.yaml"
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+FIRST_STEPS = 6  # of `first_job`, the uninterrupted run a preempted one is compared with: room for the preemption
+NOT_DETERMINISTIC = ("perf/", "timing/")  # wall-clock measurements: the rest of a run's scalars repeat bit for bit
 # The tiny recipe cut down to seconds: a small task, a short SFT, small batches (its learning is tested in tests/e2e).
 SHORT = [
     "data.addition.num_prompts=200", "data.addition.num_heldout=50", "data.addition.sft_steps=30",
@@ -97,7 +99,7 @@ def first_job(cluster: LocalSlurm, runs: Path) -> dict:
     """`make submit NODES=2` of the shortened tiny recipe, one task per node (it also prepares the task data the
     later jobs reuse)."""
     logs, overrides = runs / "logs", [f"data.addition.work_dir={runs}/work", *_outputs(runs / "first")]
-    overrides += ["trainer.total_training_steps=4", "trainer.save_freq=2", "cluster.gpus_per_node=1"]
+    overrides += [f"trainer.total_training_steps={FIRST_STEPS}", "trainer.save_freq=2", "cluster.gpus_per_node=1"]
     make = ["make", "--no-print-directory", "submit", f"RECIPE={RECIPE}", f"LOG_DIR={logs}", "NODES=2",
             f"OVERRIDES={' '.join([*SHORT, *overrides])}"]  # fmt: skip
 
@@ -125,9 +127,9 @@ def test_make_submit_trains_the_tiny_recipe_across_two_nodes(cluster: LocalSlurm
     assert hosts == {first, second}, log[-3000:]
     assert re.search(r"^rendezvous (\S+):", log, re.M)[1] in {first, second}
     assert "trainer exited with status 0" in log
-    assert (first_job["out"] / "ckpt" / "latest").read_text().strip() == "step_4"
+    assert (first_job["out"] / "ckpt" / "latest").read_text().strip() == f"step_{FIRST_STEPS}"
     logged = scalars(first_job["out"] / "tb")
-    assert sorted(logged["actor/pg_loss"]) == [1, 2, 3, 4]
+    assert sorted(logged["actor/pg_loss"]) == list(range(1, FIRST_STEPS + 1))
     job_dir = first_job["logs"] / f"ppo-tiny-cpu-{first_job['id']}"
     assert "clip_ratio_c" in (job_dir / "config.yaml").read_text()  # the resolved config is kept with the job
 
@@ -142,16 +144,24 @@ def test_a_failing_job_ends_failed_with_the_error_in_its_log(cluster: LocalSlurm
     assert "actor.clip_ratio_c=0.5: must be > 1" in job_log(logs, job_id.strip())
 
 
-def test_preemption_checkpoints_requeues_and_resumes(cluster: LocalSlurm, runs: Path, first_job) -> None:
-    logs, out = runs / "logs", runs / "preempted"
-    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=10"]
-    # The signal goes as soon as the run has started (its preemption watch is on before any model is built; a
-    # signal before the first step is acted on after it), so it lands in the first steps of ten, never after the
-    # last, however loaded the machine: one preemption, one restart.
+def started(cluster: LocalSlurm, logs: Path, overrides: list[str], *extra: str) -> str:
+    """A job submitted with `submit` and running: its trainer's preemption watch is on (it is on before any model
+    is built; a signal before the first step is acted on after it), so a signal sent now lands in the first steps
+    of the run, however loaded the machine. Submitted again on another port when its rendezvous found the port
+    taken."""
     for port in (free_port() for _ in range(3)):
-        (job_id,) = submit(cluster, logs, overrides, port=port)
+        (job_id,) = submit(cluster, logs, overrides, *extra, port=port)
         if wait_for_line(cluster, logs, job_id, "run step 0:") or not port_taken(job_log(logs, job_id)):
             break
+    return job_id
+
+
+def test_the_time_limit_signal_checkpoints_requeues_and_resumes(cluster: LocalSlurm, runs: Path, first_job) -> None:
+    """SIGUSR1 as `#SBATCH --signal=USR1@120` sends it before the time limit (here by `scancel --signal`, which
+    leaves the job RUNNING as the warning does): the trainer saves, the batch script requeues, the job resumes."""
+    logs, out = runs / "logs", runs / "preempted"
+    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=10"]
+    job_id = started(cluster, logs, overrides)
     subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)
     job = cluster.wait_for(job_id, DONE, timeout_s=300)
     log = job_log(logs, job_id)
@@ -163,6 +173,49 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster: LocalSlurm, runs: 
     assert "resumed from" in requeued and logged_steps(requeued)[0] == int(saved.group(1)) + 1, log[-3000:]
     assert (out / "ckpt" / "latest").read_text().strip() == "step_10"
     assert sorted(scalars(out / "tb")["actor/pg_loss"]) == list(range(1, 11))  # no step lost, none repeated
+
+
+def test_scancel_saves_and_stops_the_job_for_good(cluster: LocalSlurm, runs: Path, first_job) -> None:
+    """`scancel JOBID` of a running job: SIGTERM as a preemption sends it, but the job is CANCELLED: the trainer
+    saves within KillWait, and the batch script does not requeue it."""
+    logs, out = runs / "logs", runs / "cancelled"
+    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=10"]
+    job_id = started(cluster, logs, overrides)
+    subprocess.run(["scancel", job_id], env=cluster.env, check=True)
+    cluster.wait_for(job_id, DONE, timeout_s=120)
+    time.sleep(3)  # a requeued job would be back in PENDING (Restarts=1) by now
+    job, log = cluster.job(job_id), job_log(logs, job_id)
+    assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0", (job, log[-3000:])
+    saved = re.search(r"stopped early: saved \S+/step_(\d+); exiting with 75", log)
+    assert saved, log[-3000:]  # saved first
+    assert f"cancelled: job {job_id} is not requeued" in log and "requeueing" not in log, log[-3000:]
+    assert (out / "ckpt" / "latest").read_text().strip() == f"step_{saved.group(1)}"
+
+
+def test_preemption_requeues_and_the_job_resumes_bit_exact(cluster: LocalSlurm, runs: Path, first_job) -> None:
+    """A job of partition `urgent` (higher PriorityTier, PreemptMode=REQUEUE) takes every CPU from the running job:
+    Slurm requeues it itself after SIGTERM, the trainer having saved; the requeued job resumes from that checkpoint
+    and its steps are bit for bit those of `first_job`, the same run never interrupted."""
+    logs, out = runs / "logs", runs / "preempted-by-priority"
+    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), f"trainer.total_training_steps={FIRST_STEPS}",
+                 "trainer.save_freq=2", "cluster.gpus_per_node=1"]  # fmt: skip
+    job_id = started(cluster, logs, overrides, "--nodes", "2")
+    urgent = ["sbatch", "--parsable", f"--partition={URGENT_PARTITION}", "--nodes=2", "--ntasks-per-node=2",
+              "--output=/dev/null", "--wrap=true"]  # fmt: skip
+    urgent_id = subprocess.run(urgent, env=cluster.env, capture_output=True, text=True, check=True).stdout.strip()
+    job = cluster.wait_for(job_id, DONE, timeout_s=300)
+    log = job_log(logs, job_id)
+    assert cluster.wait_for(urgent_id, DONE, timeout_s=60)["JobState"] == "COMPLETED"
+    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", (job, log[-3000:])
+    assert "DUE TO PREEMPTION" in log, log[-3000:]
+    saved = re.search(r"stopped early: saved \S+/step_(\d+); exiting with 75", log)
+    assert saved and f"preempted: Slurm requeues job {job_id}" in log and "requeueing" not in log, log[-3000:]
+    requeued = log.split("(restart 1)")[1]
+    assert "resumed from" in requeued and logged_steps(requeued)[0] == int(saved.group(1)) + 1, log[-3000:]
+    resumed, uninterrupted = scalars(out / "tb"), scalars(first_job["out"] / "tb")
+    compared = [tag for tag in uninterrupted if not tag.startswith(NOT_DETERMINISTIC)]
+    assert {"actor/pg_loss", "critic/vf_loss"} <= set(compared)
+    assert {tag: resumed[tag] for tag in compared} == {tag: uninterrupted[tag] for tag in compared}
 
 
 def test_a_chain_of_two_jobs_continues_where_the_first_stopped(cluster: LocalSlurm, runs: Path, first_job) -> None:
