@@ -41,10 +41,9 @@ def _validate(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _launch(args)
-    from megatron_ppo.checkpoint.directory import named_by_latest
     from megatron_ppo.tasks import addition
     from megatron_ppo.train.guards import GuardStopped
-    from megatron_ppo.train.preemption import Interrupted, JobStopped, Preempted, watching
+    from megatron_ppo.train.preemption import Interrupted, JobStopped, Preempted, StoppedBeforeTraining, watching
     from megatron_ppo.train.run import train
 
     config = None
@@ -57,16 +56,26 @@ def _train(args: argparse.Namespace) -> int:
         return tell_user(stop.exit_status, f"interrupted: saved {stop}; resume with: "
                                            f"{resume_command(args.recipe, args.overrides, config)}")  # fmt: skip
     except KeyboardInterrupt:  # before the training loop (nothing to save yet), or a second Ctrl-C in it
-        latest = named_by_latest(Path(config.trainer.default_local_dir)) if config is not None else None
-        kept = f"`latest` still names {latest}" if latest else "no checkpoint of this run yet"
-        return tell_user(_end_as_interrupted(), f"interrupted: nothing new saved ({kept}); resume with: "
+        return tell_user(_end_as_interrupted(), f"interrupted: nothing new saved ({_kept(config)}); resume with: "
                                                 f"{resume_command(args.recipe, args.overrides, config)}")  # fmt: skip
+    except StoppedBeforeTraining as stop:
+        return tell_user(stop.exit_status, f"stopped early by {stop} before training: nothing new to save "
+                                           f"({_kept(config)}); exiting with {stop.exit_status}, requeued unless it "
+                                           "was cancelled")  # fmt: skip
     except JobStopped as stop:
         then = "requeued unless it was cancelled" if isinstance(stop, Preempted) else "the next job resumes from it"
         return tell_user(stop.exit_status, f"stopped early: saved {stop}; exiting with {stop.exit_status}, {then}")
     except GuardStopped as stop:
         return report_guard_stop(stop)
     return 0
+
+
+def _kept(config: PPOConfig | None) -> str:
+    """What an early stop leaves of the run: the checkpoint `latest` names, if any."""
+    from megatron_ppo.checkpoint.directory import named_by_latest
+
+    latest = named_by_latest(Path(config.trainer.default_local_dir)) if config is not None else None
+    return f"`latest` still names {latest}" if latest else "no checkpoint of this run yet"
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -7,6 +7,9 @@
   writes the file named by `$MEGATRON_PPO_PREEMPTED_MARKER`, after every rank has saved: that is what the batch
   script checks. The trainer cannot tell a cancel from a preemption; the batch script can (from the job's record
   at slurmctld) and requeues the job unless it was cancelled (`slurm/ppo.sbatch`).
+- A preemption signal before the training loop (while the data, the task, the conversions or the models are being
+  built, which can outlast the launcher's 30 s grace) stops at once: there is nothing new to save, so the process
+  writes the marker and exits `PREEMPTED_EXIT` (`StoppedBeforeTraining`); the next job starts the set-up again.
 - Job budget (`trainer.exit_interval`, `trainer.exit_duration_in_mins`): one job of a `--dependency=afterok` chain
   saves and exits 0; the next job resumes.
 - Ctrl-C (SIGINT; torchrun forwards it to each of its processes once): in the training loop it ends as a preemption
@@ -48,6 +51,11 @@ class Preempted(JobStopped):
     exit_status = PREEMPTED_EXIT
 
 
+class StoppedBeforeTraining(Preempted):
+    """A preemption signal before the training loop: nothing new to save; the marker written, exit
+    `PREEMPTED_EXIT`. The message is the signal's name."""
+
+
 class Interrupted(JobStopped):
     """Ctrl-C during the training loop: the checkpoint saved, exit `INTERRUPTED_EXIT`, not requeued."""
 
@@ -60,17 +68,22 @@ class JobBudgetReached(JobStopped):
 
 class PreemptionWatch:
     """Records a preemption signal or a Ctrl-C; `agreed()` is true on every rank once any rank got one. A Ctrl-C is
-    deferred to the iteration's end only while `in_loop` (the trainer's loop sets it)."""
+    deferred to the iteration's end only while `in_loop` (the trainer's loop sets it); a preemption signal once the
+    loop has started (`loop_started`), and before it ends the process at once (`StoppedBeforeTraining`)."""
 
     def __init__(self) -> None:
         self.signalled: int | None = None
         self.interrupted = False
         self.in_loop = False
+        self.loop_started = False
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signalled = signum
+        if not self.loop_started:
+            mark_preempted()
+            raise StoppedBeforeTraining(signal.Signals(signum).name)
 
     def _interrupt(self, signum: int, frame: FrameType | None) -> None:
         if not self.in_loop or self.interrupted:
@@ -83,7 +96,7 @@ class PreemptionWatch:
     @contextmanager
     def in_the_loop(self) -> Iterator[None]:
         """The training loop: a Ctrl-C inside it is answered after the iteration, with a checkpoint."""
-        self.in_loop = True
+        self.in_loop = self.loop_started = True
         try:
             yield
         finally:
@@ -107,8 +120,9 @@ _active: list[PreemptionWatch] = []
 
 @contextmanager
 def watching() -> Iterator[PreemptionWatch]:
-    """The watch already active (the CLI starts one before any model is built, so that a signal during setup is
-    not fatal: it is acted on after the first step), or a new one for the duration of the block."""
+    """The watch already active (the CLI starts one before any model is built, so that a signal during set-up ends
+    the job as a preemption — the marker, exit 75 — not by the signal's default action), or a new one for the
+    duration of the block."""
     if _active:
         yield _active[-1]
         return

@@ -20,6 +20,7 @@ import pytest
 from bench.tiny import RECIPE, REPO
 from megatron_ppo.checkpoint.directory import named_by_latest
 from megatron_ppo.cli import LIBRARY_NOTICES
+from megatron_ppo.train.preemption import MARKER_ENV
 from tests.faults.cases import QUICK
 
 # Two processes of data parallelism on the quick run's task cache (the shared SFT start)
@@ -31,8 +32,8 @@ LAUNCHER_NOISE = ("Traceback", "ChildFailedError", "SignalException", "torch.dis
 class Launch:
     """`python -m megatron_ppo train --nproc 2` on the tiny recipe in `folder`, its output read as it comes."""
 
-    def __init__(self, folder: Path, work: Path, *overrides: str) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "1000"}
+    def __init__(self, folder: Path, work: Path, *overrides: str, env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "1000", **(env or {})}
         env.pop("MASTER_PORT", None)
         self.folder = folder
         command = [sys.executable, "-m", "megatron_ppo", "train", "--nproc", "2", str(RECIPE), *TWO,
@@ -86,6 +87,23 @@ def test_an_error_every_worker_finds_is_said_once_with_exit_2(tmp_path: Path) ->
     assert launch.end() == 2
     _said_once(launch.output, "error:")
     assert "cannot be written (Not a directory" in launch.output
+
+
+def test_a_stop_signal_during_set_up_ends_at_once_with_75_and_the_marker(tmp_path: Path) -> None:
+    """Slurm's SIGTERM (a preemption) to the launcher while the task's SFT runs: the workers stop at once (nothing
+    new to save), the marker for the batch script written, one line, exit 75 — within the agent's 30 s grace. Before,
+    the signal was held until after the first PPO step, the agent SIGKILLed the workers at 30 s: no line, no marker,
+    torchrun's exit 1."""
+    marker = tmp_path / "preempted"
+    launch = Launch(tmp_path, tmp_path / "work", "data.addition.sft_steps=100000", env={MARKER_ENV: str(marker)})
+    launch.wait_for("rank 1/2")  # both workers up: the set-up (tokenizer, SFT) has begun
+    time.sleep(2)
+    signalled = time.monotonic()
+    launch.process.send_signal(signal.SIGTERM)
+    assert launch.end() == 75, launch.output[-3000:]
+    assert time.monotonic() - signalled < 25, "the workers must end within the agent's grace, not be killed at 30 s"
+    _said_once(launch.output, "stopped early by SIGTERM before training: nothing new to save")
+    assert marker.exists(), "the batch script requeues on the marker"
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from megatron_ppo.config import ConfigError
-from megatron_ppo.train.preemption import JobBudget, watching
+from megatron_ppo.train.preemption import MARKER_ENV, JobBudget, StoppedBeforeTraining, watching
 from slurm.submit import chain_overrides, main, sbatch_command, time_limit_minutes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,12 +107,22 @@ def test_job_budget_stops_on_the_interval_and_after_the_duration() -> None:
     assert "exit_duration_in_mins" in JobBudget(None, exit_duration_in_mins=ran_mins / 2).reason(1)  # spent already
 
 
-def test_a_signal_before_training_is_remembered_not_fatal() -> None:
+def test_a_signal_before_training_stops_at_once_as_a_preemption(tmp_path, monkeypatch) -> None:
+    """During set-up (the data, the task's SFT, a conversion: it can outlast the launcher's 30 s grace) there is
+    nothing to save: the marker for the batch script, `StoppedBeforeTraining` (exit 75) at once. Before, the signal
+    was held until after the first PPO step, and torchrun SIGKILLed the workers first: no message, no marker, no
+    requeue. Once the loop has started, a signal is remembered for the iteration's end (its checkpoint)."""
+    marker = tmp_path / "preempted"
+    monkeypatch.setenv(MARKER_ENV, str(marker))
     before = signal.getsignal(signal.SIGUSR1)
     with watching() as outer:
-        os.kill(os.getpid(), signal.SIGUSR1)  # during setup: the default action would end the process
-        with watching() as inner:  # what PPOTrainer.fit then uses
-            assert inner is outer and inner.signalled == signal.SIGUSR1 and inner.agreed()
+        with pytest.raises(StoppedBeforeTraining, match="SIGUSR1") as stopped:
+            os.kill(os.getpid(), signal.SIGUSR1)  # during set-up
+        assert stopped.value.exit_status == 75 and marker.exists()
+        with watching() as inner, inner.in_the_loop():  # what PPOTrainer.fit then uses
+            assert inner is outer
+            os.kill(os.getpid(), signal.SIGUSR1)  # in the loop: remembered, not raised
+            assert inner.signalled == signal.SIGUSR1 and inner.agreed()
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
