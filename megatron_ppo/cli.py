@@ -50,7 +50,10 @@ def _train(args: argparse.Namespace) -> int:
     try:
         with watching():
             config = load_config(args.recipe, args.overrides)
-            (addition.run if config.data.task == "addition" else train)(config)
+            try:
+                (addition.run if config.data.task == "addition" else train)(config)
+            finally:
+                _report_to_trackers(config)
     except Interrupted as stop:
         _end_as_interrupted()
         return tell_user(stop.exit_status, f"interrupted: saved {stop}; resume with: "
@@ -68,6 +71,15 @@ def _train(args: argparse.Namespace) -> int:
     except GuardStopped as stop:
         return report_guard_stop(stop)
     return 0
+
+
+def _report_to_trackers(config: PPOConfig) -> None:
+    """The run's summary and figure to the trackers that keep artifacts (MLflow: `runs/tracking.py`), from the
+    process that logged, once the job's logger has closed its TensorBoard files."""
+    if "mlflow" in config.trainer.logger:
+        from megatron_ppo.runs.tracking import publish_report
+
+        publish_report(config)
 
 
 def _kept(config: PPOConfig | None) -> str:

@@ -755,8 +755,9 @@ class TrainerConfig(Freezable):
     log_dir: str = per_job("outputs/tensorboard", RUN_CONTROL, "TensorBoard root: events go to <log_dir>/<run id>/")
     logger: list[str] = described(
         default_factory=lambda: ["console", "tensorboard"],
-        doc="where metrics go: console, tensorboard, wandb (the wandb extra)",
-        **each_of(("console", "tensorboard", "wandb"), **{PER_JOB: RUN_CONTROL}),
+        doc="where metrics go: console, tensorboard, wandb (the wandb extra), mlflow (the mlflow extra; the server "
+        "from MLFLOW_TRACKING_URI)",
+        **each_of(("console", "tensorboard", "wandb", "mlflow"), **{PER_JOB: RUN_CONTROL}),
     )
     resume_mode: str = per_job(
         choice(

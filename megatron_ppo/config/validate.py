@@ -151,11 +151,12 @@ def _cross_key_problems(c: PPOConfig) -> list[str]:
             "trainer.overwrite=true moves other runs' checkpoints aside, but with trainer.resume_mode='auto' the run "
             "would continue the one `latest` names; set trainer.resume_mode=disable for a new run"
         )
-    if "wandb" in c.trainer.logger and importlib.util.find_spec("wandb") is None:
-        p.append(
-            f"trainer.logger={c.trainer.logger!r}: wandb is not installed; install the extra (pip install "
-            "'megatron-ppo[wandb]') or drop wandb from the list"
-        )
+    for logger in ("wandb", "mlflow"):
+        if logger in c.trainer.logger and importlib.util.find_spec(logger) is None:
+            p.append(
+                f"trainer.logger={c.trainer.logger!r}: {logger} is not installed; install the extra (pip install "
+                f"'megatron-ppo[{logger}]') or drop {logger} from the list"
+            )
     critic_model = c.critic.model
     if critic_model.hf_checkpoint and critic_model.init_checkpoint:
         p.append(

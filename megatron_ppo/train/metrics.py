@@ -1,4 +1,5 @@
-"""Metrics: TensorBoard event files, the console and (optional) Weights & Biases, written by global rank 0 only."""
+"""Metrics: TensorBoard event files, the console and (optional) Weights & Biases and MLflow, written by global rank 0
+only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.train.metrics_mlflow import MlflowLogger
 
 CONSOLE_KEYS = (
     "reward/mean",
@@ -31,8 +33,8 @@ def is_logging_rank() -> bool:
 
 
 class MetricsLogger:
-    """Scalars to `log_dir` (TensorBoard) and W&B under the same names, and a one-line summary plus a progress bar
-    with ETA on the console.
+    """Scalars to `log_dir` (TensorBoard), W&B and MLflow under the same names, and a one-line summary plus a
+    progress bar with ETA on the console.
 
     The trainer passes its run's own folder, `<trainer.log_dir>/<run id>` (`checkpoint/run_start.py`), so event files of
     two runs never mix; a resumed run appends to its folder, and a step written again wins in `report`.
@@ -40,8 +42,9 @@ class MetricsLogger:
     config, its id the run id (a resumed run continues it), its files under `log_dir/wandb`; `WANDB_MODE=offline`
     keeps them there. W&B keeps the first value of a step: the steps a rollback repeats stay as first logged there.
     Events (`event`) are TensorBoard text and console lines; W&B records them with the console output when
-    `console` is on. Beside the event files, `run.json` holds the run's identity, resolved config and planned steps
-    (written at each job's start), from which `report --plot` draws the KL stages and guard thresholds."""
+    `console` is on. MLflow (`mlflow` in `loggers`): `metrics_mlflow.py`. Beside the event files, `run.json` holds
+    the run's identity, resolved config and planned steps (written at each job's start), from which `report --plot`
+    draws the KL stages and guard thresholds."""
 
     def __init__(
         self,
@@ -58,6 +61,9 @@ class MetricsLogger:
         if self.writer is not None and config is not None and run_id is not None:
             RunIdentity.of(run_id, config, total_steps).write(log_dir)
         self.wandb = _start_wandb(Path(log_dir), config, run_id) if self.enabled and "wandb" in loggers else None
+        self.mlflow = (
+            _start_mlflow(Path(log_dir), config, run_id, total_steps) if self.enabled and "mlflow" in loggers else None
+        )
         self.to_console = self.enabled and "console" in loggers
         self.progress = None
         if self.to_console:
@@ -77,6 +83,8 @@ class MetricsLogger:
             self.writer.flush()
         if self.wandb is not None:
             self.wandb.log(dict(metrics), step=step)
+        if self.mlflow is not None:
+            self.mlflow.log(step, metrics)
         if self.to_console:
             shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
             if shown:  # a guard's or an evaluation's scalars alone have their own event line
@@ -84,9 +92,11 @@ class MetricsLogger:
             self.progress.update(self.task, completed=step)
 
     def event(self, step: int, tag: str, message: str) -> None:
-        """A guard or checkpoint event: a console line and a TensorBoard text entry."""
+        """A guard or checkpoint event: a console line, a TensorBoard text entry and a line of MLflow's events file."""
         if not self.enabled:
             return
+        if self.mlflow is not None:
+            self.mlflow.event(step, tag, message)
         if self.writer is not None:
             self.writer.add_text(tag, message, step)
             self.writer.flush()
@@ -100,6 +110,8 @@ class MetricsLogger:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.mlflow is not None:
+            self.mlflow.close()
 
 
 def _start_wandb(log_dir: Path, config: PPOConfig | None, run_id: str | None) -> Any:
@@ -118,3 +130,11 @@ def _start_wandb(log_dir: Path, config: PPOConfig | None, run_id: str | None) ->
         project=config.trainer.project_name, name=config.trainer.experiment_name, id=run_id, resume="allow",
         dir=str(log_dir), config=dataclasses.asdict(config),
     )  # fmt: skip
+
+
+def _start_mlflow(log_dir: Path, config: PPOConfig | None, run_id: str | None, total_steps: int) -> MlflowLogger | None:
+    """The MLflow run for `config` (see `metrics_mlflow.py`); None when MLflow cannot be reached (it said so)."""
+    if config is None or run_id is None:
+        raise ValueError("the mlflow logger needs the run's config and run id (MetricsLogger(config=, run_id=))")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return MlflowLogger.start(log_dir, config, run_id, total_steps)

@@ -1,0 +1,90 @@
+"""The MLflow logger's pieces against MLflow itself: its limits, the config as parameters a real store accepts and
+gives back, metric names, the reachability probe, the config checks, and that nothing imports mlflow unless asked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.ports import free_port
+from bench.tiny import RECIPE
+from megatron_ppo.checkpoint.run_identity import flatten_config
+from megatron_ppo.config import load_config
+from megatron_ppo.config.errors import ConfigError
+from megatron_ppo.train import metrics_mlflow
+from megatron_ppo.train.metrics_mlflow import config_params, cut, metric_name, unreachable
+
+
+def test_the_limits_are_mlflows_own() -> None:
+    from mlflow.utils import validation
+
+    assert (metrics_mlflow.MAX_PARAM_VALUE, metrics_mlflow.MAX_TAG_VALUE, metrics_mlflow.MAX_KEY) == (
+        validation.MAX_PARAM_VAL_LENGTH, validation.MAX_TAG_VAL_LENGTH, validation.MAX_ENTITY_KEY_LENGTH,
+    )  # fmt: skip
+    assert (metrics_mlflow.MAX_PARAMS_PER_BATCH, metrics_mlflow.MAX_METRICS_PER_BATCH) == (
+        validation.MAX_PARAMS_TAGS_PER_BATCH, validation.MAX_METRICS_PER_BATCH,
+    )  # fmt: skip
+
+
+def test_the_config_as_parameters_is_accepted_and_read_back_by_a_real_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+
+    long_path = "x" * 7000
+    config = load_config(RECIPE, ["trainer.logger=[console,mlflow]", f"trainer.project_name={long_path}"])
+    params = config_params(config)
+    assert params.keys() == flatten_config(config).keys(), "one parameter per dotted key, as overrides name them"
+    assert params["trainer.logger"] == '["console", "mlflow"]' and params["data.train_batch_size"] == "512"
+    assert params["trainer.project_name"] == "x" * 5999 + "…"
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(f"file://{tmp_path}/mlruns")
+    run = client.create_run(client.create_experiment("params"))
+    items = [Param(key, value) for key, value in params.items()]
+    for start in range(0, len(items), metrics_mlflow.MAX_PARAMS_PER_BATCH):
+        client.log_batch(run.info.run_id, params=items[start : start + metrics_mlflow.MAX_PARAMS_PER_BATCH])
+    assert client.get_run(run.info.run_id).data.params == params
+
+
+def test_cut_keeps_short_text_and_marks_what_it_cuts() -> None:
+    assert cut("abc", 3) == "abc"
+    assert cut("abcd", 3) == "ab…"
+
+
+def test_metric_names_keep_tensorboard_tags_and_replace_what_mlflow_refuses() -> None:
+    for tag in ("actor/pg_loss", "kl/coef", "eval/reward_mean", "perf/tokens_per_s", "guard/rollback"):
+        assert metric_name(tag) == tag
+    assert metric_name("eval//acc@1 (top)") == "eval/acc_1 _top_"
+
+
+def test_an_unreachable_server_is_found_at_once_and_a_store_that_is_no_server_is_not_probed() -> None:
+    started = time.monotonic()
+    reason = unreachable(f"http://127.0.0.1:{free_port()}")
+    assert reason is not None and "ConnectionError" in reason
+    assert time.monotonic() - started < metrics_mlflow.PROBE_TIMEOUT_S
+    assert unreachable("sqlite:///mlflow.db") is None and unreachable("file:///tmp/mlruns") is None
+
+
+def test_validate_takes_mlflow_and_refuses_a_misspelled_logger_with_the_names() -> None:
+    assert load_config(RECIPE, ["trainer.logger=[console,mlflow]"]).trainer.logger == ["console", "mlflow"]
+    with pytest.raises(
+        ConfigError, match=r"unknown \['mlfow'\]; use any of 'console', 'tensorboard', 'wandb', 'mlflow'"
+    ):
+        load_config(RECIPE, ["trainer.logger=[console,mlfow]"])
+
+
+def test_mlflow_without_the_extra_is_refused_with_the_install_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # Python's own way to make an import fail
+    with pytest.raises(ConfigError, match=r"mlflow is not installed; install the extra \(pip install 'megatron-ppo"):
+        load_config(RECIPE, ["trainer.logger=[console,mlflow]"])
+
+
+def test_mlflow_is_imported_only_when_asked_for() -> None:
+    code = "import sys, megatron_ppo.train.metrics, megatron_ppo.cli; sys.exit('mlflow' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
