@@ -34,6 +34,7 @@ INTERNAL = {
     "Preempted": "a JobStopped",
     "JobBudgetReached": "a JobStopped",
     "Interrupted": "a JobStopped (Ctrl-C in the training loop: exit 130)",
+    "StoppedBeforeTraining": "a Preempted (a stop signal during set-up: nothing to save, the marker, exit 75)",
     "GuardStopped": "a guard's stop: its own one line and exit status (`cli.report_guard_stop`)",
 }
 
