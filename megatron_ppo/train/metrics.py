@@ -4,6 +4,10 @@ only."""
 from __future__ import annotations
 
 import dataclasses
+import errno
+import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.utils.tensorboard import SummaryWriter
 
 from megatron_ppo.checkpoint.run_identity import RunIdentity
+from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.train.metrics_mlflow import MlflowLogger
 
@@ -26,6 +31,25 @@ CONSOLE_KEYS = (
     "critic/vf_loss",
     "actor/grad_norm",
 )
+
+
+class LogWriteError(UserError):
+    """The run's logs cannot be written (`trainer.log_dir`): a full disk above all."""
+
+
+def leave_tensorboard_write_errors_to_the_logger() -> None:
+    """TensorBoard's writer thread re-raises a write the filesystem refused, which `threading` prints as a traceback
+    of its own; the logger reports it (`LogWriteError`, once) at its next write, so the thread's is not printed.
+    Installed once per process; every other thread's error is printed as before."""
+    previous = threading.excepthook
+    if getattr(previous, "__name__", "") == "_reported_by_the_logger":
+        return
+
+    def _reported_by_the_logger(args: threading.ExceptHookArgs) -> None:
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith("tensorboard.")):
+            previous(args)
+
+    threading.excepthook = _reported_by_the_logger
 
 
 def is_logging_rank() -> bool:
@@ -56,8 +80,11 @@ class MetricsLogger:
         run_id: str | None = None,
     ) -> None:
         self.enabled = is_logging_rank()
+        self.log_dir = Path(log_dir)
         self.console = Console(stderr=True)
         self.writer = SummaryWriter(str(log_dir)) if self.enabled and "tensorboard" in loggers else None
+        if self.writer is not None:
+            leave_tensorboard_write_errors_to_the_logger()
         if self.writer is not None and config is not None and run_id is not None:
             RunIdentity.of(run_id, config, total_steps).write(log_dir)
         self.wandb = _start_wandb(Path(log_dir), config, run_id) if self.enabled and "wandb" in loggers else None
@@ -78,9 +105,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+            self._to_tensorboard(lambda writer: [writer.add_scalar(k, v, step) for k, v in metrics.items()])
         if self.wandb is not None:
             self.wandb.log(dict(metrics), step=step)
         if self.mlflow is not None:
@@ -98,10 +123,27 @@ class MetricsLogger:
         if self.mlflow is not None:
             self.mlflow.event(step, tag, message)
         if self.writer is not None:
-            self.writer.add_text(tag, message, step)
-            self.writer.flush()
+            self._to_tensorboard(lambda writer: writer.add_text(tag, message, step))
         if self.to_console:
             self.console.log(f"[yellow]{tag}[/yellow] step {step}: {message}")
+
+    def _to_tensorboard(self, write: Callable[[SummaryWriter], Any]) -> None:
+        """`write` to the event file, flushed. A write the filesystem refuses (TensorBoard's writer thread raises it
+        at the next write or flush, and again at every later one) ends the run with a `LogWriteError` naming
+        `trainer.log_dir`; the writer is then dropped, so that closing the logger does not raise it once more."""
+        try:
+            write(self.writer)
+            self.writer.flush()
+        except OSError as error:
+            self.writer = None
+            free = shutil.disk_usage(self.log_dir).free / 2**20 if self.log_dir.is_dir() else 0.0
+            full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+            cause = "the disk is full" if full else error.strerror or type(error).__name__
+            raise LogWriteError(
+                f"the run's metrics could not be written to {self.log_dir} ({cause}; {free:.1f} MiB free): free space "
+                "there, or point trainer.log_dir at a larger disk, and resume (`latest` names the last checkpoint; the "
+                "steps since it are lost)"
+            ) from None
 
     def close(self) -> None:
         if self.progress is not None:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from bench.ports import free_port
 from bench.tiny import RECIPE, REPO
-from megatron_ppo.cli import LIBRARY_NOTICES
+from megatron_ppo.checkpoint.directory import named_by_latest
+from megatron_ppo.cli import BUG, LIBRARY_NOTICES
 
 # One process, a quick SFT start: what is tested is what a fault does to the run's files, not how well it learns
 QUICK = [
@@ -211,6 +212,23 @@ def disk_full_at_save(folder: Path, work: Path) -> Outcome:
                    output)  # fmt: skip
 
 
+def disk_full_with_the_logs(folder: Path, work: Path) -> Outcome:
+    """The TensorBoard logs on a disk that fills up after the run has started (64 KiB left of 4 MiB): the logs'
+    next write finds it full. One disk-full line naming trainer.log_dir, exit 2, the last checkpoint kept (before:
+    TensorBoard's flush raised ENOSPC, its close raised it again: a traceback and "this is a bug")."""
+    space, ckpt = folder / "small-disk", folder / "ckpt"
+    space.mkdir()
+    fill = f"head -c {4 * 2**20 - 64 * 2**10} /dev/zero > {space}/other-files"
+    code, output = cli(folder, work, ["train", "trainer.resume_mode=disable", "trainer.overwrite=true",
+                                      "trainer.total_training_steps=40", f"trainer.log_dir={space}/tb"],
+                       wrap=_mounted(f"mount -t tmpfs -o size=4m tmpfs {space} && {fill}"))  # fmt: skip
+    saw = error_line(output)
+    latest = named_by_latest(ckpt)
+    ok = code == 2 and "the disk is full" in saw and "trainer.log_dir" in saw and "Traceback" not in output
+    ok = ok and BUG not in output and latest is not None and latest.is_dir()
+    return Outcome(code, saw, f"latest names {latest.name if latest else 'nothing'}", ok, output)
+
+
 def taken_port(folder: Path, work: Path) -> Outcome:
     import socket
 
@@ -268,6 +286,7 @@ CASES = [
     ),
     Case("second job", "train while another job holds the run directory", second_job),
     Case("disk full", "the checkpoint directory's disk fills up during the first save", disk_full_at_save),
+    Case("disk full, logs", "the checkpoints' and the logs' one disk fills up", disk_full_with_the_logs),
     Case("run id a path", "run.json of step_6 names the run '../../escaped'", run_id_is_a_path, in_tests=False),
     Case(
         "read-only directory",
