@@ -189,10 +189,11 @@ def test_save_freq_minus_one_means_never_and_below_is_refused() -> None:
         load_config(TINY, ["trainer.save_freq=-2"])
 
 
-def test_wandb_without_the_extra_is_refused_with_the_install_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "wandb", None)  # Python's own way to make an import fail
-    with pytest.raises(ConfigError, match=r"wandb is not installed; install the extra \(pip install 'megatron-ppo"):
-        load_config(TINY, ["trainer.logger=[console,wandb]"])
+@pytest.mark.parametrize("logger", ["wandb", "mlflow"])
+def test_a_logger_without_its_extra_is_refused_with_the_install_line(logger: str, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, logger, None)  # Python's own way to make an import fail
+    with pytest.raises(ConfigError, match=rf"{logger} is not installed; install the extra \(pip install 'megatron-ppo"):
+        load_config(TINY, [f"trainer.logger=[console,{logger}]"])
 
 
 def test_per_role_layouts_are_refused_naming_the_verl_keys_and_the_nearest_shared_layout() -> None:
