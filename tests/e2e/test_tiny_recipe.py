@@ -166,7 +166,8 @@ def test_a_run_killed_preempted_and_resumed_at_tp1_and_back_at_tp2_reproduces_th
     assert "resumed from" in log and f"step_{killed_step}" in log, log[-3000:]
     saved_step = int((ckpt / "latest").read_text().strip().removeprefix("step_"))
     said = [line for line in log.splitlines() if line.startswith("interrupted:")]
-    resume = f"interrupted: saved {ckpt}/step_{saved_step}; resume with: torchrun --nproc_per_node 2 -m megatron_ppo"
+    relaunch = "torchrun --standalone --nproc_per_node 2 -m megatron_ppo"  # as launched, --standalone kept
+    resume = f"interrupted: saved {ckpt}/step_{saved_step}; resume with: {relaunch}"
     assert len(said) == 1 and said[0].startswith(resume) and "trainer.save_freq=0" in said[0], said
     exits = re.findall(r"exitcode\s*:\s*(-?\d+)", log)  # torchrun's report of each rank that had ended
     assert status != 0 and exits and set(exits) == {"130"}, f"exit {status}, ranks {exits}; log:\n{log[-3000:]}"
