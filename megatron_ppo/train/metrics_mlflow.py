@@ -157,7 +157,8 @@ class MlflowLogger:
         self.client = client
         self.run_id = mlflow_run_id
         self.total_steps = total_steps
-        self.job = time.strftime("%Y%m%d-%H%M%S", time.gmtime())  # names this job's events file
+        started = time.time()  # names this job's events file, to the millisecond (two jobs of a second apart)
+        self.job = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(started))}.{int(started % 1 * 1000):03d}"
         self.events: list[str] = []
         self.rollbacks: list[str] = []  # the steps of the run's rollbacks, earlier jobs' first
         self.last_step = 0

@@ -1,5 +1,6 @@
 """The MLflow logger's pieces against MLflow itself: its limits, the config as parameters a real store accepts and
-gives back, metric names, the reachability probe, the config checks, and that nothing imports mlflow unless asked."""
+gives back, metric names, the reachability probe, the config checks, a run's rollbacks and jobs through
+`MetricsLogger` into a real store, and that nothing imports mlflow unless asked."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import pytest
 
 from bench.ports import free_port
 from bench.tiny import RECIPE
-from megatron_ppo.checkpoint.run_identity import flatten_config
+from megatron_ppo.checkpoint.run_identity import flatten_config, new_run_id
 from megatron_ppo.config import load_config
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.train import metrics_mlflow
+from megatron_ppo.train.metrics import MetricsLogger
 from megatron_ppo.train.metrics_mlflow import config_params, cut, metric_name, unreachable
+from tests.support.mlflow_store import assert_same_scalars
 
 
 def test_the_limits_are_mlflows_own() -> None:
@@ -82,3 +85,50 @@ def test_validate_takes_mlflow_and_refuses_a_misspelled_logger_with_the_names() 
 def test_mlflow_is_imported_only_when_asked_for() -> None:
     code = "import sys, megatron_ppo.train.metrics, megatron_ppo.cli; sys.exit('mlflow' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_rollbacks_replay_into_the_metric_history_across_jobs_and_a_second_run_is_a_new_mlflow_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's writes around two rollbacks (a guard fires at a step: its event and `guard/rollback`, then the
+    steps since the good checkpoint are logged again), over two jobs of one run, through `MetricsLogger` to
+    TensorBoard and a real MLflow store: every write is in the metric's history, the tag names both rollbacks'
+    steps, the second job continues the MLflow run; a second run in the experiment is a new MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    store = f"file://{tmp_path}/mlruns"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    for name in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.delenv(name, raising=False)
+    config = load_config(RECIPE, ["trainer.logger=[tensorboard,mlflow]", "trainer.project_name=rollbacks"])
+    loggers = ["tensorboard", "mlflow"]
+    first, second = new_run_id(1_000_000_000), new_run_id(1_000_000_100)
+
+    def job(run_id: str, writes: list[tuple[int, dict[str, float]]]) -> None:
+        logger = MetricsLogger(tmp_path / run_id, loggers, total_steps=4, config=config, run_id=run_id)
+        for step, metrics in writes:
+            if "guard/rollback" in metrics:
+                logger.event(step, "guard/rollback", "rolled back")
+            logger.log(step, metrics)
+        logger.close()
+
+    def reward(step: int, replay: int = 0) -> tuple[int, dict[str, float]]:
+        return step, {"reward/mean": step + 0.5 * replay, "actor/pg_loss": -0.01 * step}
+
+    job(first, [reward(1), reward(2), (3, {"guard/rollback": 1.0}), reward(2, replay=1)])
+    job(first, [reward(3), (4, {"guard/rollback": 2.0}), reward(3, replay=1), reward(4)])
+    job(second, [reward(1)])
+
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("rollbacks")
+    found = {run.data.tags["megatron_ppo.run_id"]: run for run in client.search_runs([experiment.experiment_id])}
+    assert sorted(found) == [first, second] and found[first].info.run_id != found[second].info.run_id
+    rolled_back = found[first]
+    assert rolled_back.info.status == "FINISHED", "the second job reached the run's last step"
+    logged = assert_same_scalars(client, rolled_back, tmp_path / first)
+    assert logged["guard/rollback"] == [(3, 1.0), (4, 2.0)]
+    assert rolled_back.data.tags[metrics_mlflow.ROLLBACKS_TAG] == "3, 4", "the first job's rollback is kept"
+    history = [(m.step, m.value) for m in client.get_metric_history(rolled_back.info.run_id, "reward/mean")]
+    assert sorted(history) == [(1, 1.0), (2, 2.0), (2, 2.5), (3, 3.0), (3, 3.5), (4, 4.0)], "no value overwritten"
+    assert len(client.list_artifacts(rolled_back.info.run_id, "events")) == 2, "one events file for each job"
