@@ -4,8 +4,8 @@ summary in one MLflow run, written by global rank 0 through `MetricsLogger`.
 Where: MLflow's own settings. The server is `MLFLOW_TRACKING_URI` (unset: MLflow's default store); the experiment
 `MLFLOW_EXPERIMENT_ID`, else `MLFLOW_EXPERIMENT_NAME`, else `trainer.project_name` (verl's); the MLflow run's name is
 `trainer.experiment_name` (verl's); `MLFLOW_RUN_ID` logs into that run (as verl does, for platforms that start it).
-No config key of our own: verl has none, and NeMo-RL's (`logger.mlflow.experiment_name`, `run_name`,
-`tracking_uri`) are what `trainer.project_name`, `trainer.experiment_name` and `MLFLOW_TRACKING_URI` already say.
+No config key of our own: verl has none, and NeMo-RL's (`logger.mlflow.experiment_name`, `run_name`, `tracking_uri`)
+are what `trainer.project_name`, `trainer.experiment_name` and `MLFLOW_TRACKING_URI` already say.
 
 What: every scalar under its TensorBoard name at its step (a name with characters MLflow refuses has them replaced by
 `_`, as verl does); the resolved config as parameters (dotted keys as in overrides, values as JSON, cut to MLflow's
@@ -17,14 +17,13 @@ line adds them after the job, `runs/tracking.py`, into the MLflow run `finished_
 `megatron_ppo.recipe`, `megatron_ppo.command`, `megatron_ppo.layout` and MLflow's `mlflow.source.git.commit`.
 
 One run across jobs: the MLflow run's id is kept in the run's log folder (`mlflow.json`, beside `run.json`), so a
-resumed job (Ctrl-C, requeue, crash) continues it; a new run (a new run id, a new log folder) starts a new MLflow
-run. MLflow parameters cannot change: a job that changes a per-job key (`trainer.total_training_steps`, …) keeps
-the first job's parameter, and its own value is in `config.yaml` as that job wrote it. Each job ends the MLflow run
-FINISHED at the run's last step, KILLED before it (the next job sets it RUNNING again).
-
-Rollbacks: the steps a rollback replays are logged again; MLflow keeps every value in a metric's history, each with
-its time (`MlflowClient.get_metric_history`), so nothing is overwritten: the later value of a step is the replay's.
-The `guard/rollback` scalar marks each rollback's step, and the tag `megatron_ppo.rollbacks` lists them.
+resumed job (Ctrl-C, requeue, crash) continues it; a new run (a new run id and log folder) is a new MLflow run.
+Parameters cannot change: a job that changes a per-job key (`trainer.total_training_steps`, …) keeps the first
+job's parameter (its own value is in its `config.yaml`). A job ends the MLflow run FINISHED at the run's last step,
+KILLED before it (the next job sets it RUNNING). Rollbacks: the steps a rollback replays are logged again, and
+MLflow keeps every value of a metric's history with its time (`get_metric_history`): nothing is overwritten, the
+later value of a step is the replay's; `guard/rollback` marks each rollback's step, the tag `megatron_ppo.rollbacks`
+lists them.
 
 Never in the way: a server an HTTP probe cannot reach in `PROBE_TIMEOUT_S`, or any failure to start, is one warning
 line and the job goes on without MLflow; a failure later (the server gone mid-run) is one more line and the same.
@@ -40,7 +39,9 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from itertools import batched
 from pathlib import Path
 from typing import Any
 
@@ -140,14 +141,8 @@ def unreachable(tracking_uri: str) -> str | None:
 
 
 def warn(message: str) -> None:
-    """One warning line on stderr (a multi-line error folded into it), whatever `trainer.logger` says of the
-    console."""
+    """One warning line on stderr (a multi-line error folded into it), whatever `trainer.logger` says."""
     print(f"warning: MLflow: {' '.join(message.split())}", file=sys.stderr, flush=True)
-
-
-def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 class MlflowLogger:
@@ -157,8 +152,7 @@ class MlflowLogger:
         self.client = client
         self.run_id = mlflow_run_id
         self.total_steps = total_steps
-        started = time.time()  # names this job's events file, to the millisecond (two jobs of a second apart)
-        self.job = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(started))}.{int(started % 1 * 1000):03d}"
+        self.job = datetime.now(UTC).strftime("%Y%m%d-%H%M%S.%f")[:-3]  # this job's events file: its start, to the ms
         self.events: list[str] = []
         self.rollbacks: list[str] = []  # the steps of the run's rollbacks, earlier jobs' first
         self.last_step = 0
@@ -205,8 +199,8 @@ class MlflowLogger:
         earlier_rollbacks = run.data.tags.get(ROLLBACKS_TAG)
         self.rollbacks = earlier_rollbacks.split(", ") if earlier_rollbacks else []
         new = [Param(key, value) for key, value in config_params(config).items() if key not in run.data.params]
-        for batch in _chunks(new, MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=batch)
+        for batch in batched(new, MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=list(batch))
         self.client.log_dict(self.run_id, dataclasses.asdict(config), "config.yaml")
         recipe = launched_recipe(sys.argv)
         if recipe is not None:
@@ -227,8 +221,8 @@ class MlflowLogger:
         self._guarded(f"step {step}", lambda: self._log_batch(entries, tags))
 
     def _log_batch(self, entries: list[Any], tags: list[Any]) -> None:
-        for batch in _chunks(entries, MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=batch)
+        for batch in batched(entries, MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=list(batch))
         if tags:
             self.client.log_batch(self.run_id, tags=tags)
 
