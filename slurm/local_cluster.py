@@ -54,6 +54,7 @@ MpiDefault=none
 ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=30
+MinJobAge=3600
 SchedulerParameters=sched_interval=1,bf_interval=1
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE

@@ -1,7 +1,9 @@
 """The launch path against a real Slurm (munge, slurmctld and two slurmds, two nodes on this host, started for this
 module by `slurm/local_cluster.py`): `make submit` of the tiny recipe across two nodes (a task each), a failing job,
-preemption → requeue → resume, and a chain of two jobs of two tasks on one node. Skipped, with the reason, only
-where Slurm is not installed (`.ci/run` installs it; by hand: `sudo python3 slurm/local_cluster.py install`)."""
+the time limit's signal → requeue → resume, `scancel`, a chain of two jobs of two tasks on one node (these three
+side by side, as jobs share a cluster), and preemption → requeue → resume, alone (it takes every CPU). Skipped, with
+the reason, only where Slurm is not installed (`.ci/run` installs it; by hand: `sudo python3 slurm/local_cluster.py
+install`)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-cpu.yaml"
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 FIRST_STEPS = 6  # of `first_job`, the uninterrupted run a preempted one is compared with: room for the preemption
+SIGNALLED_STEPS = 10  # of the jobs signalled once they run (time limit, scancel): room for the signal, under load
 NOT_DETERMINISTIC = ("perf/", "timing/")  # wall-clock measurements: the rest of a run's scalars repeat bit for bit
 # The tiny recipe cut down to seconds: a small task, a short SFT, small batches (its learning is tested in tests/e2e).
 SHORT = [
@@ -144,26 +147,46 @@ def test_a_failing_job_ends_failed_with_the_error_in_its_log(cluster: LocalSlurm
     assert "actor.clip_ratio_c=0.5: must be > 1" in job_log(logs, job_id.strip())
 
 
-def started(cluster: LocalSlurm, logs: Path, overrides: list[str], *extra: str) -> str:
-    """A job submitted with `submit` and running: its trainer's preemption watch is on (it is on before any model
-    is built; a signal before the first step is acted on after it), so a signal sent now lands in the first steps
-    of the run, however loaded the machine. Submitted again on another port when its rendezvous found the port
-    taken."""
-    for port in (free_port() for _ in range(3)):
-        (job_id,) = submit(cluster, logs, overrides, *extra, port=port)
-        if wait_for_line(cluster, logs, job_id, "run step 0:") or not port_taken(job_log(logs, job_id)):
-            break
-    return job_id
+def started(cluster: LocalSlurm, logs: Path, jobs: list[tuple[list[str], tuple[str, ...]]],
+            then: Callable[[str], object] = lambda job_id: None) -> list[str]:  # fmt: skip
+    """Jobs submitted with `submit` (overrides, extra arguments) all at once, each waited for until it runs and then
+    given to `then`: its trainer's preemption watch is on (it is on before any model is built; a signal before the
+    first step is acted on after it), so a signal sent now lands in the first steps of the run, however loaded the
+    machine. A job whose rendezvous found its port taken is submitted again on another."""
+    ids = [submit(cluster, logs, overrides, *extra)[0] for overrides, extra in jobs]
+    for index, (overrides, extra) in enumerate(jobs):
+        for port in (free_port() for _ in range(3)):
+            if wait_for_line(cluster, logs, ids[index], "run step 0:") or not port_taken(job_log(logs, ids[index])):
+                break
+            (ids[index],) = submit(cluster, logs, overrides, *extra, port=port)
+        then(ids[index])
+    return ids
 
 
-def test_the_time_limit_signal_checkpoints_requeues_and_resumes(cluster: LocalSlurm, runs: Path, first_job) -> None:
+@pytest.fixture(scope="module")
+def side_by_side(cluster: LocalSlurm, runs: Path, first_job: dict) -> dict[str, list[str]]:
+    """The jobs of the time-limit, `scancel` and chain tests, side by side on the two nodes (a job of two tasks on
+    each; the chain's first when one frees): the time limit's SIGUSR1 and `scancel` sent once their jobs run; the
+    chain's second job waits on its first (afterok)."""
+    logs, work = runs / "logs", f"data.addition.work_dir={runs}/work"
+    scancel = iter([["--signal=USR1"], []])  # the first job the time limit's warning, the second a plain scancel
+    time_limit, cancelled = started(cluster, logs, [
+        ([work, *_outputs(runs / "preempted"), f"trainer.total_training_steps={SIGNALLED_STEPS}"], ()),
+        ([work, *_outputs(runs / "cancelled"), f"trainer.total_training_steps={SIGNALLED_STEPS}"], ()),
+    ], then=lambda job: subprocess.run(["scancel", *next(scancel), job], env=cluster.env, check=True))  # fmt: skip
+    chain_overrides = [work, *_outputs(runs / "chain"), "trainer.total_training_steps=6", "trainer.exit_interval=3"]
+    chain = submit(cluster, logs, chain_overrides, "--chain", "2")
+    assert cluster.job(chain[1])["Dependency"].startswith(f"afterok:{chain[0]}"), cluster.job(chain[1])
+    return {"time limit": [time_limit], "cancelled": [cancelled], "chain": chain}
+
+
+def test_the_time_limit_signal_checkpoints_requeues_and_resumes(
+    cluster: LocalSlurm, runs: Path, side_by_side: dict
+) -> None:
     """SIGUSR1 as `#SBATCH --signal=USR1@120` sends it before the time limit (here by `scancel --signal`, which
     leaves the job RUNNING as the warning does): the trainer saves, the batch script requeues, the job resumes."""
-    logs, out = runs / "logs", runs / "preempted"
-    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=10"]
-    job_id = started(cluster, logs, overrides)
-    subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)
-    job = cluster.wait_for(job_id, DONE, timeout_s=300)
+    logs, out, (job_id,) = runs / "logs", runs / "preempted", side_by_side["time limit"]
+    job = cluster.wait_for(job_id, DONE, timeout_s=600)
     log = job_log(logs, job_id)
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", (job, log[-3000:])
     saved = re.search(r"stopped early: saved \S+/step_(\d+); exiting with 75", log)
@@ -171,18 +194,15 @@ def test_the_time_limit_signal_checkpoints_requeues_and_resumes(cluster: LocalSl
     assert f"requeueing job {job_id}" in log
     requeued = log.split("(restart 1)")[1]
     assert "resumed from" in requeued and logged_steps(requeued)[0] == int(saved.group(1)) + 1, log[-3000:]
-    assert (out / "ckpt" / "latest").read_text().strip() == "step_10"
-    assert sorted(scalars(out / "tb")["actor/pg_loss"]) == list(range(1, 11))  # no step lost, none repeated
+    assert (out / "ckpt" / "latest").read_text().strip() == f"step_{SIGNALLED_STEPS}"
+    assert sorted(scalars(out / "tb")["actor/pg_loss"]) == list(range(1, SIGNALLED_STEPS + 1))  # none lost, none twice
 
 
-def test_scancel_saves_and_stops_the_job_for_good(cluster: LocalSlurm, runs: Path, first_job) -> None:
+def test_scancel_saves_and_stops_the_job_for_good(cluster: LocalSlurm, runs: Path, side_by_side: dict) -> None:
     """`scancel JOBID` of a running job: SIGTERM as a preemption sends it, but the job is CANCELLED: the trainer
     saves within KillWait, and the batch script does not requeue it."""
-    logs, out = runs / "logs", runs / "cancelled"
-    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=10"]
-    job_id = started(cluster, logs, overrides)
-    subprocess.run(["scancel", job_id], env=cluster.env, check=True)
-    cluster.wait_for(job_id, DONE, timeout_s=120)
+    logs, out, (job_id,) = runs / "logs", runs / "cancelled", side_by_side["cancelled"]
+    cluster.wait_for(job_id, DONE, timeout_s=300)
     time.sleep(3)  # a requeued job would be back in PENDING (Restarts=1) by now
     job, log = cluster.job(job_id), job_log(logs, job_id)
     assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0", (job, log[-3000:])
@@ -192,14 +212,35 @@ def test_scancel_saves_and_stops_the_job_for_good(cluster: LocalSlurm, runs: Pat
     assert (out / "ckpt" / "latest").read_text().strip() == f"step_{saved.group(1)}"
 
 
-def test_preemption_requeues_and_the_job_resumes_bit_exact(cluster: LocalSlurm, runs: Path, first_job) -> None:
+def test_a_chain_of_two_jobs_continues_where_the_first_stopped(cluster: LocalSlurm, runs: Path, side_by_side) -> None:
+    """`submit.py --chain 2`: the second job depends on the first (afterok, checked at submission) and resumes where
+    the first stopped at its job budget."""
+    logs, out, (first, second) = runs / "logs", runs / "chain", side_by_side["chain"]
+    jobs = [cluster.wait_for(job_id, DONE, timeout_s=600) for job_id in (first, second)]
+    logs_text = [job_log(logs, job_id) for job_id in (first, second)]
+    assert [job["JobState"] for job in jobs] == ["COMPLETED", "COMPLETED"], logs_text[1][-3000:]
+    for rank in (0, 1):  # two tasks on one node: local ranks 0 and 1
+        assert re.search(rf"^{rank}: rank {rank}/2 \(local {rank}\) on ", logs_text[0], re.M), logs_text[0][-3000:]
+    assert "exiting with 0, the next job resumes" in logs_text[0]
+    assert logged_steps(logs_text[0]) == [1, 2, 3] and logged_steps(logs_text[1]) == [4, 5, 6]
+    assert "resumed from" in logs_text[1]
+    assert jobs[1]["StartTime"] >= jobs[0]["EndTime"]
+    assert (out / "ckpt" / "latest").read_text().strip() == "step_6"
+    assert sorted(scalars(out / "tb")["actor/pg_loss"]) == list(range(1, 7))
+
+
+def test_preemption_requeues_and_the_job_resumes_bit_exact(
+    cluster: LocalSlurm, runs: Path, first_job: dict, side_by_side: dict
+) -> None:
     """A job of partition `urgent` (higher PriorityTier, PreemptMode=REQUEUE) takes every CPU from the running job:
     Slurm requeues it itself after SIGTERM, the trainer having saved; the requeued job resumes from that checkpoint
     and its steps are bit for bit those of `first_job`, the same run never interrupted."""
+    for job_id in (job_id for jobs in side_by_side.values() for job_id in jobs):  # the urgent job would take theirs
+        cluster.wait_for(job_id, DONE, timeout_s=900)
     logs, out = runs / "logs", runs / "preempted-by-priority"
     overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), f"trainer.total_training_steps={FIRST_STEPS}",
                  "trainer.save_freq=2", "cluster.gpus_per_node=1"]  # fmt: skip
-    job_id = started(cluster, logs, overrides, "--nodes", "2")
+    (job_id,) = started(cluster, logs, [(overrides, ("--nodes", "2"))])
     urgent = ["sbatch", "--parsable", f"--partition={URGENT_PARTITION}", "--nodes=2", "--ntasks-per-node=2",
               "--output=/dev/null", "--wrap=true"]  # fmt: skip
     urgent_id = subprocess.run(urgent, env=cluster.env, capture_output=True, text=True, check=True).stdout.strip()
@@ -216,22 +257,3 @@ def test_preemption_requeues_and_the_job_resumes_bit_exact(cluster: LocalSlurm, 
     compared = [tag for tag in uninterrupted if not tag.startswith(NOT_DETERMINISTIC)]
     assert {"actor/pg_loss", "critic/vf_loss"} <= set(compared)
     assert {tag: resumed[tag] for tag in compared} == {tag: uninterrupted[tag] for tag in compared}
-
-
-def test_a_chain_of_two_jobs_continues_where_the_first_stopped(cluster: LocalSlurm, runs: Path, first_job) -> None:
-    logs, out = runs / "logs", runs / "chain"
-    overrides = [f"data.addition.work_dir={runs}/work", *_outputs(out), "trainer.total_training_steps=6",
-                 "trainer.exit_interval=3"]  # fmt: skip
-    first, second = submit(cluster, logs, overrides, "--chain", "2")
-    assert cluster.job(second)["Dependency"].startswith(f"afterok:{first}"), cluster.job(second)
-    jobs = [cluster.wait_for(job_id, DONE, timeout_s=300) for job_id in (first, second)]
-    logs_text = [job_log(logs, job_id) for job_id in (first, second)]
-    assert [job["JobState"] for job in jobs] == ["COMPLETED", "COMPLETED"], logs_text[1][-3000:]
-    for rank in (0, 1):  # two tasks on one node: local ranks 0 and 1
-        assert re.search(rf"^{rank}: rank {rank}/2 \(local {rank}\) on ", logs_text[0], re.M), logs_text[0][-3000:]
-    assert "exiting with 0, the next job resumes" in logs_text[0]
-    assert logged_steps(logs_text[0]) == [1, 2, 3] and logged_steps(logs_text[1]) == [4, 5, 6]
-    assert "resumed from" in logs_text[1]
-    assert jobs[1]["StartTime"] >= jobs[0]["EndTime"]
-    assert (out / "ckpt" / "latest").read_text().strip() == "step_6"
-    assert sorted(scalars(out / "tb")["actor/pg_loss"]) == list(range(1, 7))
