@@ -39,7 +39,9 @@ $(STAMP): pyproject.toml $(LOCK)
 # tier's tests (tests/unit, tests/parity) one by one, on whichever worker is free. Their launches leave the cores
 # idle a quarter of the time (one-process phases, imports, rendezvous, checkpoint writes), so 3 workers on 2 cores:
 # measured on 2 cores, the suite took 1056 s as two runs (the one-process tier first on 2 workers, then the others
-# on 2), 972 s as one run on 2 workers, 929 and 945 s on 3, 1118 s on 4.
+# on 2), 972 s as one run on 2 workers, 929 and 945 s on 3, 1118 s on 4. Again on 2026-12-06 (a larger suite):
+# 1056 s on 3 workers, 1291 s on 4; on 3 both cores were busy 99.7 % of the run (/proc/stat): the suite is bound
+# by its CPU work, and more workers only contend.
 TEST_WORKERS ?= 3
 ALL_TIERS = OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS)
 
