@@ -153,12 +153,19 @@ def started(cluster: LocalSlurm, logs: Path, jobs: list[tuple[list[str], tuple[s
     given to `then`: its trainer's preemption watch is on (it is on before any model is built; a signal before the
     first step is acted on after it), so a signal sent now lands in the first steps of the run, however loaded the
     machine. A job whose rendezvous found its port taken is submitted again on another."""
+
+    def running(job_id: str) -> bool:
+        """Waited for until it runs (True), or until it ended: False when its rendezvous found the port taken."""
+        return wait_for_line(cluster, logs, job_id, "run step 0:") or not port_taken(job_log(logs, job_id))
+
     ids = [submit(cluster, logs, overrides, *extra)[0] for overrides, extra in jobs]
     for index, (overrides, extra) in enumerate(jobs):
-        for port in (free_port() for _ in range(3)):
-            if wait_for_line(cluster, logs, ids[index], "run step 0:") or not port_taken(job_log(logs, ids[index])):
+        for _ in range(2):  # submitted again, on another free port, at most twice
+            if running(ids[index]):
                 break
-            (ids[index],) = submit(cluster, logs, overrides, *extra, port=port)
+            (ids[index],) = submit(cluster, logs, overrides, *extra)
+        else:
+            running(ids[index])
         then(ids[index])
     return ids
 
