@@ -87,6 +87,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 WORKER_GROUPS = {
     "tiny_work": ("test_fault_drill", "test_tiny_recipe"),
     "quick_run": ("test_faults", "test_two_runs_one_directory", "test_launcher"),
+    "cluster": ("test_cluster_path", "test_slurm_jobs"),  # the local Slurm (tests/slurm/conftest.py)
 }
 
 

@@ -1,5 +1,5 @@
-"""The launch path against a real Slurm (munge, slurmctld and two slurmds, two nodes on this host, started for this
-module by `slurm/local_cluster.py`): `make submit` of the tiny recipe across two nodes (a task each), a failing job,
+"""The launch path against a real Slurm (munge, slurmctld and two slurmds, two nodes on this host, shared by the Slurm
+modules: tests/slurm/conftest.py): `make submit` of the tiny recipe across two nodes (a task each), a failing job,
 the time limit's signal → requeue → resume, `scancel`, a chain of two jobs of two tasks on one node (these three
 side by side, as jobs share a cluster), and preemption → requeue → resume, alone (it takes every CPU). Skipped, with
 the reason, only where Slurm is not installed (`.ci/run` installs it; by hand: `sudo python3 slurm/local_cluster.py
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import free_port, on_a_free_port, port_taken
-from slurm.local_cluster import URGENT_PARTITION, LocalSlurm, SlurmUnavailable
+from bench.ports import free_port, port_taken
+from slurm.local_cluster import URGENT_PARTITION, LocalSlurm
+from tests.slurm.jobs import DONE, job_env, job_log, until_done
 from tests.support.tensorboard import scalars
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-cpu.yaml"
-DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 FIRST_STEPS = 6  # of `first_job`, the uninterrupted run a preempted one is compared with: room for the preemption
 SIGNALLED_STEPS = 10  # of the jobs signalled once they run (time limit, scancel): room for the signal, under load
 NOT_DETERMINISTIC = ("perf/", "timing/")  # wall-clock measurements: the rest of a run's scalars repeat bit for bit
@@ -32,18 +32,6 @@ SHORT = [
     "data.train_batch_size=64", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=32",
     "critic.ppo_mini_batch_size=32", "critic.ppo_micro_batch_size_per_gpu=32", "trainer.test_freq=0",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> LocalSlurm:
-    slurm = LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=2, nodes=2)
-    try:
-        slurm.start()
-    except SlurmUnavailable as error:
-        slurm.stop()
-        pytest.skip(f"NO REAL SLURM HERE, the Slurm tests did not run: {error}")
-    yield slurm
-    slurm.stop()
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +48,6 @@ def submit(cluster: LocalSlurm, logs: Path, overrides: list[str], *extra: str, p
     return re.findall(r"submitted job (\d+)", result.stdout)
 
 
-def job_env(cluster: LocalSlurm, port: int) -> dict[str, str]:
-    """The submitting shell's environment (sbatch passes it to the job) with the job's rendezvous port."""
-    return {**cluster.env, "MASTER_PORT": str(port)}
-
-
-def job_log(logs: Path, job_id: str) -> str:
-    found = list(logs.glob(f"*-{job_id}.out"))
-    return found[0].read_text() if found else ""
-
-
 def logged_steps(log: str) -> list[int]:
     """The PPO steps whose metrics line rank 0 printed, in order."""
     return [int(step) for step in re.findall(r" step (\d+): reward", log)]
@@ -84,17 +62,6 @@ def wait_for_line(cluster: LocalSlurm, logs: Path, job_id: str, text: str, timeo
         assert time.monotonic() < deadline, f"{text!r} never appeared; log:\n{job_log(logs, job_id)[-3000:]}"
         time.sleep(0.2)
     return True
-
-
-def until_done(cluster: LocalSlurm, logs: Path, submit_one: Callable[[int], str], timeout_s: float) -> tuple[str, dict]:
-    """`submit_one(port)` (a job id) waited for until it ends; submitted again on another port when its rendezvous
-    found the port taken (another job on this machine had it by then): (its id, `scontrol show job`)."""
-
-    def launch(port: int) -> tuple[str, dict]:
-        job_id = submit_one(port)
-        return job_id, cluster.wait_for(job_id, DONE, timeout_s=timeout_s)
-
-    return on_a_free_port(launch, log=lambda done: "" if done[1]["JobState"] == "COMPLETED" else job_log(logs, done[0]))
 
 
 @pytest.fixture(scope="module")
