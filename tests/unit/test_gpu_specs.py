@@ -23,9 +23,9 @@ def test_an_unknown_gpu_type_is_refused_naming_the_known_ones() -> None:
     assert problem.startswith("cluster.gpu_type='v100-32gb' is not one of") and all(k in problem for k in GPU_SPECS)
 
 
-@pytest.mark.parametrize("cluster", sorted((REPO / "configs" / "clusters").glob("*.yaml")), ids=lambda p: p.stem)
-def test_every_cluster_config_names_a_spec_and_plans_against_its_memory(cluster: Path) -> None:
-    config = load_config(RECIPE, [f"cluster.gpu_type={load_config(cluster).cluster.gpu_type}"])
+@pytest.mark.parametrize("cluster_yaml", sorted((REPO / "configs" / "clusters").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_cluster_config_names_a_spec_and_plans_against_its_memory(cluster_yaml: Path) -> None:
+    config = load_config(RECIPE, [f"cluster.gpu_type={load_config(cluster_yaml).cluster.gpu_type}"])
     spec = GPU_SPECS[config.cluster.gpu_type]
     result = plan(config)
     assert result.budget_gib == pytest.approx(spec.memory_gib * (1 - MARGIN))
