@@ -20,10 +20,9 @@ import yaml
 
 from megatron_ppo.runs.report import read_run
 from slurm.local_cluster import LocalSlurm
-from tests.slurm.jobs import job_env, job_log, until_done
+from tests.slurm.jobs import REPO, job_log, submitted_until_done
 from tests.support.hf_models import offline_recipe, save_hf_model
 
-REPO = Path(__file__).resolve().parents[2]
 # the adapters move the policy far enough in 2 steps that the adapter's effect on the logits shows (≫ 1e-5)
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=2e-3"]
 INPUT_IDS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(5))
@@ -70,13 +69,7 @@ def path(cluster: LocalSlurm, tmp_path_factory) -> dict:
     assert dry_run.returncode == 0, dry_run.stderr
     steps["dry run"] = dry_run.stdout
 
-    def submit_one(port: int) -> str:
-        result = subprocess.run(submit, cwd=REPO, env=job_env(cluster, port), capture_output=True, text=True)
-        assert result.returncode == 0, result.stdout + result.stderr
-        (job_id,) = re.findall(r"submitted job (\d+)", result.stdout)
-        return job_id
-
-    job_id, job = until_done(cluster, logs, submit_one, timeout_s=600)
+    job_id, job = submitted_until_done(cluster, logs, submit, timeout_s=600)
     steps["report"] = megatron_ppo("report", recipe, *overrides)
     steps["plot"] = megatron_ppo("report", recipe, *overrides, "--plot")
     megatron_ppo("convert", "mcore-to-hf", "--megatron", ckpt, "--hf-config", hf, "--out", root / "adapter")

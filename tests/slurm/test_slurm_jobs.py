@@ -18,10 +18,9 @@ import pytest
 
 from bench.ports import free_port, port_taken
 from slurm.local_cluster import URGENT_PARTITION, LocalSlurm
-from tests.slurm.jobs import DONE, job_env, job_log, until_done
+from tests.slurm.jobs import DONE, REPO, job_env, job_log, submitted_until_done
 from tests.support.tensorboard import scalars
 
-REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-cpu.yaml"
 FIRST_STEPS = 6  # of `first_job`, the uninterrupted run a preempted one is compared with: room for the preemption
 SIGNALLED_STEPS = 10  # of the jobs signalled once they run (time limit, scancel): room for the signal, under load
@@ -73,13 +72,7 @@ def first_job(cluster: LocalSlurm, runs: Path) -> dict:
     make = ["make", "--no-print-directory", "submit", f"RECIPE={RECIPE}", f"LOG_DIR={logs}", "NODES=2",
             f"OVERRIDES={' '.join([*SHORT, *overrides])}"]  # fmt: skip
 
-    def submit_one(port: int) -> str:
-        result = subprocess.run(make, cwd=REPO, env=job_env(cluster, port), capture_output=True, text=True)
-        assert result.returncode == 0, result.stdout + result.stderr
-        (job_id,) = re.findall(r"submitted job (\d+)", result.stdout)
-        return job_id
-
-    job_id, job = until_done(cluster, logs, submit_one, timeout_s=600)
+    job_id, job = submitted_until_done(cluster, logs, make, timeout_s=600)
     return {"id": job_id, "job": job, "log": job_log(logs, job_id), "logs": logs, "out": runs / "first"}
 
 
