@@ -46,6 +46,8 @@ from megatron_ppo.config.schema import GuardsConfig
 ROLE_LOSSES = {"actor": "actor/pg_loss", "critic": "critic/vf_loss"}
 UPDATE_KL = "actor/ref_kl"  # the actor update's KL to the reference (train/update.py, `actor_loss`)
 EXPERIENCE_KL = "kl/mean"  # the KL of the policy before the update (train/experience.py): the controller's input
+PROBE_PREFIX = "kl/probe_"  # the KL probe's metrics (train/kl_probe.py): after the update, on fixed rows
+PROBE_KL = PROBE_PREFIX + "mean"  # what `feedback: probe` controls, and the KL its tracking is judged on
 GUARD_STOP_EXIT = 3  # a guard's stop: not 0 (a chained job must not start), not 75 (`Preempted`: no requeue)
 ActionKind = Literal["lr_backoff", "rollback", "kl_bump", "warn", "stop"]
 

@@ -9,8 +9,7 @@ from typing import Any
 
 from megatron_ppo.algo import KLController, KLStage, StagedKLSchedule, build_kl_controller
 from megatron_ppo.config import ConfigError, PPOConfig
-from megatron_ppo.train.guards import EXPERIENCE_KL, UPDATE_KL
-from megatron_ppo.train.kl_probe import PROBE_KL, PROBE_PREFIX
+from megatron_ppo.train.guards import EXPERIENCE_KL, PROBE_KL, PROBE_PREFIX, UPDATE_KL
 
 KLCoefficient = KLController | StagedKLSchedule
 # What `KLCoefficients.step` logs: β of each term, the stage index and the target (the controller's, not a measured

@@ -30,10 +30,8 @@ from megatron_ppo.models import RoleModel, eval_mode
 from megatron_ppo.parallel.device import current_device, to_device
 from megatron_ppo.train.batch import Batch, collate
 from megatron_ppo.train.experience import forward_per_token, kl_summary, log_prob_fn
+from megatron_ppo.train.guards import PROBE_PREFIX
 from megatron_ppo.train.micro_batching import MicroBatching
-
-PROBE_PREFIX = "kl/probe_"
-PROBE_KL = PROBE_PREFIX + "mean"  # what `feedback: probe` controls, and the KL its tracking is judged on
 
 
 def probe_rows(config: PPOConfig, rows: Sequence[Row]) -> list[Row]:

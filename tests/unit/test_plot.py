@@ -6,6 +6,8 @@ applied at each step, and every guard event at its step."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -222,3 +224,18 @@ def test_missing_matplotlib_names_the_extra(staged, monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "matplotlib.figure", None)  # what `import` sees when absent
     with pytest.raises(PlotError, match=r"pip install 'megatron-ppo\[plot\]'"):
         plot_runs([staged[0]])
+
+
+def test_report_and_its_figure_read_a_run_without_importing_megatron_core(staged, tmp_path: Path) -> None:
+    """`report` and `report --plot` read TensorBoard files and `run.json` only: on a login node, or beside a run,
+    they answer in ~2 s, without megatron-core's ~4 s import (the KL probe's metric names once brought it in)."""
+    log_dir, _ = staged
+    out = tmp_path / "figure.png"
+    probe = ("import sys; from megatron_ppo.cli import main; code = main(sys.argv[1:]); "
+             "sys.exit(code or 3 * ('megatron.core' in sys.modules))")  # fmt: skip
+    for command in (["report", str(log_dir / RUN)], ["report", str(log_dir / RUN), "--plot", str(out)]):
+        result = subprocess.run([sys.executable, "-c", probe, *command], capture_output=True, text=True, check=False)
+        assert result.returncode == 0, (
+            f"{command[0]}: exit {result.returncode} (3: megatron.core was imported)\n" + (result.stderr[-2000:])
+        )
+    assert out.read_bytes()[:4] == b"\x89PNG"
