@@ -1,0 +1,70 @@
+"""`megatron_ppo.deferred_compile`: Megatron-Core's `torch.compile` decorations set up at their first call — the
+same compilation, with the same options, by dynamo itself (a counting backend here) — and not at import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_ppo.deferred_compile import compile_megatron_on_first_call
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _scaled_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 2.0 * x + y
+
+
+def _counting_backend(compilations: list[int]):
+    def backend(graph_module, example_inputs):
+        compilations.append(len(example_inputs))
+        return graph_module.forward
+
+    return backend
+
+
+def _function_of(module: str):
+    def function(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _scaled_sum(x, y)
+
+    function.__module__ = module
+    return function
+
+
+def test_a_function_of_megatrons_is_compiled_at_its_first_call_with_its_options() -> None:
+    compilations: list[int] = []
+    deferred = compile_megatron_on_first_call(backend=_counting_backend(compilations), dynamic=False)(
+        _function_of("megatron.core.fusions.example")
+    )
+    assert compilations == [], "nothing is compiled before the first call"
+    x, y = torch.arange(4.0), torch.ones(4)
+    assert torch.equal(deferred(x, y), 2.0 * x + y)
+    assert compilations == [2], "dynamo traced it once, with the two inputs"
+    assert torch.equal(deferred(x, y), 2.0 * x + y) and compilations == [2], "the second call reuses the compilation"
+    assert deferred.__name__ == "function" and deferred.__wrapped__.__module__ == "megatron.core.fusions.example"
+
+
+def test_anything_else_goes_to_torch_compile_at_once() -> None:
+    compilations: list[int] = []
+    backend = _counting_backend(compilations)
+    for other in (_function_of("my_package.model"), torch.nn.Linear(2, 2)):
+        compiled = compile_megatron_on_first_call(other, backend=backend)
+        assert hasattr(compiled, "_torchdynamo_orig_callable") or isinstance(compiled, torch.nn.Module), compiled
+        assert compiled is not other
+
+
+def test_importing_megatron_core_through_the_package_sets_up_no_compiler() -> None:
+    """In a fresh process, as every launched rank starts: Megatron's decorated functions are the deferred wrappers,
+    and inductor's compiler (`compile_fx`, its kernel templates: ~1.4 CPU-seconds) is not imported."""
+    probe = (
+        "import sys, megatron_ppo.train.run, megatron.core.jit as jit, megatron.core.fusions.fused_bias_geglu as g; "
+        "from megatron_ppo.deferred_compile import compile_megatron_on_first_call as deferred; "
+        "assert jit.jit_fuser is deferred, jit.jit_fuser; "
+        "assert g.geglu.__code__.co_name == 'compiled_at_first_call', g.geglu; "
+        "assert 'torch._inductor.compile_fx' not in sys.modules, 'inductor was imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
