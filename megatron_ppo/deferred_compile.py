@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-_TORCH_COMPILE = torch.compile
+TORCH_COMPILE = torch.compile  # torch's own, as imported before `install`
 
 
 def compile_megatron_on_first_call(model: Callable | None = None, **options: Any) -> Any:
@@ -29,14 +29,14 @@ def compile_megatron_on_first_call(model: Callable | None = None, **options: Any
     if model is None:  # `@torch.compile(...)`: the decorator
         return lambda function: compile_megatron_on_first_call(function, **options)
     if not (inspect.isfunction(model) and model.__module__.startswith("megatron.")):
-        return _TORCH_COMPILE(model, **options)
+        return TORCH_COMPILE(model, **options)
     compiled: Callable | None = None
 
     @functools.wraps(model)
     def compiled_at_first_call(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
         if compiled is None:
-            compiled = _TORCH_COMPILE(model, **options)
+            compiled = TORCH_COMPILE(model, **options)
         return compiled(*args, **kwargs)
 
     return compiled_at_first_call

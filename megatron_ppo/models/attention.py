@@ -51,16 +51,16 @@ PACKED_PATHS = {VARLEN: "one torch varlen_attn (flash) call per layer", PER_SEQU
 PACKED_PATHS_RUN: set[str] = set()  # the packed paths this process has run (each logged at its first call)
 
 
-def _torch_varlen_attn() -> Callable[..., torch.Tensor] | None:
-    """torch's `varlen_attn` (2.10 and later), None in an older torch."""
+@functools.cache
+def torch_varlen_attn() -> Callable[..., torch.Tensor] | None:
+    """torch's `varlen_attn` (2.10 and later), None in an older torch. Imported when a pack on a CUDA device first
+    asks for it, not with this module: `torch.nn.attention.varlen` imports torch's compiler (dynamo), ~0.5
+    CPU-seconds of every process, which a CPU or padded run never calls."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     return varlen_attn
-
-
-VARLEN_ATTN = _torch_varlen_attn()
 
 
 @functools.cache
@@ -86,18 +86,21 @@ def varlen_causal_keywords(function: Callable[..., Any], scale: float, head_dim:
 
 def packed_attention_path(device: torch.device, dtype: torch.dtype, head_dim: int, scale: float, grouped: bool,
                           dropout: float, capability: tuple[int, int] | None = None,
-                          function: Callable[..., Any] | None = VARLEN_ATTN) -> str:  # fmt: skip
+                          function: Callable[..., Any] | None = None) -> str:  # fmt: skip
     """The one place a pack's attention path is chosen: `VARLEN` where torch's variable-length flash kernel runs
     the call — a CUDA device of compute capability 8.0 or later (`capability`, asked of the device when None),
-    torch's `varlen_attn` (`function`) callable causally at this `scale` in this release
-    (`varlen_causal_keywords`), fp16 or bf16, a head dimension the flash kernel takes (a multiple of 8, at most
-    256), no dropout (varlen_attn has none) and flash attention enabled (`torch.backends.cuda.flash_sdp_enabled`);
+    torch's `varlen_attn` (`function`, `torch_varlen_attn()` when None) callable causally at this `scale` in this
+    release (`varlen_causal_keywords`), fp16 or bf16, a head dimension the flash kernel takes (a multiple of 8, at
+    most 256), no dropout (varlen_attn has none) and flash attention enabled (`torch.backends.cuda.flash_sdp_enabled`);
     `PER_SEQUENCE` otherwise."""
-    if device.type != "cuda" or function is None or dropout > 0 or dtype not in (torch.float16, torch.bfloat16):
+    if device.type != "cuda" or dropout > 0 or dtype not in (torch.float16, torch.bfloat16):
         return PER_SEQUENCE
     if head_dim % 8 or head_dim > 256 or not torch.backends.cuda.flash_sdp_enabled():
         return PER_SEQUENCE
     if (capability or torch.cuda.get_device_capability(device)) < (8, 0):
+        return PER_SEQUENCE
+    function = function or torch_varlen_attn()
+    if function is None:
         return PER_SEQUENCE
     return VARLEN if varlen_causal_keywords(function, scale, head_dim, grouped) is not None else PER_SEQUENCE
 
@@ -199,7 +202,7 @@ class SDPAttention(MegatronModule):
         cu_seqlens (int32, on the pack's device: the segments, each causal, as the per-sequence path cuts them) and
         the host `max_seqlen_*` (the longest segment), key/value groups as they are (the kernel shares each across
         its query heads). No host read, one kernel forward and one backward per layer."""
-        function = function or VARLEN_ATTN
+        function = function or torch_varlen_attn()
         cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
         keywords = varlen_causal_keywords(function, self.softmax_scale, query.shape[-1], grouped)

@@ -12,9 +12,13 @@ from megatron.core import jit
 from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu
 from torch._dynamo.testing import CompileCounter
 
+from megatron_ppo.deferred_compile import TORCH_COMPILE, compile_megatron_on_first_call
+
 
 def test_the_compiled_fusions_compile_at_most_twice_over_many_pack_widths() -> None:
-    assert jit.jit_fuser is torch.compile, "Megatron's fusions are no longer torch.compile with its defaults"
+    # torch.compile, or the same deferred to the first call (`megatron_ppo.deferred_compile`, when the package was
+    # imported before Megatron)
+    assert jit.jit_fuser in (TORCH_COMPILE, compile_megatron_on_first_call), "the fusions are no longer torch.compile"
     hidden = 16
     for name, fused, inputs in (
         ("bias_gelu", fused_bias_gelu.bias_gelu, lambda t: (torch.randn(hidden), torch.randn(t, 1, hidden))),
@@ -26,7 +30,8 @@ def test_the_compiled_fusions_compile_at_most_twice_over_many_pack_widths() -> N
     ):
         torch._dynamo.reset()
         counter = CompileCounter()
-        compiled = torch.compile(fused._torchdynamo_orig_callable, backend=counter)  # jit_fuser's call, eager backend
+        function = getattr(fused, "_torchdynamo_orig_callable", None) or fused.__wrapped__
+        compiled = TORCH_COMPILE(function, backend=counter)  # jit_fuser's call, with the eager backend
         for width in (26, 40, 18, 64, 33, 26):  # one pack width per micro-batch
             compiled(*inputs(width))
         assert counter.frame_count <= 2, f"{name}: compiled {counter.frame_count} times over 5 pack widths"

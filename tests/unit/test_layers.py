@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_ppo"
 
 # Lower layers never import higher ones; modules of one layer may import each other.
 LAYERS: dict[str, int] = {
+    "deferred_compile": 0,  # installed by the package's __init__, before anything imports Megatron; imports only torch
     "algo": 0,
     "config": 1,
     "data": 2,

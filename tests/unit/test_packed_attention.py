@@ -18,9 +18,9 @@ from megatron_ppo.models import attention
 from megatron_ppo.models.attention import (
     PER_SEQUENCE,
     VARLEN,
-    VARLEN_ATTN,
     SDPAttention,
     packed_attention_path,
+    torch_varlen_attn,
     varlen_causal_keywords,
 )
 from megatron_ppo.models.packing import build_pack
@@ -67,15 +67,14 @@ def test_the_varlen_path_is_chosen_only_where_torch_varlen_runs(monkeypatch: pyt
     bf16, scale = torch.bfloat16, 128**-0.5
     choose = lambda **change: packed_attention_path(  # noqa: E731
         **{"device": CUDA, "dtype": bf16, "head_dim": 128, "scale": scale, "grouped": True, "dropout": 0.0,
-           "capability": H200, "function": VARLEN_ATTN, **change})  # fmt: skip
+           "capability": H200, "function": torch_varlen_attn(), **change})  # fmt: skip
     assert packed_attention_path(torch.device("cpu"), bf16, 128, scale, True, 0.0) == PER_SEQUENCE  # this machine
-    if VARLEN_ATTN is None:
+    if torch_varlen_attn() is None:
         pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen")
     assert choose() == VARLEN  # an H200 with this torch
     assert choose(dtype=torch.float16) == VARLEN
     refused = {
         "the CPU": {"device": torch.device("cpu")},
-        "torch < 2.10": {"function": None},
         "fp32": {"dtype": torch.float32},
         "dropout": {"dropout": 0.1},
         "head size 12": {"head_dim": 12},
@@ -86,6 +85,9 @@ def test_the_varlen_path_is_chosen_only_where_torch_varlen_runs(monkeypatch: pyt
     for why, change in refused.items():
         assert choose(**change) == PER_SEQUENCE, f"{why}: chose the varlen path"
     assert choose(function=varlen_2_10) == choose(function=varlen_2_11) == VARLEN
+    monkeypatch.setattr(attention, "torch_varlen_attn", lambda: None)  # torch < 2.10
+    assert choose(function=None) == PER_SEQUENCE, "torch < 2.10: chose the varlen path"
+    monkeypatch.undo()
     monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: False)  # the user turned flash off
     assert choose() == PER_SEQUENCE
 
@@ -98,8 +100,8 @@ def test_the_causal_varlen_call_follows_each_torch_signature() -> None:
     documented = DocumentedVarlen()
     expected = {"window_size": (-1, 0), "scale": 0.1, "enable_gqa": True}
     assert varlen_causal_keywords(documented.__call__, 0.1, 64, True) == expected
-    if VARLEN_ATTN is not None:  # the torch installed (2.13 in the lock)
-        assert varlen_causal_keywords(VARLEN_ATTN, 0.1, 64, True) in (
+    if torch_varlen_attn() is not None:  # the torch installed (2.13 in the lock)
+        assert varlen_causal_keywords(torch_varlen_attn(), 0.1, 64, True) in (
             None,
             expected,
             {k: expected[k] for k in expected if k != "enable_gqa"},
@@ -130,7 +132,7 @@ def test_a_pack_runs_as_one_causal_varlen_call_equal_to_the_per_sequence_path(
         return out, [t.grad.clone() for t in (q, k, v)]
 
     documented = DocumentedVarlen()
-    monkeypatch.setattr(attention, "VARLEN_ATTN", documented)
+    monkeypatch.setattr(attention, "torch_varlen_attn", lambda: documented)
     (varlen, varlen_grads), (per_sequence, per_sequence_grads) = run(VARLEN), run(PER_SEQUENCE)
     assert len(documented.calls) == 1, "one varlen call for the whole pack"
     (call,) = documented.calls
