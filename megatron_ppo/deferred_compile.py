@@ -9,7 +9,8 @@ not it ever calls one of them — validation-only, conversion and CPU runs never
 
 `install()` (run by `import megatron_ppo`, before this package imports Megatron) makes `torch.compile` of a plain
 function defined in a `megatron.` module return a wrapper that calls `torch.compile` on the function at its first call
-and the compiled function from then on: the same compilation at the same moment, with the same options. Anything
+and the compiled function from then on: the same compilation at the same moment, with the same options; called
+inside a function being compiled, it is traced through to the original, as dynamo does with a compiled one. Anything
 else (modules, other packages' functions, decorations made before `install`) goes to `torch.compile` unchanged."""
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def compile_megatron_on_first_call(model: Callable | None = None, **options: Any
 
     @functools.wraps(model)
     def compiled_at_first_call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # called by a function being compiled: traced inline, as dynamo inlines a
+            return model(*args, **kwargs)  # compiled function it meets (bias_swiglu's call of swiglu)
         nonlocal compiled
         if compiled is None:
             compiled = TORCH_COMPILE(model, **options)

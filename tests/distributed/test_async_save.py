@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from bench.ports import free_port
+from bench.ports import on_a_free_port
 from bench.tiny import REPO
 from megatron_ppo.checkpoint import directory
 from tests.distributed import async_save_workers
@@ -67,20 +67,26 @@ def test_the_next_save_a_rollback_and_a_stop_wait_for_the_pending_save_and_pruni
 
 def test_a_job_killed_mid_write_resumes_from_the_previous_published_checkpoint(tmp_path) -> None:
     """SIGKILL (the job and its writer) after step 2's shards are written, before its publication."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    job = subprocess.Popen([sys.executable, "-m", "tests.distributed.async_save_workers", str(tmp_path)], cwd=REPO,
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)  # fmt: skip
-    try:
-        lines = []
-        for line in job.stdout:
-            lines.append(line)
-            if line.strip() == "writing":
-                break
-        assert lines and lines[-1].strip() == "writing", "".join(lines)[-3000:]
-    finally:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+
+    def killed_while_writing(port: int) -> None:
+        """The job on `port`, killed once it says it is writing (an AssertionError with its output otherwise: on a
+        port another test took first, `on_a_free_port` launches it again on another)."""
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(port)}
+        job = subprocess.Popen([sys.executable, "-m", "tests.distributed.async_save_workers", str(tmp_path)],
+                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)  # fmt: skip
+        try:
+            lines = []
+            for line in job.stdout:
+                lines.append(line)
+                if line.strip() == "writing":
+                    break
+            assert lines and lines[-1].strip() == "writing", "".join(lines)[-3000:]
+        finally:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+
+    on_a_free_port(killed_while_writing)
     assert any((tmp_path / ".tmp_step_2").glob("*.distcp")), "the kill must come while step 2 is being written"
     assert directory.named_by_latest(tmp_path) == tmp_path / "step_1"
     assert directory.find_resumable(tmp_path) == tmp_path / "step_1"

@@ -70,3 +70,22 @@ def test_importing_megatron_core_through_the_package_sets_up_no_compiler() -> No
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_one_called_by_a_function_being_compiled_is_traced_inline() -> None:
+    """Megatron's `bias_swiglu` calls its `swiglu`, both deferred: compiling the outer traces the inner into the same
+    graph (one compilation, no break, the inner never compiled alone), as dynamo does with a compiled function."""
+    outer_compilations: list[int] = []
+    inner_compilations: list[int] = []
+    inner = compile_megatron_on_first_call(backend=_counting_backend(inner_compilations))(
+        _function_of("megatron.core.fusions.inner")
+    )
+
+    def outer(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return 3.0 * inner(x, y)
+
+    outer.__module__ = "megatron.core.fusions.outer"
+    compiled = compile_megatron_on_first_call(outer, backend=_counting_backend(outer_compilations))
+    x, y = torch.arange(4.0), torch.ones(4)
+    assert torch.equal(compiled(x, y), 3.0 * (2.0 * x + y))
+    assert outer_compilations == [2] and inner_compilations == [], (outer_compilations, inner_compilations)
