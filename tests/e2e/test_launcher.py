@@ -132,6 +132,12 @@ def test_ctrl_c_saves_and_ends_130_with_one_resume_command_that_relaunches_alike
 
 
 def test_a_killed_peer_is_named_with_its_signal_not_called_a_bug(training: Launch) -> None:
+    # once a checkpoint is published (a save is published after the next iteration's guards and its background write:
+    # on a loaded machine that may come after step 2's line)
+    deadline = time.monotonic() + 300
+    while named_by_latest(training.folder / "ckpt") is None:
+        assert training.process.poll() is None and time.monotonic() < deadline, training.output[-3000:]
+        time.sleep(0.2)
     training.worker(1).send_signal(signal.SIGKILL)  # e.g. the kernel's out-of-memory killer
     assert training.end() == 128 + signal.SIGKILL
     _said_once(training.output, "error: rank 1 died (SIGKILL)")
