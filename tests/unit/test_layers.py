@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_ppo"
 # Lower layers never import higher ones; modules of one layer may import each other.
 LAYERS: dict[str, int] = {
     "deferred_compile": 0,  # installed by the package's __init__, before anything imports Megatron; imports only torch
+    "lazy_modules": 0,  # installed by the package's __init__ too; imports only the standard library
     "algo": 0,
     "config": 1,
     "data": 2,
