@@ -59,7 +59,6 @@ from typing import Any
 
 import torch
 
-from bench.ports import free_port
 from gpu_check.card import Card
 from gpu_check.plan import PLANS, REPO, Plan, ppo_config, subprocess_env, synthetic_rows, tiny_recipe
 from gpu_check.sizing import START_S, Sized, build_s, iteration_flops, largest_fitting, shrinking
@@ -294,7 +293,7 @@ def check_layouts(plan: Plan, work: Path) -> dict[str, Any]:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the launched ranks use this GPU too
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={PROCESSES}",
-               f"--master_port={free_port()}", "-m", "gpu_check.layouts", "--work", str(work),
+               "--standalone", "-m", "gpu_check.layouts", "--work", str(work),
                "--shape", plan.name, "--card", json.dumps(asdict(plan.card))]  # fmt: skip
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, check=False)

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from bench.ports import free_port
 from bench.tiny import SHORT
 from gpu_check.card import Card, named_card
 from gpu_check.sizing import PartShape
@@ -245,7 +244,7 @@ def tiny_recipe(plan: Plan, work: Path, name: str, tensor_parallel: int, sequenc
         cuda_only = ("cluster.device", "model.params_dtype")
         overrides = [*(o for o in TINY_ON_CUDA if not o.startswith(cuda_only)), *DRY_TINY]
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tensor_parallel}",
-               f"--master_port={free_port()}", "-m", "megatron_ppo", "train", "recipes/tiny-cpu.yaml",
+               "--standalone", "-m", "megatron_ppo", "train", "recipes/tiny-cpu.yaml",
                *overrides, *layout, f"trainer.total_training_steps={steps}", *dirs]  # fmt: skip
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, check=False)
