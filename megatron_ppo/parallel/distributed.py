@@ -51,8 +51,9 @@ def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0
                 raise
             raise LaunchError(
                 f"port {env.master_port} on {env.master_addr} {PORT_IN_USE}, by another run or "
-                "program, so this process cannot start its process group: set another free port "
-                "(MASTER_PORT=29501 python -m megatron_ppo ...), or launch with `torchrun --standalone` (it picks one)"
+                "program, so this process cannot start its process group: set another free port, or leave "
+                "MASTER_PORT unset for a single process (it then takes one the OS picks), or launch with "
+                "`torchrun --standalone` (it picks one)"
             ) from None
         dist.init_process_group(
             backend="nccl" if chosen.type == "cuda" else "gloo",

@@ -9,7 +9,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-DEFAULT_PORT = 29500
+DEFAULT_PORT = 29500  # torchrun's and Slurm's jobs without MASTER_PORT: every rank must know the same port
+ANY_FREE_PORT = 0  # a single process without MASTER_PORT: the OS picks one as the rendezvous binds (no peer asks)
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,9 @@ class DistEnv:
 
 def dist_env_from_environment(environ: Mapping[str, str] | None = None) -> DistEnv:
     """torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, else Slurm's SLURM_PROCID/SLURM_NTASKS/
-    SLURM_LOCALID with the master on the first host of SLURM_JOB_NODELIST; a single process otherwise."""
+    SLURM_LOCALID with the master on the first host of SLURM_JOB_NODELIST; a single process otherwise, on MASTER_PORT
+    when it is set, else on a port the OS picks as the rendezvous binds it: two single-process runs on one machine
+    never collide, and no port is chosen before its bind (which another process could take in between)."""
     env = os.environ if environ is None else environ
     port = int(env.get("MASTER_PORT", DEFAULT_PORT))
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -45,6 +48,7 @@ def dist_env_from_environment(environ: Mapping[str, str] | None = None) -> DistE
             master_addr=env.get("MASTER_ADDR", first_host(nodelist)),
             master_port=port,
         )
+    port = int(env.get("MASTER_PORT", ANY_FREE_PORT))
     return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=port)
 
 

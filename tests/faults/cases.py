@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.ports import free_port
 from bench.tiny import RECIPE, REPO
 from megatron_ppo.checkpoint.directory import named_by_latest
 from megatron_ppo.cli import BUG, LIBRARY_NOTICES
@@ -56,8 +55,9 @@ class Case:
 def cli(folder: Path, work: Path, args: list[str], env: dict[str, str] | None = None,
         wrap: list[str] | None = None) -> tuple[int, str]:  # fmt: skip
     """`python -m megatron_ppo ARGS` in one process (the run's directories under `folder`); (exit status, output)."""
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "1000",
-                   "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO), **(env or {})}  # fmt: skip
+    inherited = {name: value for name, value in os.environ.items() if name != "MASTER_PORT"}  # one process: the OS
+    environment = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "1000",  # picks its port
+                   "PYTHONPATH": str(REPO), **(env or {})}  # fmt: skip
     command = [sys.executable, "-m", "megatron_ppo", *args]
     if args[0] == "train":
         command = [*command[:4], str(RECIPE), *QUICK, f"data.addition.work_dir={work}",

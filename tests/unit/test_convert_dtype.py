@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import free_port
 from megatron_ppo.checkpoint.shapes import saved_dtype
 from megatron_ppo.cli import main
 from tests.support.hf_models import save_hf_model
@@ -16,7 +15,7 @@ from tests.support.hf_models import save_hf_model
 
 @pytest.fixture
 def hf(tmp_path: Path, monkeypatch) -> Path:
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # the conversion's process group, beside other workers
+    monkeypatch.delenv("MASTER_PORT", raising=False)  # the conversion's process group on a port the OS picks
     return save_hf_model("qwen2", tmp_path / "hf", tied=False)  # float32, as its config.json says
 
 

@@ -277,9 +277,7 @@ def test_training_refuses_a_model_that_does_not_match_its_checkpoint_before_buil
 ) -> None:
     """The same through `train` (the run's process group started, its models not yet built): one `error:` block
     naming the settings, exit 2, where Megatron's load used to stop with a traceback."""
-    from bench.ports import free_port
-
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # its own process group, beside the suite's other workers
+    monkeypatch.delenv("MASTER_PORT", raising=False)  # its own process group on a port the OS picks
     data = tmp_path / "rows.jsonl"
     data.write_text((json.dumps(GOOD) + "\n") * 4)
     args = _train_args(tmp_path, tokenizer, data, f"model.init_checkpoint={FIXTURE}", "model.allow_random_init=false")

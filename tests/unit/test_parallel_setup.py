@@ -56,3 +56,33 @@ def test_cpu_config_initialises_on_cpu_and_sends_pipeline_messages_one_by_one() 
     config = build_transformer_config(ModelConfig(params_dtype="fp32"), MegatronConfig(pipeline_model_parallel_size=2))
     assert config.use_cpu_initialization and not config.batch_p2p_comm and not config.variable_seq_lengths
     assert not (config.gradient_accumulation_fusion or config.masked_softmax_fusion or config.bias_dropout_fusion)
+
+
+def test_a_single_process_takes_its_port_from_master_port_or_else_from_the_os() -> None:
+    assert dist_env_from_environment({}).master_port == 0, "a port the OS picks as the rendezvous binds it"
+    assert dist_env_from_environment({"MASTER_PORT": "29511"}).master_port == 29511
+
+
+def test_a_single_process_starts_while_the_default_port_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two single-process runs on one machine (or one beside a torchrun job on 29500) each start: the rendezvous
+    binds a port the OS picks. Before, the second was refused with 'port 29500 … is already in use'."""
+    import socket
+
+    import torch.distributed as dist
+
+    from megatron_ppo.parallel import destroy_distributed, init_distributed
+    from megatron_ppo.parallel.launch_env import DEFAULT_PORT
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as default:
+        try:  # held by this test, or by another process already: taken either way
+            default.bind(("127.0.0.1", DEFAULT_PORT))
+            default.listen()
+        except OSError:
+            pass
+        env = init_distributed(MegatronConfig(), seed=0, device="cpu")
+        try:
+            assert env.world_size == 1 and dist.is_initialized() and dist.get_world_size() == 1
+        finally:
+            destroy_distributed()
