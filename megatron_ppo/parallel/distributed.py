@@ -14,7 +14,7 @@ from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.schema import MegatronConfig
 from megatron_ppo.parallel.cpu_compat import seed_model_parallel_rng
 from megatron_ppo.parallel.device import select_device
-from megatron_ppo.parallel.launch_env import DistEnv, dist_env_from_environment
+from megatron_ppo.parallel.launch_env import ANY_FREE_PORT, DistEnv, dist_env_from_environment
 from megatron_ppo.parallel.megatron_compat import bind_missing_te_general_gemm
 
 _STARTS = itertools.count()  # process-group starts in this process (several runs may follow each other in one)
@@ -26,6 +26,16 @@ PORT_IN_USE = "(MASTER_PORT) is already in use"
 
 class LaunchError(UserError):
     """The processes cannot start as launched (a port taken, ...); the message says how to launch instead."""
+
+
+def _rendezvous_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """The job's store: torch's tcp:// rendezvous at MASTER_ADDR:MASTER_PORT, or for a single process without a
+    port (`launch_env.ANY_FREE_PORT`) a store bound to a port the OS picks (torch 2.6's rendezvous refuses port 0)."""
+    if env.world_size == 1 and env.master_port == ANY_FREE_PORT:
+        return dist.TCPStore(env.master_addr, ANY_FREE_PORT, 1, True, timeout=timeout)
+    address = f"tcp://{env.master_addr}:{env.master_port}"
+    store, _, _ = next(dist.rendezvous(address, rank=env.rank, world_size=env.world_size, timeout=timeout))
+    return store
 
 
 def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0, device: str | None = None) -> DistEnv:
@@ -41,11 +51,8 @@ def init_distributed(layout: MegatronConfig, seed: int, timeout_s: float = 600.0
     chosen = select_device(device, env.local_rank)
     bind_missing_te_general_gemm()  # on either device: MoE routers read the name
     if not dist.is_initialized():
-        address = f"tcp://{env.master_addr}:{env.master_port}"
         try:
-            store, _, _ = next(
-                dist.rendezvous(address, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
-            )
+            store = _rendezvous_store(env, timedelta(seconds=timeout_s))
         except RuntimeError as error:  # torch's DistNetworkError
             if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
                 raise
