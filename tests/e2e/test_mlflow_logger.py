@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import free_port, on_a_free_port
+from bench.ports import free_port
 from bench.tiny import RECIPE, REPO
 from megatron_ppo.config import load_config
 from megatron_ppo.runs.report import load_run
@@ -44,19 +44,15 @@ def overrides(folder: Path, work: Path, extra: list[str]) -> list[str]:
 
 
 def train(arguments: list[str], tracking_uri: str, log: Path, status: int = 0) -> str:
-    """`python -m megatron_ppo train RECIPE ARGUMENTS` in one process logging to `tracking_uri`, which must exit
-    with `status`; its output."""
-
-    def launch(port: int) -> int:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(port),
-               "COLUMNS": "1000", "MLFLOW_TRACKING_URI": tracking_uri, "MLFLOW_ALLOW_FILE_STORE": "true"}  # fmt: skip
-        for name in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
-            env.pop(name, None)
-        with log.open("w") as out:
-            return subprocess.run([sys.executable, "-m", "megatron_ppo", "train", str(RECIPE), *arguments], cwd=REPO,
-                                  env=env, stdout=out, stderr=subprocess.STDOUT, timeout=900).returncode  # fmt: skip
-
-    exited = on_a_free_port(launch, log=lambda exited: log.read_text() if exited else "")
+    """`python -m megatron_ppo train RECIPE ARGUMENTS` in one process (its rendezvous on a port the OS picks) logging
+    to `tracking_uri`, which must exit with `status`; its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "1000",
+           "MLFLOW_TRACKING_URI": tracking_uri, "MLFLOW_ALLOW_FILE_STORE": "true"}  # fmt: skip
+    for name in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MASTER_PORT"):
+        env.pop(name, None)
+    with log.open("w") as out:
+        exited = subprocess.run([sys.executable, "-m", "megatron_ppo", "train", str(RECIPE), *arguments], cwd=REPO,
+                                env=env, stdout=out, stderr=subprocess.STDOUT, timeout=900).returncode  # fmt: skip
     assert exited == status, f"training exited {exited}; log tail:\n{log.read_text()[-4000:]}"
     return log.read_text()
 

@@ -18,27 +18,22 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import on_a_free_port
 from bench.tiny import RECIPE, REPO
 from megatron_ppo.tasks.addition.compare_kl import VARIANTS
 from tests.faults.cases import QUICK
 
 
 def train(directory: Path, overrides: list[str], log: Path, subcommand: str = "train") -> int:
-    """`python -m megatron_ppo train` (or another recipe subcommand) as one process, with its own rendezvous port
-    (another when it was taken) and console lines unwrapped; the exit status."""
+    """`python -m megatron_ppo train` (or another recipe subcommand) as one process, its rendezvous on a port the OS
+    picks, console lines unwrapped; the exit status."""
     command = [sys.executable, "-m", "megatron_ppo", subcommand, str(RECIPE), *QUICK,
                f"data.addition.work_dir={directory}/work", f"trainer.default_local_dir={directory}/ckpt",
                f"trainer.log_dir={directory}/tb", *overrides]  # fmt: skip
-
-    def launch(port: int) -> int:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(port),
-               "COLUMNS": "1000"}  # fmt: skip
-        with log.open("w") as out:
-            return subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=900).returncode  # fmt: skip
-
-    return on_a_free_port(launch, log=lambda status: log.read_text() if status else "")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "1000"}
+    env.pop("MASTER_PORT", None)
+    with log.open("w") as out:
+        return subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                              timeout=900).returncode  # fmt: skip
 
 
 def run_id(checkpoint: Path) -> str:
