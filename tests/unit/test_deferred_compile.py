@@ -3,15 +3,10 @@ same compilation, with the same options, by dynamo itself (a counting backend he
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
 
 from megatron_ppo.deferred_compile import compile_megatron_on_first_call
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.fresh_process import assert_in_a_fresh_process
 
 
 def _scaled_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -60,16 +55,14 @@ def test_importing_megatron_core_through_the_package_sets_up_no_compiler() -> No
     """In a fresh process, as every launched rank starts: Megatron's decorated functions are the deferred wrappers,
     and neither inductor's compiler (`compile_fx`, its kernel templates: ~1.4 CPU-seconds) nor torch's varlen attention
     module (it imports dynamo's compiler; `models.attention` asks for it only on CUDA) is imported."""
-    probe = (
-        "import sys, megatron_ppo.train.run, megatron.core.jit as jit, megatron.core.fusions.fused_bias_geglu as g; "
-        "from megatron_ppo.deferred_compile import compile_megatron_on_first_call as deferred; "
-        "assert jit.jit_fuser is deferred, jit.jit_fuser; "
-        "assert g.geglu.__code__.co_name == 'compiled_at_first_call', g.geglu; "
-        "assert 'torch._inductor.compile_fx' not in sys.modules, 'inductor was imported'; "
-        "assert 'torch.nn.attention.varlen' not in sys.modules, 'varlen attention (and its dynamo) was imported'"
+    assert_in_a_fresh_process(
+        "import sys, megatron_ppo.train.run, megatron.core.jit as jit, megatron.core.fusions.fused_bias_geglu as g",
+        "from megatron_ppo.deferred_compile import compile_megatron_on_first_call as deferred",
+        "assert jit.jit_fuser is deferred, jit.jit_fuser",
+        "assert g.geglu.__code__.co_name == 'compiled_at_first_call', g.geglu",
+        "assert 'torch._inductor.compile_fx' not in sys.modules, 'inductor was imported'",
+        "assert 'torch.nn.attention.varlen' not in sys.modules, 'varlen attention (and its dynamo) was imported'",
     )
-    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_one_called_by_a_function_being_compiled_is_traced_inline() -> None:

@@ -3,7 +3,6 @@ first use — in place, so Megatron's reference is the real module then — and 
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -11,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ppo import lazy_modules
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.fresh_process import assert_in_a_fresh_process
 
 
 @pytest.fixture
@@ -90,11 +88,9 @@ def test_a_module_not_installed_stays_absent(package: Path) -> None:
 def test_a_process_importing_the_trainer_executes_no_wandb_until_it_is_used() -> None:
     """In a fresh process, as every launched rank starts: Megatron's timers hold W&B not yet executed (its SDK not
     imported); the first use executes it, and Megatron's reference is then the real module."""
-    probe = (
-        "import sys, importlib.metadata, megatron_ppo.train.run, megatron.core.timers as timers; "
-        "assert 'wandb.sdk' not in sys.modules and timers.wandb is sys.modules['wandb'], 'W&B was executed'; "
-        "import wandb; assert wandb.__version__ == importlib.metadata.version('wandb') and callable(wandb.init); "
-        "assert timers.wandb is wandb and 'wandb.sdk' in sys.modules"
+    assert_in_a_fresh_process(
+        "import sys, importlib.metadata, megatron_ppo.train.run, megatron.core.timers as timers",
+        "assert 'wandb.sdk' not in sys.modules and timers.wandb is sys.modules['wandb'], 'W&B was executed'",
+        "import wandb; assert wandb.__version__ == importlib.metadata.version('wandb') and callable(wandb.init)",
+        "assert timers.wandb is wandb and 'wandb.sdk' in sys.modules",
     )
-    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
