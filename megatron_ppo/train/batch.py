@@ -55,7 +55,7 @@ def collate(rows: Sequence[Row], pad_id: int) -> Batch:
 
     Built with masks over the [R, W] grid, not row by row: row r's tokens fill the columns t < P_r + R_r, its label
     positions are P_r − 1 ≤ t < P_r + R_r − 1, and a boolean mask assigns a flat list in row-major order, so the
-    rows' concatenated ids (or per-token values) land in their rows (measured: 512 rows 9.6 → 2.2 ms, 2 cores)."""
+    rows' concatenated ids (or per-token values) land in their rows (measured: 512 rows 9.6 → 1.9 ms, 2 cores)."""
     prompt_lengths = torch.tensor([len(r.prompt_ids) for r in rows])
     lengths = prompt_lengths + torch.tensor([len(r.response_ids) for r in rows])
     width = int(lengths.max())

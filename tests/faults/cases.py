@@ -55,8 +55,9 @@ class Case:
 def cli(folder: Path, work: Path, args: list[str], env: dict[str, str] | None = None,
         wrap: list[str] | None = None) -> tuple[int, str]:  # fmt: skip
     """`python -m megatron_ppo ARGS` in one process (the run's directories under `folder`); (exit status, output)."""
-    inherited = {name: value for name, value in os.environ.items() if name != "MASTER_PORT"}  # one process: the OS
-    environment = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "1000",  # picks its port
+    # no MASTER_PORT: a single process binds a port the OS picks (`launch_env.ANY_FREE_PORT`)
+    inherited = {name: value for name, value in os.environ.items() if name != "MASTER_PORT"}
+    environment = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "1000",
                    "PYTHONPATH": str(REPO), **(env or {})}  # fmt: skip
     command = [sys.executable, "-m", "megatron_ppo", *args]
     if args[0] == "train":
