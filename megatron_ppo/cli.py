@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.errors import UserError
+from megatron_ppo.import_gc import imports_without_gc
 from megatron_ppo.launcher import NPROC, tell_user
 
 if TYPE_CHECKING:
@@ -41,10 +42,11 @@ def _validate(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _launch(args)
-    from megatron_ppo.tasks import addition
-    from megatron_ppo.train.guards import GuardStopped
-    from megatron_ppo.train.preemption import Interrupted, JobStopped, Preempted, StoppedBeforeTraining, watching
-    from megatron_ppo.train.run import train
+    with imports_without_gc():
+        from megatron_ppo.tasks import addition
+        from megatron_ppo.train.guards import GuardStopped
+        from megatron_ppo.train.preemption import Interrupted, JobStopped, Preempted, StoppedBeforeTraining, watching
+        from megatron_ppo.train.run import train
 
     config = None
     try:
@@ -112,14 +114,10 @@ def _score(args: argparse.Namespace) -> int:
 
     config = load_config(args.recipe, args.overrides)
     try:
-        if config.data.task == "addition":
-            from megatron_ppo.tasks import addition
-
-            addition.score(config)
-        else:
+        with imports_without_gc():
             from megatron_ppo.convert.reward_scoring import score
-
-            score(config)
+            from megatron_ppo.tasks import addition
+        (addition.score if config.data.task == "addition" else score)(config)
     except DataError as problem:
         return tell_user(2, f"error: {problem}")
     return 0
@@ -194,9 +192,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from megatron_ppo.convert import huggingface, peft_adapter
-    from megatron_ppo.models.hf_conversion import hf_params_dtype
-    from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
+    with imports_without_gc():
+        from megatron_ppo.convert import huggingface, peft_adapter
+        from megatron_ppo.models.hf_conversion import hf_params_dtype
+        from megatron_ppo.parallel import destroy_distributed, dist_env_from_environment, init_distributed
 
     needed = {
         "hf-to-mcore": ("hf", "out"),

@@ -33,6 +33,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ppo.import_gc import imports_without_gc
+
 OUTCOME_DIR = "MEGATRON_PPO_OUTCOME_DIR"
 NPROC = "MEGATRON_PPO_NPROC"  # set for the workers: the resume command a worker prints launches as they were
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
@@ -125,9 +127,10 @@ def run_workers(nproc: int, args: list[str]) -> tuple[dict[int, Exit], int | Non
     """`python ARGS` in `nproc` processes under torch's elastic agent (rendezvous on a free local port, as
     `torchrun --standalone`; no restarts). Returns the workers that exited non-zero, by rank, and the signal that
     stopped the launcher, if one did."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    with imports_without_gc():
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,

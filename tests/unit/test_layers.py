@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_ppo"
 LAYERS: dict[str, int] = {
     "deferred_compile": 0,  # installed by the package's __init__, before anything imports Megatron; imports only torch
     "lazy_modules": 0,  # installed by the package's __init__ too; imports only the standard library
+    "import_gc": 0,  # the command line's and the launcher's heavy imports; imports only the standard library
     "algo": 0,
     "config": 1,
     "data": 2,

@@ -1,0 +1,70 @@
+"""`megatron_ppo.import_gc`: a process's heavy imports run with the cyclic garbage collector paused, and what they
+built is frozen after (never walked by a later collection); the collector is back on whatever the body does, and a
+collector the program had turned off stays off."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from megatron_ppo.import_gc import imports_without_gc
+from tests.support.fresh_process import assert_in_a_fresh_process
+
+
+def _tracked(thing: object) -> bool:
+    """Whether a collection may walk `thing` (frozen objects are in no generation `gc.get_objects` lists)."""
+    return any(o is thing for o in gc.get_objects())
+
+
+def test_the_body_runs_without_the_collector_and_what_it_built_is_frozen() -> None:
+    assert gc.isenabled()
+    with imports_without_gc():
+        assert not gc.isenabled()
+        built = {"module": [1, 2]}
+        assert _tracked(built)
+    assert gc.isenabled()
+    assert not _tracked(built)
+
+
+def test_an_error_in_the_body_turns_the_collector_back_on() -> None:
+    with pytest.raises(ImportError), imports_without_gc():
+        raise ImportError("no module named 'missing'")
+    assert gc.isenabled()
+
+
+def test_a_collector_turned_off_outside_is_left_off_and_freezes_nothing() -> None:
+    gc.disable()
+    try:
+        with imports_without_gc():
+            built = {"module": [1, 2]}
+        assert not gc.isenabled()
+        assert _tracked(built)
+    finally:
+        gc.enable()
+
+
+def test_nested_uses_freeze_once_at_the_outermost() -> None:
+    with imports_without_gc():
+        with imports_without_gc():
+            inner = {"module": [1]}
+        assert not gc.isenabled() and _tracked(inner)
+    assert gc.isenabled() and not _tracked(inner)
+
+
+def test_a_worker_imports_the_trainer_without_collecting_and_freezes_it() -> None:
+    """`train` as a worker runs it: the trainer's modules imported with no collection (~6 full ones walking the
+    growing heap before) and frozen; the collector on again for the run (here a recipe that is not there: exit 2)."""
+    assert_in_a_fresh_process(
+        "import gc, sys",
+        "from megatron_ppo import cli",
+        "collected = []",
+        "gc.callbacks.append(lambda phase, info: phase == 'start' and 'megatron.core' in sys.modules"
+        " and 'megatron_ppo.train.run' not in sys.modules and collected.append(info['generation']))",
+        "status = cli.main(['train', 'no-such-recipe.yaml'])",
+        "assert status == 2, status",
+        "assert 'megatron_ppo.train.run' in sys.modules and gc.isenabled()",
+        "assert not collected, f'collections while the trainer was imported: {collected}'",
+        "run = sys.modules['megatron_ppo.train.run'].__dict__",
+        "assert not any(o is run for o in gc.get_objects()), 'the trainer module is not frozen'",
+    )
