@@ -38,10 +38,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import jinja2
-
 from megatron_ppo.config.schema import DataConfig
-from megatron_ppo.data.chat import ChatTemplate, render_builtin_chat
+from megatron_ppo.data.chat import ChatTemplate, TemplateRefused, render_builtin_chat
 from megatron_ppo.data.scoring import Scorer
 from megatron_ppo.data.values import BadRow, RoutingShape, describe, finite_number, per_token, routed_experts, token_ids
 
@@ -379,7 +377,7 @@ def _prompt_text(prompt: str | list[dict[str, Any]], tokenizer: Tokenizer) -> tu
         return render_builtin_chat(prompt), True
     try:
         return template.render(prompt), False
-    except jinja2.TemplateError as e:
+    except TemplateRefused as e:
         raise BadRow(
             "chat_template_error",
             f"the chat_template of {template.origin} refused the messages ({e}); expected messages it accepts",
