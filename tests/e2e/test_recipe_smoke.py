@@ -8,6 +8,7 @@ recipe's, by name); all the runs of a world size and their resumes go in one tor
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -27,9 +28,21 @@ from tests.support.tensorboard import scalars
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if not p.stem.startswith("tiny"))
-SHRUNK = {recipe.stem: shrink(recipe, load_config(recipe, [])) for recipe in GPU_RECIPES}
-# the run each recipe's layout is smoke-tested in: the first recipe (by name) with that shrunk layout
-SHARED = {name: next(s.name for s in SHRUNK.values() if s.layout == shrunk.layout) for name, shrunk in SHRUNK.items()}
+
+
+@functools.cache
+def shrunk_recipes() -> dict[str, Shrunk]:
+    """Every GPU recipe shrunk, by name: built by the worker that runs these tests, not at every worker's collection
+    (composing the recipes takes ~2 CPU-seconds)."""
+    return {recipe.stem: shrink(recipe, load_config(recipe, [])) for recipe in GPU_RECIPES}
+
+
+def shared_run(name: str) -> Shrunk:
+    """The run recipe `name`'s layout is smoke-tested in: the first recipe (by name) with that shrunk layout."""
+    layout = shrunk_recipes()[name].layout
+    return next(s for s in shrunk_recipes().values() if s.layout == layout)
+
+
 TIMING = ("timing/", "perf/")  # wall-clock metrics differ between any two runs
 # The resumed step 2 against the uninterrupted one, every metric within 1e-6 (same layout, same processes, fp32).
 # Under the distributed optimizer the update's metrics once differed by 1e-5–1e-4: the resumed Adam step counts
@@ -92,7 +105,8 @@ def launch(world: int, root: Path) -> dict[str, dict]:
     vocab = load_tokenizer(tokenizer).vocab_size
     rows = write_rows(root / "rows.jsonl", vocab)
     validation = write_validation(root, vocab)
-    runs = [SHRUNK[name] for name in sorted(set(SHARED.values())) if SHRUNK[name].world == world]
+    shared = {shared_run(name).name for name in shrunk_recipes()}
+    runs = [shrunk_recipes()[name] for name in sorted(shared) if shrunk_recipes()[name].world == world]
     plan = [command for shrunk in runs for command in phases(shrunk, root, tokenizer, vocab, rows, validation)]
     (root / "plan.json").write_text(json.dumps(plan, indent=1))
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -125,9 +139,9 @@ def launches(tmp_path_factory) -> dict[int, tuple[Path, dict[str, dict]]]:
     return at  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("recipe", sorted(SHRUNK), ids=str)
+@pytest.mark.parametrize("recipe", sorted(recipe.stem for recipe in GPU_RECIPES), ids=str)
 def test_recipe_trains_saves_and_resumes_through_the_cli(recipe: str, launches) -> None:
-    shrunk = SHRUNK[SHARED[recipe]]
+    shrunk = shared_run(recipe)
     swapped = list(shrunk.swapped)
     where = f"{recipe} (run {shrunk.name}, world {shrunk.world}, swapped: {swapped or 'none'})"
     root, results = launches(shrunk.world)
