@@ -30,6 +30,7 @@ from megatron_ppo.data.tokenizer import train_char_tokenizer
 INTERNAL = {
     "BadRow": "one row's rejection: `read_rows` turns it into a DataError or a rejects-file line",
     "ScoreError": "a scorer's bad result: rejects the row (BadRow)",
+    "TemplateRefused": "a chat template refusing a row's messages: rejects the row (BadRow)",
     "JobStopped": "preemption, Ctrl-C and job budgets: a checkpoint saved, exit 75 / 130 / 0 (`cli._train`)",
     "Preempted": "a JobStopped",
     "JobBudgetReached": "a JobStopped",
