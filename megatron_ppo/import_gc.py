@@ -11,25 +11,30 @@ since: a worker of a cached 4-step tiny run (`train --nproc 2`, 3 runs each) spe
 before, 0.15–0.21 with both, and 5.67 → 5.31 CPU-s in all (the mean).
 
 The import machinery's few cycles are frozen with the rest instead of freed (a collection to free them costs
-0.25 CPU-s, more than they weigh). Nested uses pause and freeze once, at the outermost."""
+0.25 CPU-s, more than they weigh). What is frozen is whatever is tracked then, garbage the process made before
+included, so a body that imported nothing (its modules were already there: a second command in one process, as the
+tests run the command line) freezes nothing. Nested uses pause and freeze once, at the outermost."""
 
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 
 @contextmanager
 def imports_without_gc() -> Iterator[None]:
-    """The body with the cyclic collector off; on leaving, every object then tracked frozen and the collector back
-    as it was."""
+    """The body with the cyclic collector off; on leaving, every object then tracked frozen (when the body imported
+    a module) and the collector back as it was."""
     if not gc.isenabled():  # an outer use (or the program) has it off: leave it to that
         yield
         return
+    modules = len(sys.modules)
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
+        if len(sys.modules) > modules:
+            gc.freeze()
         gc.enable()

@@ -5,6 +5,9 @@ collector the program had turned off stays off."""
 from __future__ import annotations
 
 import gc
+import importlib
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,14 +20,31 @@ def _tracked(thing: object) -> bool:
     return any(o is thing for o in gc.get_objects())
 
 
-def test_the_body_runs_without_the_collector_and_what_it_built_is_frozen() -> None:
+@pytest.fixture
+def module_to_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The name of a module no one has imported yet (written for the test)."""
+    (tmp_path / "import_gc_probe.py").write_text("VALUE = {'built': [1, 2]}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "import_gc_probe", raising=False)
+    return "import_gc_probe"
+
+
+def test_the_body_runs_without_the_collector_and_what_it_imported_is_frozen(module_to_import: str) -> None:
     assert gc.isenabled()
     with imports_without_gc():
         assert not gc.isenabled()
-        built = {"module": [1, 2]}
-        assert _tracked(built)
+        module = importlib.import_module(module_to_import)
+        assert _tracked(module.VALUE)
     assert gc.isenabled()
-    assert not _tracked(built)
+    assert not _tracked(module.VALUE)
+
+
+def test_a_body_that_imports_nothing_freezes_nothing() -> None:
+    """A second command in one process: its modules are there already, and what it would freeze is the garbage of
+    what ran before."""
+    with imports_without_gc():
+        built = {"garbage": [1]}
+    assert gc.isenabled() and _tracked(built)
 
 
 def test_an_error_in_the_body_turns_the_collector_back_on() -> None:
@@ -33,23 +53,23 @@ def test_an_error_in_the_body_turns_the_collector_back_on() -> None:
     assert gc.isenabled()
 
 
-def test_a_collector_turned_off_outside_is_left_off_and_freezes_nothing() -> None:
+def test_a_collector_turned_off_outside_is_left_off_and_freezes_nothing(module_to_import: str) -> None:
     gc.disable()
     try:
         with imports_without_gc():
-            built = {"module": [1, 2]}
+            module = importlib.import_module(module_to_import)
         assert not gc.isenabled()
-        assert _tracked(built)
+        assert _tracked(module.VALUE)
     finally:
         gc.enable()
 
 
-def test_nested_uses_freeze_once_at_the_outermost() -> None:
+def test_nested_uses_freeze_once_at_the_outermost(module_to_import: str) -> None:
     with imports_without_gc():
         with imports_without_gc():
-            inner = {"module": [1]}
-        assert not gc.isenabled() and _tracked(inner)
-    assert gc.isenabled() and not _tracked(inner)
+            module = importlib.import_module(module_to_import)
+        assert not gc.isenabled() and _tracked(module.VALUE)
+    assert gc.isenabled() and not _tracked(module.VALUE)
 
 
 def test_a_worker_imports_the_trainer_without_collecting_and_freezes_it() -> None:
