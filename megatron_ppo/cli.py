@@ -115,9 +115,11 @@ def _score(args: argparse.Namespace) -> int:
     config = load_config(args.recipe, args.overrides)
     try:
         with imports_without_gc():
-            from megatron_ppo.convert.reward_scoring import score
-            from megatron_ppo.tasks import addition
-        (addition.score if config.data.task == "addition" else score)(config)
+            if config.data.task == "addition":
+                from megatron_ppo.tasks.addition import score
+            else:
+                from megatron_ppo.convert.reward_scoring import score
+        score(config)
     except DataError as problem:
         return tell_user(2, f"error: {problem}")
     return 0
