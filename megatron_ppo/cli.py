@@ -109,6 +109,21 @@ def _launch(args: argparse.Namespace) -> int:
     return launch(args.nproc, ["train", args.recipe, *args.overrides], resume)
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    config = load_config(args.recipe, args.overrides)
+    if config.data.task == "addition" and not config.data.train_files:
+        raise ConfigError(["data.task=addition builds its rows in its first `train` run (an SFT policy samples "
+                           "them); `prepare` prepares data files: set data.train_files"], source=str(args.recipe))
+    with imports_without_gc():
+        from megatron_ppo.train.run import prepare_data
+
+    data = prepare_data(config)
+    for name, prepared in (("train", data.train), ("validation", data.val)):
+        if prepared is not None:
+            print(f"{name}: {prepared.line()}\n{name}: {prepared.report.summary()}")
+    return 0
+
+
 def _score(args: argparse.Namespace) -> int:
     from megatron_ppo.data.rows import DataError
 
@@ -300,6 +315,15 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--nproc", type=int, metavar="N", help="start N worker processes on this machine (torch's "
                          "elastic agent, as torchrun --standalone does) and say their outcome once, with its exit "
                          "status; the config must ask for N (cluster.nodes=1, cluster.gpus_per_node=N)")  # fmt: skip
+    _recipe_command(
+        commands,
+        "prepare",
+        "read, check, score and tokenize the data files once into memory-mapped files (data.prepared_dir) that "
+        "`train` maps: run it on a CPU node before the job",
+        _prepare,
+        "megatron-ppo prepare recipes/qwen2.5-32b.yaml data.train_files=/data/train.parquet "
+        "data.prepared_dir=/shared/prepared",
+    )
     _recipe_command(
         commands,
         "score",

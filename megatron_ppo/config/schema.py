@@ -297,6 +297,12 @@ class DataConfig(Freezable):
     train_batch_size: int = ranged(512, AT_LEAST_ONE, "rows per PPO iteration")
     shuffle: bool = described(True, "shuffle the rows each epoch")
     seed: int = described(1, "the shuffle's seed")
+    prepared_dir: str | None = per_job(
+        None,
+        RUN_CONTROL,
+        "where the rows are prepared once (tokenized, memory-mapped) and found again, one folder per data key; null: "
+        "<trainer.default_local_dir>/prepared. A folder shared by several runs prepares each dataset once",
+    )
     task: str | None = choice(
         None,
         (None, "addition"),

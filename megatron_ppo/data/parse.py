@@ -228,7 +228,7 @@ def _given_reward(record: dict[str, Any], config: DataConfig, scorer: Scorer | N
 
 
 def _text_tokens(prompt: Any, response: str, tokenizer: Tokenizer, config: DataConfig, has_log_probs: bool) -> _Tokens:
-    prompt_text, builtin_chat = _prompt_text(prompt, tokenizer)
+    prompt_text, builtin_chat = render_prompt(prompt, tokenizer)
     response_tokens = tokenizer.encode(response) if response else []
     if not response_tokens:
         raise BadRow(
@@ -368,7 +368,7 @@ def _check_messages(prompt: Any, key: str) -> None:
             )
 
 
-def _prompt_text(prompt: str | list[dict[str, Any]], tokenizer: Tokenizer) -> tuple[str, bool]:
+def render_prompt(prompt: str | list[dict[str, Any]], tokenizer: Tokenizer) -> tuple[str, bool]:
     """(the prompt text, whether the built-in chat format rendered it)."""
     if isinstance(prompt, str):
         return prompt, False

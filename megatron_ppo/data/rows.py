@@ -24,17 +24,19 @@ from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.fields import field_problems
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data.chat import BUILTIN_FORMAT
+from megatron_ppo.data.encoding import BatchEncoded
 from megatron_ppo.data.pairs import expand_records, of_side
 from megatron_ppo.data.parse import ParsedRow, Row, Tokenizer, parse_row
 from megatron_ppo.data.scoring import Scorer
 from megatron_ppo.data.values import BadRow, RoutingShape
 
-__all__ = ["DataError", "DataReport", "Row", "Tokenizer", "read_rows"]
+__all__ = ["DataError", "DataReport", "Row", "Tokenizer", "read_rows", "stream_rows"]
 
 # The Parquet metadata key under which `megatron-ppo score` names the reward model that scored a file (JSON: its
 # "reward_model" path, "checkpoint_hash", "source" file, ...); read back into `DataReport.scored_by`.
 SCORED_BY_KEY = b"megatron_ppo.scored_by"
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+RECORDS_PER_CHUNK = 1024  # records decoded and batch-tokenized together
 
 
 @dataclass
@@ -114,58 +116,105 @@ def read_rows(
     and checked against the model's layers, top-k and experts.
     Raises `DataError` for a missing or unreadable file, for the first bad row in error mode, and when no row is left.
     """
+    report = DataReport(scorer=None if scorer is None else scorer.name)
+    rows = list(stream_rows(paths, tokenizer, config, report, rejects_path, scorer, routing))
+    return rows, report
+
+
+def stream_rows(
+    paths: Sequence[str | Path],
+    tokenizer: Tokenizer,
+    config: DataConfig,
+    report: DataReport,
+    rejects_path: str | Path | None = None,
+    scorer: Scorer | None = None,
+    routing: RoutingShape | None = None,
+) -> Iterator[Row]:
+    """The kept rows of `read_rows`, one at a time, counting into `report` as they come (what the prepared dataset
+    writes without holding them; `read_rows` for the rest). Text is tokenized a chunk of records at a time with the
+    tokenizer's batch call (`BatchEncoded`: every core); each row is still parsed on its own (`parse_row`)."""
     _check_options(config)
     if not paths:
         raise DataError("no data files given; set data.train_files")
     files = [(Path(p), format_of(Path(p), config.format)) for p in paths]
-    report = DataReport(scorer=None if scorer is None else scorer.name)
     rejects: IO[str] | None = None
     if config.on_bad_row == "skip":
         if rejects_path is None:
             raise DataError("data.on_bad_row=skip needs a rejects file path to write the rejected rows to")
         report.rejects_path = str(rejects_path)
         rejects = _open_rejects(Path(rejects_path))
-    rows: list[Row] = []
+    encoded = BatchEncoded(tokenizer, config)
     try:
         for path, fmt in files:
-            records = records_of(path, fmt)
             if fmt == "parquet" and (scorer_of_file := scored_by(path)) is not None:
                 report.scored_by[str(path)] = scorer_of_file
-            for source, raw in records:
-                report.rows_read += 1  # a pair read is two rows, once both are kept
-                record = raw
-                try:
-                    if isinstance(raw, bytes):
-                        record = decode_json_line(raw)
-                    parsed_rows = []  # a preference pair is two rows: rejected together when either is bad
-                    for where, one in expand_records(record, source, config):
-                        try:
-                            parsed_rows.append(parse_row(one, where, tokenizer, config, scorer, routing))
-                        except BadRow as bad:
-                            raise of_side(bad, where, source) from None
-                except BadRow as bad:
-                    if rejects is None:
-                        raise DataError(f"{source}: {bad.problem}") from None
-                    report.rejected += 1
-                    report.reasons[bad.kind] = report.reasons.get(bad.kind, 0) + 1
-                    shown = record.decode("utf-8", "replace").rstrip("\r\n") if isinstance(record, bytes) else record
-                    entry = {"source": source, "kind": bad.kind, "reason": bad.problem, "row": _json_safe(shown)}
-                    rejects.write(json.dumps(entry, default=str, allow_nan=False) + "\n")
-                    continue
-                report.rows_read += len(parsed_rows) - 1
-                for parsed in parsed_rows:
-                    _count(parsed, report)
-                    fitted = _fit_length(parsed.row, config, report)
-                    if fitted is not None:
-                        rows.append(fitted)
+            for chunk in _chunks(records_of(path, fmt), RECORDS_PER_CHUNK):
+                expanded = [(source, raw, _expanded(raw, source, config)) for source, raw in chunk]
+                encoded.encode_ahead(one for _, _, pairs in expanded if not isinstance(pairs, BadRow)
+                                     for _, one in pairs)  # fmt: skip
+                for source, raw, pairs in expanded:
+                    report.rows_read += 1  # a pair read is two rows, once both are kept
+                    try:
+                        if isinstance(pairs, BadRow):
+                            raise pairs
+                        parsed_rows = []  # a preference pair is two rows: rejected together when either is bad
+                        for where, one in pairs:
+                            try:
+                                parsed_rows.append(parse_row(one, where, encoded, config, scorer, routing))
+                            except BadRow as bad:
+                                raise of_side(bad, where, source) from None
+                    except BadRow as bad:
+                        if rejects is None:
+                            raise DataError(f"{source}: {bad.problem}") from None
+                        _reject(rejects, report, bad, source, raw)
+                        continue
+                    report.rows_read += len(parsed_rows) - 1
+                    for parsed in parsed_rows:
+                        _count(parsed, report)
+                        fitted = _fit_length(parsed.row, config, report)
+                        if fitted is not None:
+                            report.rows_kept += 1
+                            yield fitted
+                encoded.forget()
     finally:
         if rejects is not None:
             rejects.close()
-    report.rows_kept = len(rows)
-    if not rows:
+    if not report.rows_kept:
         names = ", ".join(str(p) for p, _ in files)
         raise DataError(f"no rows left in {names}: {report.summary()}")
-    return rows, report
+
+
+def _expanded(raw: Any, source: str, config: DataConfig) -> list[tuple[str, Any]] | BadRow:
+    """The record(s) of one JSONL line or Parquet row (a preference pair is two), or why it is not one."""
+    try:
+        record = decode_json_line(raw) if isinstance(raw, bytes) else raw
+        return expand_records(record, source, config)
+    except BadRow as bad:
+        return bad
+
+
+def _reject(rejects: IO[str], report: DataReport, bad: BadRow, source: str, raw: Any) -> None:
+    """One rejected record, counted by kind and written with its reason (skip mode)."""
+    report.rejected += 1
+    report.reasons[bad.kind] = report.reasons.get(bad.kind, 0) + 1
+    if isinstance(raw, bytes):
+        try:
+            raw = decode_json_line(raw)
+        except BadRow:
+            raw = raw.decode("utf-8", "replace").rstrip("\r\n")
+    entry = {"source": source, "kind": bad.kind, "reason": bad.problem, "row": _json_safe(raw)}
+    rejects.write(json.dumps(entry, default=str, allow_nan=False) + "\n")
+
+
+def _chunks(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def _count(parsed: ParsedRow, report: DataReport) -> None:
@@ -220,12 +269,16 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, bytes]]:
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(source, row as a dict) for every row, a record batch at a time (the file is never held whole)."""
     try:
-        records = pq.read_table(path).to_pylist()
+        batches = pq.ParquetFile(path).iter_batches(batch_size=RECORDS_PER_CHUNK)
+        number = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                yield f"{path}:row {number}", record
+                number += 1
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: cannot read it as Parquet ({e})") from e
-    for number, record in enumerate(records):
-        yield f"{path}:row {number}", record
 
 
 def scored_by(path: str | Path) -> dict[str, Any] | None:

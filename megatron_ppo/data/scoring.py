@@ -32,6 +32,7 @@ class Scorer:
 
     function: ScoreFunction
     name: str
+    source: str | None = None  # the file that defines `function` (a custom one), whose content keys prepared data
 
     def __call__(self, data_source: str, response: str, ground_truth: Any, extra_info: dict[str, Any]) -> float:
         """Raises what the function raises (e.g. verl's NotImplementedError for an unknown data_source), or
@@ -55,7 +56,7 @@ def build_scorer(reward: RewardConfig) -> Scorer | None:
         return Scorer(_verl_default_compute_score(), "verl.utils.reward_score.default_compute_score")
     if reward.score_fn == "custom":
         path, name = reward.custom_fn.path, reward.custom_fn.name
-        return Scorer(load_function(path, name), f"{name} from {path}")
+        return Scorer(load_function(path, name), f"{name} from {path}", source=path)
     raise ConfigError([f"reward.score_fn={reward.score_fn!r} is not one of None, 'verl', 'custom'"])
 
 

@@ -38,6 +38,10 @@ class SentencePieceTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.processor.encode(text)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text, on every core."""
+        return self.processor.encode(texts, num_threads=-1)
+
     def decode(self, ids: Iterable[int]) -> str:
         return self.processor.decode([i for i in ids if i != self.eos_id])
 
@@ -98,6 +102,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text, on every core (`tokenizers`' own thread pool)."""
+        return [encoding.ids for encoding in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i != self.eos_id])

@@ -24,6 +24,7 @@ from megatron_ppo.data.batching import (
     group_rows,
     packed_micro_batches,
 )
+from megatron_ppo.data.prepared import column
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models.packing import segment_lengths
 from megatron_ppo.models.router_replay import record_dtype
@@ -108,8 +109,8 @@ def build_sampler(config: PPOConfig, rows: Sequence[Row]) -> tuple[EpochSampler 
     estimator = config.algorithm.adv_estimator
     if estimator not in GROUPED_ESTIMATORS:
         return EpochSampler(len(rows), seed=seed, shuffle=shuffle), len(rows), None
-    grouping = group_rows([row.uid for row in rows])
-    line = grouping.summary([row.source for row in rows])
+    grouping = group_rows(column(rows, "uid"))
+    line = grouping.summary(column(rows, "source"))
     if grouping.group_size <= 1 or 2 * grouping.singleton_rows > len(rows):
         raise ConfigError([
             f"algorithm.adv_estimator={estimator}: {line} — it compares the responses to one prompt, so most rows here "

@@ -12,6 +12,7 @@ import torch
 
 from megatron_ppo import algo
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.data.prepared import column
 from megatron_ppo.data.rows import DataError, Row
 from megatron_ppo.models import RoleModel, eval_mode, run_micro_batches, vocab_parallel_log_probs
 from megatron_ppo.models.packing import labels_of, per_row
@@ -201,10 +202,13 @@ def check_rows_for_rollout_correction(config: PPOConfig, rows: Sequence[Row]) ->
     settings = config.algorithm.rollout_correction
     asked = (("rollout_is", settings.rollout_is), ("rollout_rs", settings.rollout_rs))
     which = [f"{key}={value}" for key, value in asked if value is not None]
-    lacking = [row for row in rows if row.behavior_log_probs is None]
-    if which and lacking:
+    if not which:
+        return
+    lacking = [i for i, given in enumerate(column(rows, "has_behavior_log_probs")) if not given]
+    if lacking:
         raise DataError(
-            f"{lacking[0].source}: the row has no 'behavior_log_probs' ({len(lacking)} of {len(rows)} rows lack them), "
+            f"{rows[lacking[0]].source}: the row has no 'behavior_log_probs' ({len(lacking)} of {len(rows)} rows lack "
+            "them), "
             f"but algorithm.rollout_correction.{' and '.join(which)} weighs or rejects tokens by the behaviour "
             "policy's log-probs: give every row a 'behavior_log_probs' column (one log-prob per response token), "
             "or unset algorithm.rollout_correction.rollout_is / rollout_rs"

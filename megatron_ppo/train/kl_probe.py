@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.data.prepared import rows_at
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models import RoleModel, eval_mode
 from megatron_ppo.parallel.device import current_device, to_device
@@ -40,7 +41,7 @@ def probe_rows(config: PPOConfig, rows: Sequence[Row]) -> list[Row]:
     count = min(config.algorithm.kl_ctrl.probe_rows, len(rows))
     generator = torch.Generator().manual_seed(config.data.seed)
     chosen = torch.randperm(len(rows), generator=generator)[:count].sort().values
-    return [rows[int(i)] for i in chosen]
+    return rows_at(rows, chosen.tolist())
 
 
 class KLProbe:

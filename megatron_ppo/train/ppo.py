@@ -16,6 +16,7 @@ from typing import Any
 
 from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.config.schema import PPOConfig
+from megatron_ppo.data.prepared import rows_at
 from megatron_ppo.data.rows import Row
 from megatron_ppo.models.gpt import RoleModel
 from megatron_ppo.models.offload import HostOffload
@@ -60,7 +61,7 @@ class PPOTrainer:
         self.observers.iteration_begins()
         with phase_timer(timings, "iteration"):
             # 1. batch: the next train_batch_size rows, tokenized, right-padded and on the run's device
-            rows = [self.rows[i] for i in self.sampler.next_batch(config.data.train_batch_size)]
+            rows = rows_at(self.rows, self.sampler.next_batch(config.data.train_batch_size))
             batch = to_device(collate(rows, self.pad_id), current_device(), "the PPO batch")
             with phases.running(Phase.EXPERIENCE, timings):
                 # 2. experience: log-probs of actor and reference, values of the critic (no grad; on every rank)

@@ -16,8 +16,10 @@ from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import PPOConfig
 from megatron_ppo.convert.critic_init import converted_critic_checkpoint
 from megatron_ppo.convert.huggingface import converted_init_checkpoint
-from megatron_ppo.data.rows import DataReport, read_rows
-from megatron_ppo.data.scoring import build_scorer
+from megatron_ppo.data.parse import Tokenizer
+from megatron_ppo.data.prepare import PreparedData, prepared_root, prepared_rows
+from megatron_ppo.data.rows import DataReport
+from megatron_ppo.data.scoring import Scorer, build_scorer
 from megatron_ppo.data.tokenizer import load_tokenizer
 from megatron_ppo.data.values import RoutingShape
 from megatron_ppo.parallel import DistEnv, destroy_distributed, dist_env_from_environment, init_distributed
@@ -86,10 +88,40 @@ def other_reward_models(config: PPOConfig, *reports: DataReport) -> list[str]:
     return lines
 
 
-def train(config: PPOConfig) -> list[dict[str, float]]:
-    """Offline PPO on `data.train_files`: the metrics of every iteration."""
+def require_data(config: PPOConfig) -> None:
     if not config.model.tokenizer or not config.data.train_files:
         raise ConfigError(["offline PPO needs model.tokenizer (.model or tokenizer.json) and data.train_files"])
+
+
+@dataclasses.dataclass(frozen=True)
+class RunData:
+    """A run's rows, prepared and mapped, with the tokenizer and scorer that made them."""
+
+    train: PreparedData
+    val: PreparedData | None
+    tokenizer: Tokenizer
+    scorer: Scorer | None
+
+
+def prepare_data(config: PPOConfig) -> RunData:
+    """`data.train_files` (and `data.val_files`) prepared under `data.prepared_dir` once — by one process of the
+    job, the others waiting — and mapped (`data/prepare.py`); what `megatron-ppo prepare` runs on a CPU node."""
+    require_data(config)
+    scorer = build_scorer(config.reward)  # a missing verl or custom file fails at once
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    model, routing = config.model, None  # R3: the rows' routed experts, checked against the model
+    if config.actor.router_replay.mode == "R3":
+        routing = RoutingShape(model.num_layers, model.num_experts_per_tok, model.num_experts)
+    root = prepared_root(config)
+    train = prepared_rows(config.data.train_files, tokenizer, config.data, root, scorer, routing)
+    check_rows_for_rollout_correction(config, train.rows)
+    val = prepared_rows(config.data.val_files, tokenizer, config.data, root, scorer) if config.data.val_files else None
+    return RunData(train, val, tokenizer, scorer)
+
+
+def train(config: PPOConfig) -> list[dict[str, float]]:
+    """Offline PPO on `data.train_files`: the metrics of every iteration."""
+    require_data(config)
     model = config.model
     if not (model.init_checkpoint or model.hf_checkpoint or model.allow_random_init):
         raise ConfigError([
@@ -97,35 +129,23 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
             "model.hf_checkpoint=<Hugging Face dir> or model.init_checkpoint=<megatron-ppo checkpoint> "
             "(or model.allow_random_init=true for a smoke test: the reference then copies the actor)"
         ])  # fmt: skip
-    scorer = build_scorer(config.reward)  # before any process group: a missing verl or custom file fails at once
     check_launch(config)
     # the data before any process group or model (a conversion of model.hf_checkpoint builds one): a bad row, or
     # rows lacking what the config asks of them, fail at once
-    tokenizer = load_tokenizer(config.model.tokenizer)
-    routing = None  # R3: the rows' routed experts, checked against the model
-    if config.actor.router_replay.mode == "R3":
-        routing = RoutingShape(model.num_layers, model.num_experts_per_tok, model.num_experts)
-    rows, report = read_rows(
-        config.data.train_files, tokenizer, config.data,
-        rejects_path=os.path.join(config.trainer.default_local_dir, "rejects.jsonl"), scorer=scorer, routing=routing,
-    )  # fmt: skip
-    check_rows_for_rollout_correction(config, rows)
-    val_rows, val_report = [], None
-    if config.data.val_files:
-        val_rows, val_report = read_rows(
-            config.data.val_files, tokenizer, config.data,
-            rejects_path=os.path.join(config.trainer.default_local_dir, "val_rejects.jsonl"), scorer=scorer,
-        )  # fmt: skip
+    data = prepare_data(config)
+    rows, report, val_data = data.train.rows, data.train.report, data.val
     with distributed_run(config) as weights:
         validation = None
-        if val_report is not None:
-            validation = ValidationSet(val_rows, tokenizer, scorer, config.data.max_response_length,
+        if val_data is not None:  # a validation set is small: its rows are held
+            validation = ValidationSet(list(val_data.rows), data.tokenizer, data.scorer,
+                                       config.data.max_response_length,
                                        config.actor.log_prob_micro_batch_size_per_gpu)  # fmt: skip
-        trainer = PPOTrainer(config, rows, tokenizer.pad_id, evaluate=validation, weights=weights)
+        trainer = PPOTrainer(config, rows, data.tokenizer.pad_id, evaluate=validation, weights=weights)
+        trainer.logger.event(0, "data", data.train.line())
         trainer.logger.event(0, "data", report.summary())
-        if val_report is not None:
-            trainer.logger.event(0, "data", f"validation: {val_report.summary()}")
-        for line in other_reward_models(config, report, *([val_report] if validation is not None else [])):
+        if val_data is not None:
+            trainer.logger.event(0, "data", f"validation: {val_data.line()}; {val_data.report.summary()}")
+        for line in other_reward_models(config, report, *([val_data.report] if val_data is not None else [])):
             trainer.logger.event(0, "data", line)
         trainer.resume()
         try:

@@ -48,6 +48,7 @@ MEGATRON_OUTSIDE = {
                                 "megatron.core.dist_checkpointing.mapping",
                                 "megatron.core.dist_checkpointing.dict_utils",
                                 "megatron.core.optimizer.distrib_optimizer"},  # saving and loading: its format
+    "megatron_ppo.data.prepared": {"megatron.core.datasets.indexed_dataset"},  # the prepared rows' token files
     "megatron_ppo.convert.critic_init": {"megatron.core.dist_checkpointing"},  # the roles a checkpoint's metadata holds
     "megatron_ppo.convert.huggingface": {"megatron.core.tensor_parallel"},  # the TP gather of the logits `verify` uses
     "megatron_ppo.train.optimizer": {"megatron.core.distributed", "megatron.core.optimizer",

@@ -54,6 +54,7 @@ def test_the_keys_meant_to_change_are_the_schemas_per_job_fields() -> None:
         | dict.fromkeys(["trainer.total_epochs", "trainer.total_training_steps"], RUN_LENGTH)
         | {f"trainer.{key}": RUN_CONTROL for key in run_control}
         | {f"profiling.{key}": RUN_CONTROL for key in profiling}  # what a job watches, not what the run trains
+        | {"data.prepared_dir": RUN_CONTROL}  # where the same rows are found, not which rows
     )
     assert expected == PER_JOB_KEYS
     flat = flatten_config(PPOConfig())

@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +24,8 @@ from rich.table import Table
 from megatron_ppo.checkpoint import directory, store
 from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.config.schema import MegatronConfig, ModelConfig, PPOConfig
-from megatron_ppo.data.rows import Row, read_rows
+from megatron_ppo.data.prepare import prepared_root, prepared_rows
+from megatron_ppo.data.rows import Row
 from megatron_ppo.data.tokenizer import SentencePieceTokenizer, train_char_tokenizer
 from megatron_ppo.models import RoleModel, build_role_model
 from megatron_ppo.models.generation import generate, timed_generate
@@ -221,7 +222,7 @@ class AdditionTask:
 
     tokenizer: SentencePieceTokenizer
     heldout: list[AdditionProblem]
-    rows: list[Row]
+    rows: Sequence[Row]  # the prepared dataset, mapped
     data_line: str
     sft_checkpoint: str
     data_path: Path  # the sampled dataset with its rule rewards (the rows, unless data.train_files names others)
@@ -248,9 +249,10 @@ def prepare_addition_task(config: PPOConfig) -> AdditionTask:
                 _offline_dataset(config, layout, tokenizer, train, sft_path, data_path)
     # data.train_files: the task's rows scored another way (`make score`: by a reward model), trained on instead
     paths = config.data.train_files or [data_path]
-    rows, report = read_rows(paths, tokenizer, config.data, rejects_path=work / "data" / "rejects.jsonl")
-    check_rows_for_rollout_correction(config, rows)  # before the PPO run builds its models
-    return AdditionTask(tokenizer, heldout, rows, report.summary(), str(sft_path), data_path)
+    data = prepared_rows(paths, tokenizer, config.data, prepared_root(config))
+    check_rows_for_rollout_correction(config, data.rows)  # before the PPO run builds its models
+    return AdditionTask(tokenizer, heldout, data.rows, f"{data.line()}; {data.report.summary()}", str(sft_path),
+                        data_path)  # fmt: skip
 
 
 def train_on_task(

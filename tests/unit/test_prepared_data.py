@@ -1,0 +1,238 @@
+"""The prepared dataset gives exactly the rows `read_rows` gives, in every format; it is keyed by what makes the rows
+(a changed byte or data key prepares anew, a changed batch size does not); one process prepares while another waits;
+a preparer killed midway leaves nothing a later run trusts."""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from megatron_ppo.config.schema import CustomRewardFnConfig, DataConfig, RewardConfig
+from megatron_ppo.data import DataError, build_scorer, read_rows
+from megatron_ppo.data.prepare import REJECTS_FILE, prepared_rows
+from megatron_ppo.data.prepared import column, rows_at
+from megatron_ppo.data.tokenizer import HFTokenizer, load_tokenizer
+from megatron_ppo.data.values import RoutingShape
+from megatron_ppo.train.batch import collate
+from tests.support.data_fixtures import tokenizer_dir, verl_row
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    return load_tokenizer(tokenizer_dir(tmp_path_factory.mktemp("tok") / "bpe", "chatml"))
+
+
+def _jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def _parquet(path: Path, records: list[dict]) -> Path:
+    keys = list(dict.fromkeys(key for record in records for key in record))  # from_pylist reads the first's keys
+    pq.write_table(pa.Table.from_pylist([{key: record.get(key) for key in keys} for record in records]), path)
+    return path
+
+
+def _f32(values: list[float] | None) -> list[float] | None:
+    return None if values is None else np.asarray(values, dtype=np.float32).tolist()
+
+
+def _assert_same_rows(prepared, expected) -> None:
+    """Field by field; per-token floats at float32 (the precision collate gives them: the batches are equal)."""
+    assert len(prepared) == len(expected)
+    got = list(prepared)
+    for mine, theirs in zip(got, expected, strict=True):
+        for field in dataclasses.fields(theirs):
+            a, b = getattr(mine, field.name), getattr(theirs, field.name)
+            if field.name in ("token_rewards", "behavior_log_probs"):
+                b = _f32(b)
+            if isinstance(b, torch.Tensor):
+                assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), field.name
+            else:
+                assert a == b, (field.name, theirs.source)
+    mine, theirs = collate(got, pad_id=0), collate(expected, pad_id=0)
+    assert mine.keys() == theirs.keys()
+    for key in theirs:
+        assert torch.equal(mine[key].nan_to_num(-7.0), theirs[key].nan_to_num(-7.0)), key
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+TEXT_ROWS = [
+    {"prompt": "Hello", "response": " there", "reward": 1.0, "uid": "a", "data_source": "greet"},
+    {"prompt": "Hel", "response": "lo there", "reward": -0.5},  # tokenizes differently together (warn: kept)
+    {"prompt": MESSAGES, "response": "4", "token_rewards": [0.25]},
+    {"prompt": "Hello", "response": " there", "reward": 0.1, "behavior_log_probs": [-0.3]},
+    {"prompt": "x" * 40, "response": "y" * 40, "reward": 2.0},  # over-long
+    '{"prompt": "Hello", "response": ',  # not JSON
+    {"prompt": "Hello", "response": " there", "reward": 2, "uid": 7},
+]
+
+
+def _cases(tmp_path: Path, tokenizer: HFTokenizer) -> dict[str, tuple[list[Path], DataConfig, dict]]:
+    last = tokenizer.vocab_size - 1
+    ids = [
+        {"prompt_ids": [5, 6, 7], "response_ids": [8, last], "behavior_log_probs": [-0.5, -1.5], "reward": 1.0,
+         "uid": "g"},
+        {"prompt_ids": [0], "response_ids": [9, 10, tokenizer.eos_id], "token_rewards": [0.0, 0.5, 1.0]},
+        {"prompt_ids": [1, 2], "response_ids": [3], "behavior_log_probs": [-0.1], "reward": 0.0, "uid": 3},
+    ]  # fmt: skip
+    pairs = [{"prompt": MESSAGES, "chosen": "4", "rejected": "5", "chosen_score": 8.5, "rejected_score": 2.0},
+             {"prompt": "q", "chosen": "a", "rejected": "b", "chosen_score": 1.0, "rejected_score": 0.0, "uid": 9}]
+    scorer_file = tmp_path / "my_reward.py"
+    scorer_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                           "    return float(ground_truth.strip() in solution_str) + (extra_info.get('bonus') or 0)\n")
+    verl = [verl_row(0, "What is 2+3?", "5", "#### 5"), {**verl_row(1, "What is 1+1?", "2", "#### 3"),
+            "extra_info": {"bonus": 0.5, "split": "train"}}]  # fmt: skip
+    routes = [[[0, 1], [2, 3]], [[1, 2], [3, 0]], [[0, 3], [1, 2]], [[2, 1], [0, 3]]]
+    r3 = [{"prompt_ids": [5, 6], "response_ids": [7, 8], "reward": 1.0, "routed_experts": routes},
+          {"prompt_ids": [5, 6], "response_ids": [7, 8], "reward": 0.0, "routed_experts": routes[:3]}]
+    text = [r for r in TEXT_ROWS if not isinstance(r, str)]
+    small = {"max_prompt_length": 24, "max_response_length": 24}
+    return {
+        "jsonl text, chat, skip": ([_jsonl(tmp_path / "text.jsonl", TEXT_ROWS)], DataConfig(**small, on_bad_row="skip"), {}),
+        "jsonl truncate middle": ([_jsonl(tmp_path / "t2.jsonl", text)],
+                                  DataConfig(**small, overlong_policy="truncate", prompt_truncation="middle"), {}),
+        "parquet text": ([_parquet(tmp_path / "text.parquet", [{**r, "prompt": json.dumps(r["prompt"])} for r in text[:-1]])],
+                         DataConfig(**small), {}),
+        "token ids jsonl + parquet": ([_jsonl(tmp_path / "ids.jsonl", ids), _parquet(tmp_path / "ids.parquet", [{**r, "uid": str(r.get("uid"))} for r in ids])],
+                                      DataConfig(tokenization_check="strict"), {}),
+        "preference pairs": ([_jsonl(tmp_path / "pairs.jsonl", pairs)], DataConfig(pair_reward="given"), {}),
+        "verl layout, scored": ([_parquet(tmp_path / "verl.parquet", verl)], DataConfig(max_prompt_length=512),
+                                {"scorer": build_scorer(RewardConfig(score_fn="custom",
+                                                                     custom_fn=CustomRewardFnConfig(str(scorer_file))))}),
+        "R3 routes": ([_jsonl(tmp_path / "r3.jsonl", r3)], DataConfig(),
+                      {"routing": RoutingShape(num_layers=2, topk=2, num_experts=4)}),
+    }  # fmt: skip
+
+
+def test_prepared_rows_are_read_rows_in_every_format(tokenizer: HFTokenizer, tmp_path: Path) -> None:
+    for name, (paths, config, extra) in _cases(tmp_path, tokenizer).items():
+        rejects = tmp_path / f"{name}.rejects.jsonl"
+        expected, report = read_rows(paths, tokenizer, config, rejects_path=rejects, **extra)
+        data = prepared_rows(paths, tokenizer, config, tmp_path / "prepared", say=lambda _: None, **extra)
+        assert data.how.startswith("prepared here"), name
+        _assert_same_rows(data.rows, expected)
+        mine = dataclasses.asdict(data.report)
+        assert mine.pop("rejects_path") == (None if report.rejects_path is None else str(data.directory / REJECTS_FILE))
+        theirs = dataclasses.asdict(report)
+        theirs.pop("rejects_path")
+        assert mine == theirs, name
+        if report.rejects_path is not None:
+            assert (data.directory / REJECTS_FILE).read_text() == rejects.read_text()
+        assert column(data.rows, "uid") == [r.uid for r in expected]
+        assert column(data.rows, "has_behavior_log_probs") == [r.behavior_log_probs is not None for r in expected]
+        order = list(range(len(expected)))[::-1]
+        assert [r.source for r in rows_at(data.rows, order)] == [expected[i].source for i in order]
+    assert report.rows_kept == 2 and data.rows[1].routed_experts.shape == (3, 2, 2)
+
+
+def test_a_bad_row_in_error_mode_is_named_and_nothing_is_left_prepared(tokenizer: HFTokenizer, tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "bad.jsonl", TEXT_ROWS)
+    with pytest.raises(DataError, match=rf"{path}:6: the line is not valid JSON"):
+        prepared_rows([path], tokenizer, DataConfig(max_prompt_length=24, max_response_length=24),
+                      tmp_path / "prepared", say=lambda _: None)  # fmt: skip
+    assert [p.name for p in (tmp_path / "prepared").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def _prepare(paths: list[Path], tokenizer: HFTokenizer, config: DataConfig, root: Path):
+    return prepared_rows(paths, tokenizer, config, root, say=lambda _: None)
+
+
+def test_the_key_is_the_data_not_its_timestamps_nor_the_batching(tokenizer: HFTokenizer, tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "rows.jsonl", [r for r in TEXT_ROWS[:4]])
+    config, root = DataConfig(), tmp_path / "prepared"
+    first = _prepare([path], tokenizer, config, root)
+    assert first.how.startswith("prepared here")
+    again = _prepare([path], tokenizer, dataclasses.replace(config, train_batch_size=8, seed=5), root)
+    assert (again.how, again.directory) == ("prepared earlier", first.directory)
+    os.utime(path, (1, 1))  # touched: the same data
+    assert _prepare([path], tokenizer, config, root).directory == first.directory
+    stat = path.stat()
+    path.write_text(path.read_text().replace('"reward": 1.0', '"reward": 3.0'))  # same size, same mtime
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    changed = _prepare([path], tokenizer, config, root)
+    assert changed.directory != first.directory and changed.how.startswith("prepared here")
+    assert changed.rows[0].reward == 3.0
+    longer = _prepare([path], tokenizer, dataclasses.replace(config, max_response_length=8), root)
+    assert longer.directory not in (first.directory, changed.directory)
+
+
+def _hold_then_release(lock_path: str, ready, release) -> None:
+    with open(lock_path, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write("the test's holder")
+        lock.flush()
+        ready.set()
+        release.wait(60)
+
+
+def _prepare_in_child(paths, tokenizer_path, root, lines) -> None:
+    data = prepared_rows(paths, load_tokenizer(tokenizer_path), DataConfig(), root, say=lines.put)
+    lines.put(f"done: {data.how}")
+
+
+def test_a_second_process_waits_for_the_preparer_and_prepares_if_it_died(tokenizer: HFTokenizer,
+                                                                         tmp_path: Path) -> None:  # fmt: skip
+    path = _jsonl(tmp_path / "rows.jsonl", TEXT_ROWS[:4])
+    root = tmp_path / "prepared"
+    probe = _prepare([path], tokenizer, DataConfig(), tmp_path / "probe")  # learn the key's folder name
+    root.mkdir()
+    context = mp.get_context("spawn")
+    ready, release, lines = context.Event(), context.Event(), context.Queue()
+    holder = context.Process(target=_hold_then_release,
+                             args=(str(root / f"{probe.directory.name}.lock"), ready, release))  # fmt: skip
+    holder.start()
+    assert ready.wait(60)
+    waiter = context.Process(target=_prepare_in_child, args=([path], tokenizer.path, root, lines))
+    waiter.start()
+    assert lines.get(timeout=60) == f"data: waiting for the test's holder to prepare {root / probe.directory.name}"
+    (root / f"{probe.directory.name}.partial-deadhost-1").mkdir()  # what a killed preparer leaves
+    release.set()  # the holder ends without preparing (as one that died): the waiter prepares itself
+    holder.join(60)
+    said = [lines.get(timeout=60) for _ in range(3)]
+    waiter.join(60)
+    assert said[0].startswith("data: preparing 1 file(s)") and said[-1].startswith("done: prepared here"), said
+    assert sorted(p.name for p in root.iterdir()) == [probe.directory.name, f"{probe.directory.name}.lock"]
+
+
+
+
+def _prepare_slowly(path: str, tokenizer_path: str, root: str, scorer_file: str) -> None:
+    scorer = build_scorer(RewardConfig(score_fn="custom", custom_fn=CustomRewardFnConfig(scorer_file, "slow")))
+    prepared_rows([path], load_tokenizer(tokenizer_path), DataConfig(max_prompt_length=512), root, scorer,
+                  say=lambda _: None)  # fmt: skip
+
+
+def test_a_preparer_killed_midway_leaves_nothing_trusted(tokenizer: HFTokenizer, tmp_path: Path) -> None:
+    rows = [verl_row(i, f"What is {i}+1?", str(i + 1), f"#### {i + 1}") for i in range(300)]
+    path = _parquet(tmp_path / "verl.parquet", rows)
+    scorer_file = tmp_path / "slow.py"
+    scorer_file.write_text("import time\ndef slow(data_source, solution_str, ground_truth, extra_info):\n"
+                           "    time.sleep(0.01)\n    return 1.0\n")  # fmt: skip
+    root = tmp_path / "prepared"
+    child = mp.get_context("spawn").Process(target=_prepare_slowly,
+                                            args=(str(path), tokenizer.path, str(root), str(scorer_file)))  # fmt: skip
+    child.start()
+    deadline = time.monotonic() + 60
+    while not any(p.name.count(".partial-") and (p / "tokens.bin").exists() for p in root.glob("*")):
+        assert time.monotonic() < deadline and child.is_alive()
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    assert [p for p in root.iterdir() if "." not in p.name] == [], "no prepared directory under its final name"
+    scorer = build_scorer(RewardConfig(score_fn="custom", custom_fn=CustomRewardFnConfig(str(scorer_file), "slow")))
+    data = prepared_rows([path], tokenizer, DataConfig(max_prompt_length=512), root, scorer, say=lambda _: None)
+    assert data.how.startswith("prepared here") and len(data.rows) == 300
+    assert [p.name for p in root.iterdir() if ".partial-" in p.name] == [], "the killed preparer's files are gone"
