@@ -14,7 +14,7 @@ TORCHRUN = OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone
 # ends with the workers' one message and exit status (2 a user error, 130 Ctrl-C, 75 preemption, 3 a guard stop).
 TRAIN = OMP_NUM_THREADS=1 $(PY) -m megatron_ppo train --nproc $(NPROC)
 
-.PHONY: setup test test-fast test-floor lint docs lock gpu-wheels validate bench train score figure compare-kl drill faults plan submit report gpu-check profile
+.PHONY: setup test test-fast test-floor lint docs lock gpu-wheels validate bench bench-data train score figure compare-kl drill faults plan submit report gpu-check profile
 
 setup: $(STAMP)
 
@@ -157,6 +157,12 @@ bench: setup
 	$(TORCHRUN) --nproc_per_node 1 -m bench.bench_router_replay
 	$(TORCHRUN) --nproc_per_node 2 -m bench.bench_task_sft
 	$(PY) -m bench.bench_gae
+	$(PY) -m bench.bench_data
+
+# The data path alone: 10^6 token-id rows prepared and mapped, 50,000 text rows beside tokenizers' encode_batch
+# (≈ 17 GB under outputs/bench/data while it runs; BENCH_DATA_ARGS="--rows 200000" for less).
+bench-data: setup
+	$(PY) -m bench.bench_data $(BENCH_DATA_ARGS)
 
 # The GPU check (one CUDA GPU, no network, ≤ 330 s by its estimate): the card read first, each part sized to it and in
 # its own process, its result printed as it ends (gpu_check/__main__.py): the tiny recipe on CUDA, a 1.5B-shaped PPO

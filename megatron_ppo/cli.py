@@ -112,8 +112,13 @@ def _launch(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     config = load_config(args.recipe, args.overrides)
     if config.data.task == "addition" and not config.data.train_files:
-        raise ConfigError(["data.task=addition builds its rows in its first `train` run (an SFT policy samples "
-                           "them); `prepare` prepares data files: set data.train_files"], source=str(args.recipe))
+        raise ConfigError(
+            [
+                "data.task=addition builds its rows in its first `train` run (an SFT policy samples "
+                "them); `prepare` prepares data files: set data.train_files"
+            ],
+            source=str(args.recipe),
+        )
     with imports_without_gc():
         from megatron_ppo.train.run import prepare_data
 

@@ -56,7 +56,7 @@ class BatchEncoded:
             return []
         try:
             text, _ = render_prompt(prompt, self.tokenizer)
-        except Exception:  # noqa: BLE001 — parse_row meets it again in the row's turn and names it
+        except Exception:
             return []
         if not isinstance(text, str):
             return []

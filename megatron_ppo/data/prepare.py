@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ppo.config.schema import DataConfig, PPOConfig
-from megatron_ppo.data.parse import Row, Tokenizer
+from megatron_ppo.data.columnar import RowColumns
+from megatron_ppo.data.parse import Tokenizer
 from megatron_ppo.data.prepared import PreparedRows, PreparedWriter
 from megatron_ppo.data.rows import DataReport, format_of, stream_rows
 from megatron_ppo.data.scoring import Scorer
@@ -109,7 +110,7 @@ class PreparedData:
     rows: PreparedRows
     report: DataReport
     directory: Path
-    how: str  # "prepared here in N s" or "prepared earlier"
+    how: str  # "prepared here in N s", "prepared by <who> (waited N s)" or "prepared earlier"
 
     def line(self) -> str:
         return f"data: {len(self.rows)} rows {self.how} in {self.directory}"
@@ -131,29 +132,35 @@ def prepared_rows(
     key = dataset_key(paths, tokenizer, config, scorer, routing)
     directory = Path(root) / key_digest(key)
     started = time.perf_counter()
-    made = _prepare_once(directory, lambda into: _prepare(into, key, paths, tokenizer, config, scorer, routing, say),
-                         say)  # fmt: skip
+    who = _prepare_once(directory, lambda into: _prepare(into, key, paths, tokenizer, config, scorer, routing, say),
+                        say)  # fmt: skip
     report = DataReport(**json.loads((directory / REPORT_FILE).read_text()))
-    how = f"prepared here in {time.perf_counter() - started:.1f} s" if made else "prepared earlier"
+    seconds = f"{time.perf_counter() - started:.1f} s"
+    how = {None: "prepared earlier", "": f"prepared here in {seconds}"}.get(
+        who, f"prepared by {who} (waited {seconds})"
+    )
     return PreparedData(PreparedRows(directory, routing), report, directory, how)
 
 
-def _prepare_once(directory: Path, prepare: Callable[[Path], None], say: Callable[[str], None]) -> bool:
-    """`prepare(into)` run by one process, `into` then renamed to `directory`; True when this process prepared."""
+def _prepare_once(directory: Path, prepare: Callable[[Path], None], say: Callable[[str], None]) -> str | None:
+    """`prepare(into)` run by one process, `into` then renamed to `directory`. Returns "" when this process
+    prepared, the preparer it waited for, or None when the directory was there already."""
     if (directory / REPORT_FILE).is_file():
-        return False
+        return None
     directory.parent.mkdir(parents=True, exist_ok=True)
     me = f"{socket.gethostname()} pid {os.getpid()}"
     with open(directory.with_name(directory.name + ".lock"), "a+") as lock:
+        holder = None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.seek(0)
-            say(f"data: waiting for {lock.read().strip() or 'another process'} to prepare {directory}")
+            holder = lock.read().strip() or "another process"
+            say(f"data: waiting for {holder} to prepare {directory}")
             fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if (directory / REPORT_FILE).is_file():
-                return False
+                return holder
             lock.truncate(0)
             lock.write(me)
             lock.flush()
@@ -166,7 +173,7 @@ def _prepare_once(directory: Path, prepare: Callable[[Path], None], say: Callabl
             except BaseException:
                 shutil.rmtree(into, ignore_errors=True)
                 raise
-            return True
+            return ""
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -181,10 +188,13 @@ def _prepare(
     writer = PreparedWriter(into, routing)
     report = DataReport(scorer=None if scorer is None else scorer.name)
     progress = _Progress(say, report)
-    rows = stream_rows(paths, tokenizer, config, report, into / REJECTS_FILE, scorer, routing)
-    for row in rows:
-        writer.add(row)
-        progress.row(row)
+    for rows in stream_rows(paths, tokenizer, config, report, into / REJECTS_FILE, scorer, routing, columnar=True):
+        if isinstance(rows, RowColumns):
+            writer.add_columns(rows.records, rows.arrays)
+            progress.tokens_done(rows.tokens)
+        else:
+            writer.add(rows)
+            progress.tokens_done(len(rows.prompt_ids) + len(rows.response_ids))
     writer.finish()
     if report.rejects_path is not None:
         report.rejects_path = str(final / REJECTS_FILE)
@@ -208,12 +218,14 @@ class _Progress:
         self.started = self.last = time.perf_counter()
         self.tokens = 0
 
-    def row(self, row: Row) -> None:
-        self.tokens += len(row.prompt_ids) + len(row.response_ids)
+    def tokens_done(self, tokens: int) -> None:
+        self.tokens += tokens
         if (now := time.perf_counter()) - self.last >= PROGRESS_EVERY_S:
             self.last = now
-            self.say(f"data: prepared {self.report.rows_kept} rows of {self.report.rows_read} read, "
-                     f"{self.tokens / 1e6:.1f}M tokens, {self.tokens / (now - self.started) / 1e6:.2f}M tokens/s")
+            self.say(
+                f"data: prepared {self.report.rows_kept} rows of {self.report.rows_read} read, "
+                f"{self.tokens / 1e6:.1f}M tokens, {self.tokens / (now - self.started) / 1e6:.2f}M tokens/s"
+            )
 
     def done(self) -> None:
         elapsed = time.perf_counter() - self.started

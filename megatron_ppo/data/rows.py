@@ -24,6 +24,7 @@ from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.fields import field_problems
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data.chat import BUILTIN_FORMAT
+from megatron_ppo.data.columnar import RowColumns, eligible, token_id_columns
 from megatron_ppo.data.encoding import BatchEncoded
 from megatron_ppo.data.pairs import expand_records, of_side
 from megatron_ppo.data.parse import ParsedRow, Row, Tokenizer, parse_row
@@ -129,10 +130,12 @@ def stream_rows(
     rejects_path: str | Path | None = None,
     scorer: Scorer | None = None,
     routing: RoutingShape | None = None,
-) -> Iterator[Row]:
+    columnar: bool = False,
+) -> Iterator[Row | RowColumns]:
     """The kept rows of `read_rows`, one at a time, counting into `report` as they come (what the prepared dataset
     writes without holding them; `read_rows` for the rest). Text is tokenized a chunk of records at a time with the
-    tokenizer's batch call (`BatchEncoded`: every core); each row is still parsed on its own (`parse_row`)."""
+    tokenizer's batch call (`BatchEncoded`: every core); each row is still parsed on its own (`parse_row`).
+    `columnar`: a Parquet batch of token-id rows that `columnar.py` takes whole comes as one `RowColumns`."""
     _check_options(config)
     if not paths:
         raise DataError("no data files given; set data.train_files")
@@ -143,45 +146,84 @@ def stream_rows(
             raise DataError("data.on_bad_row=skip needs a rejects file path to write the rejected rows to")
         report.rejects_path = str(rejects_path)
         rejects = _open_rejects(Path(rejects_path))
-    encoded = BatchEncoded(tokenizer, config)
+    parser = _RowParser(BatchEncoded(tokenizer, config), config, report, rejects, scorer, routing)
     try:
         for path, fmt in files:
             if fmt == "parquet" and (scorer_of_file := scored_by(path)) is not None:
                 report.scored_by[str(path)] = scorer_of_file
+            if (
+                columnar
+                and fmt == "parquet"
+                and eligible(_schema(path), config, scorer is not None, routing is not None)
+            ):
+                yield from _columnar_rows(path, tokenizer.vocab_size, config, report, parser)
+                continue
             for chunk in _chunks(records_of(path, fmt), RECORDS_PER_CHUNK):
-                expanded = [(source, raw, _expanded(raw, source, config)) for source, raw in chunk]
-                encoded.encode_ahead(one for _, _, pairs in expanded if not isinstance(pairs, BadRow)
-                                     for _, one in pairs)  # fmt: skip
-                for source, raw, pairs in expanded:
-                    report.rows_read += 1  # a pair read is two rows, once both are kept
-                    try:
-                        if isinstance(pairs, BadRow):
-                            raise pairs
-                        parsed_rows = []  # a preference pair is two rows: rejected together when either is bad
-                        for where, one in pairs:
-                            try:
-                                parsed_rows.append(parse_row(one, where, encoded, config, scorer, routing))
-                            except BadRow as bad:
-                                raise of_side(bad, where, source) from None
-                    except BadRow as bad:
-                        if rejects is None:
-                            raise DataError(f"{source}: {bad.problem}") from None
-                        _reject(rejects, report, bad, source, raw)
-                        continue
-                    report.rows_read += len(parsed_rows) - 1
-                    for parsed in parsed_rows:
-                        _count(parsed, report)
-                        fitted = _fit_length(parsed.row, config, report)
-                        if fitted is not None:
-                            report.rows_kept += 1
-                            yield fitted
-                encoded.forget()
+                yield from parser.rows(chunk)
     finally:
         if rejects is not None:
             rejects.close()
     if not report.rows_kept:
         names = ", ".join(str(p) for p, _ in files)
         raise DataError(f"no rows left in {names}: {report.summary()}")
+
+
+def _columnar_rows(path: Path, vocab_size: int, config: DataConfig, report: DataReport,
+                   parser: _RowParser) -> Iterator[Row | RowColumns]:  # fmt: skip
+    """A Parquet file of token-id rows a batch at a time: column-wise where `token_id_columns` takes the batch,
+    row by row (`parser`) where it does not."""
+    first = 0
+    for batch in _parquet_batches(path):
+        taken = token_id_columns(batch, first, str(path), vocab_size, config)
+        if taken is None:
+            yield from parser.rows([(f"{path}:row {first + i}", r) for i, r in enumerate(batch.to_pylist())])
+        else:
+            columns, dropped = taken
+            report.rows_read += batch.num_rows
+            report.filtered_overlong += dropped
+            report.rows_kept += batch.num_rows - dropped
+            yield columns
+        first += batch.num_rows
+
+
+class _RowParser:
+    """Records parsed one by one (`parse_row`), a chunk's text tokenized in one batch call first; bad ones named
+    (error mode) or written to the rejects file (skip), everything counted into the report."""
+
+    def __init__(self, encoded: BatchEncoded, config: DataConfig, report: DataReport, rejects: IO[str] | None,
+                 scorer: Scorer | None, routing: RoutingShape | None) -> None:  # fmt: skip
+        self.encoded, self.config, self.report, self.rejects = encoded, config, report, rejects
+        self.scorer, self.routing = scorer, routing
+
+    def rows(self, chunk: list[tuple[str, Any]]) -> Iterator[Row]:
+        config, report = self.config, self.report
+        expanded = [(source, raw, _expanded(raw, source, config)) for source, raw in chunk]
+        self.encoded.encode_ahead(one for _, _, pairs in expanded if not isinstance(pairs, BadRow)
+                                  for _, one in pairs)  # fmt: skip
+        for source, raw, pairs in expanded:
+            report.rows_read += 1  # a pair read is two rows, once both are kept
+            try:
+                if isinstance(pairs, BadRow):
+                    raise pairs
+                parsed_rows = []  # a preference pair is two rows: rejected together when either is bad
+                for where, one in pairs:
+                    try:
+                        parsed_rows.append(parse_row(one, where, self.encoded, config, self.scorer, self.routing))
+                    except BadRow as bad:
+                        raise of_side(bad, where, source) from None
+            except BadRow as bad:
+                if self.rejects is None:
+                    raise DataError(f"{source}: {bad.problem}") from None
+                _reject(self.rejects, report, bad, source, raw)
+                continue
+            report.rows_read += len(parsed_rows) - 1
+            for parsed in parsed_rows:
+                _count(parsed, report)
+                fitted = _fit_length(parsed.row, config, report)
+                if fitted is not None:
+                    report.rows_kept += 1
+                    yield fitted
+        self.encoded.forget()
 
 
 def _expanded(raw: Any, source: str, config: DataConfig) -> list[tuple[str, Any]] | BadRow:
@@ -270,13 +312,23 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, bytes]]:
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """(source, row as a dict) for every row, a record batch at a time (the file is never held whole)."""
+    number = 0
+    for batch in _parquet_batches(path):
+        for record in batch.to_pylist():
+            yield f"{path}:row {number}", record
+            number += 1
+
+
+def _parquet_batches(path: Path) -> Iterator[pa.RecordBatch]:
     try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=RECORDS_PER_CHUNK)
-        number = 0
-        for batch in batches:
-            for record in batch.to_pylist():
-                yield f"{path}:row {number}", record
-                number += 1
+        yield from pq.ParquetFile(path).iter_batches(batch_size=RECORDS_PER_CHUNK)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: cannot read it as Parquet ({e})") from e
+
+
+def _schema(path: Path) -> pa.Schema:
+    try:
+        return pq.read_schema(path)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: cannot read it as Parquet ({e})") from e
 

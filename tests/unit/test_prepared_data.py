@@ -21,6 +21,7 @@ import torch
 
 from megatron_ppo.config.schema import CustomRewardFnConfig, DataConfig, RewardConfig
 from megatron_ppo.data import DataError, build_scorer, read_rows
+from megatron_ppo.data.columnar import eligible, token_id_columns
 from megatron_ppo.data.prepare import REJECTS_FILE, prepared_rows
 from megatron_ppo.data.prepared import column, rows_at
 from megatron_ppo.data.tokenizer import HFTokenizer, load_tokenizer
@@ -88,33 +89,64 @@ def _cases(tmp_path: Path, tokenizer: HFTokenizer) -> dict[str, tuple[list[Path]
         {"prompt_ids": [0], "response_ids": [9, 10, tokenizer.eos_id], "token_rewards": [0.0, 0.5, 1.0]},
         {"prompt_ids": [1, 2], "response_ids": [3], "behavior_log_probs": [-0.1], "reward": 0.0, "uid": 3},
     ]  # fmt: skip
-    pairs = [{"prompt": MESSAGES, "chosen": "4", "rejected": "5", "chosen_score": 8.5, "rejected_score": 2.0},
-             {"prompt": "q", "chosen": "a", "rejected": "b", "chosen_score": 1.0, "rejected_score": 0.0, "uid": 9}]
+    pairs = [
+        {"prompt": MESSAGES, "chosen": "4", "rejected": "5", "chosen_score": 8.5, "rejected_score": 2.0},
+        {"prompt": "q", "chosen": "a", "rejected": "b", "chosen_score": 1.0, "rejected_score": 0.0, "uid": 9},
+    ]
     scorer_file = tmp_path / "my_reward.py"
-    scorer_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
-                           "    return float(ground_truth.strip() in solution_str) + (extra_info.get('bonus') or 0)\n")
+    scorer_file.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return float(ground_truth.strip() in solution_str) + (extra_info.get('bonus') or 0)\n"
+    )
     verl = [verl_row(0, "What is 2+3?", "5", "#### 5"), {**verl_row(1, "What is 1+1?", "2", "#### 3"),
             "extra_info": {"bonus": 0.5, "split": "train"}}]  # fmt: skip
     routes = [[[0, 1], [2, 3]], [[1, 2], [3, 0]], [[0, 3], [1, 2]], [[2, 1], [0, 3]]]
-    r3 = [{"prompt_ids": [5, 6], "response_ids": [7, 8], "reward": 1.0, "routed_experts": routes},
-          {"prompt_ids": [5, 6], "response_ids": [7, 8], "reward": 0.0, "routed_experts": routes[:3]}]
+    r3 = [
+        {"prompt_ids": [5, 6], "response_ids": [7, 8], "reward": 1.0, "routed_experts": routes},
+        {"prompt_ids": [5, 6], "response_ids": [7, 8], "reward": 0.0, "routed_experts": routes[:3]},
+    ]
     text = [r for r in TEXT_ROWS if not isinstance(r, str)]
     small = {"max_prompt_length": 24, "max_response_length": 24}
+    custom = {"scorer": build_scorer(RewardConfig(score_fn="custom", custom_fn=CustomRewardFnConfig(str(scorer_file))))}
+    text_parquet = [{**r, "prompt": json.dumps(r["prompt"])} for r in text[:-1]]  # one type a column
+    ids_parquet = [{**r, "uid": str(r.get("uid"))} for r in ids]
     return {
-        "jsonl text, chat, skip": ([_jsonl(tmp_path / "text.jsonl", TEXT_ROWS)], DataConfig(**small, on_bad_row="skip"), {}),
+        "jsonl text, chat, skip": ([_jsonl(tmp_path / "text.jsonl", TEXT_ROWS)], DataConfig(**small, on_bad_row="skip"),
+                                   {}),
         "jsonl truncate middle": ([_jsonl(tmp_path / "t2.jsonl", text)],
                                   DataConfig(**small, overlong_policy="truncate", prompt_truncation="middle"), {}),
-        "parquet text": ([_parquet(tmp_path / "text.parquet", [{**r, "prompt": json.dumps(r["prompt"])} for r in text[:-1]])],
-                         DataConfig(**small), {}),
-        "token ids jsonl + parquet": ([_jsonl(tmp_path / "ids.jsonl", ids), _parquet(tmp_path / "ids.parquet", [{**r, "uid": str(r.get("uid"))} for r in ids])],
+        "parquet text": ([_parquet(tmp_path / "text.parquet", text_parquet)], DataConfig(**small), {}),
+        "token ids jsonl + parquet": ([_jsonl(tmp_path / "ids.jsonl", ids), _parquet(tmp_path / "ids.parquet",
+                                                                                      ids_parquet)],
                                       DataConfig(tokenization_check="strict"), {}),
+        "token ids column-wise, a bad batch": ([_parquet(tmp_path / "many.parquet", _many_id_rows(tokenizer))],
+                                               DataConfig(max_prompt_length=6, on_bad_row="skip"), {}),
         "preference pairs": ([_jsonl(tmp_path / "pairs.jsonl", pairs)], DataConfig(pair_reward="given"), {}),
-        "verl layout, scored": ([_parquet(tmp_path / "verl.parquet", verl)], DataConfig(max_prompt_length=512),
-                                {"scorer": build_scorer(RewardConfig(score_fn="custom",
-                                                                     custom_fn=CustomRewardFnConfig(str(scorer_file))))}),
+        "verl layout, scored": ([_parquet(tmp_path / "verl.parquet", verl)], DataConfig(max_prompt_length=512), custom),
         "R3 routes": ([_jsonl(tmp_path / "r3.jsonl", r3)], DataConfig(),
                       {"routing": RoutingShape(num_layers=2, topk=2, num_experts=4)}),
     }  # fmt: skip
+
+
+def _many_id_rows(tokenizer: HFTokenizer) -> list[dict]:
+    """2500 token-id rows (three Parquet batches): every optional column, over-long prompts (filtered), a given uid
+    or none; the last batch holds a bad row (rejected: that batch is parsed row by row)."""
+    generator = np.random.default_rng(0)
+    rows = []
+    for i in range(2500):
+        prompt = generator.integers(0, tokenizer.vocab_size, int(generator.integers(1, 9))).tolist()
+        response = generator.integers(0, tokenizer.vocab_size, int(generator.integers(1, 5))).tolist()
+        values = (-generator.random(len(response))).tolist()
+        token_rewards = i % 3 == 0
+        rows.append({"prompt_ids": prompt, "response_ids": response,
+                     "reward": None if token_rewards else float(generator.normal()),
+                     "token_rewards": values if token_rewards else None,
+                     "behavior_log_probs": values if i % 2 else None,
+                     "uid": None if i % 5 else f"group-{i // 10}", "data_source": None if i % 7 else "ids",
+                     "reward_model": {"ground_truth": str(i), "style": "rule"} if i % 4 == 0 else None,
+                     "extra_info": {"index": i} if i % 6 == 0 else None})  # fmt: skip
+    rows[2400]["behavior_log_probs"] = [0.5] * len(rows[2400]["response_ids"])
+    return rows
 
 
 def test_prepared_rows_are_read_rows_in_every_format(tokenizer: HFTokenizer, tmp_path: Path) -> None:
@@ -136,6 +168,19 @@ def test_prepared_rows_are_read_rows_in_every_format(tokenizer: HFTokenizer, tmp
         order = list(range(len(expected)))[::-1]
         assert [r.source for r in rows_at(data.rows, order)] == [expected[i].source for i in order]
     assert report.rows_kept == 2 and data.rows[1].routed_experts.shape == (3, 2, 2)
+
+
+def test_the_column_wise_reader_takes_clean_batches_and_leaves_a_bad_one_to_the_row_parser(
+    tokenizer: HFTokenizer, tmp_path: Path
+) -> None:
+    path = _parquet(tmp_path / "many.parquet", _many_id_rows(tokenizer))
+    config = DataConfig(max_prompt_length=6, on_bad_row="skip")
+    assert eligible(pq.read_schema(path), config, scoring=False, routing=False)
+    batches = list(pq.ParquetFile(path).iter_batches(batch_size=1024))
+    taken = [token_id_columns(b, 1024 * i, str(path), tokenizer.vocab_size, config) for i, b in enumerate(batches)]
+    assert [t is not None for t in taken] == [True, True, False]
+    assert taken[0][1] > 0, "over-long rows dropped (filter)"
+    assert not eligible(pq.read_schema(path), config, scoring=True, routing=False), "rows to score: row by row"
 
 
 def test_a_bad_row_in_error_mode_is_named_and_nothing_is_left_prepared(tokenizer: HFTokenizer, tmp_path: Path) -> None:
@@ -205,8 +250,6 @@ def test_a_second_process_waits_for_the_preparer_and_prepares_if_it_died(tokeniz
     waiter.join(60)
     assert said[0].startswith("data: preparing 1 file(s)") and said[-1].startswith("done: prepared here"), said
     assert sorted(p.name for p in root.iterdir()) == [probe.directory.name, f"{probe.directory.name}.lock"]
-
-
 
 
 def _prepare_slowly(path: str, tokenizer_path: str, root: str, scorer_file: str) -> None:

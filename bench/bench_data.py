@@ -1,0 +1,243 @@
+"""The data path at the size users bring: token-id rows (≈300 prompt + ≈900 response ids, behaviour log-probs, a
+reward) generated into Parquet, prepared once (`data/prepare.py`), then mapped in a fresh process and one batch
+drawn; and text rows prepared beside `tokenizers`' own `encode_batch` over the same texts.
+
+Prints, for token-id rows: preparation tokens/s; the seconds from a fresh process's start to its first batch of 512
+rows once prepared (the key's file hashing included), its resident memory (all of it, and above the same process's
+imports) and the bytes per token on disk, source and prepared; a second preparation (nothing to do). For text rows:
+preparation tokens/s with the apart/together check (data.tokenization_check=warn, the default) and without (off),
+and `encode_batch` over prompts and responses on all cores, with the ratios.
+
+Run: python -m bench.bench_data [--rows N] [--text-rows N]   (or `make bench-data`; `make bench` runs it too)
+Writes under outputs/bench/data (≈ 17 GB at 10⁶ token-id rows; removed at the end unless --keep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SCRATCH = Path("outputs/bench/data")
+PROMPT, RESPONSE = 300, 900  # mean tokens of a token-id row
+TEXT_PROMPT_WORDS, TEXT_RESPONSE_WORDS = 60, 180  # a text row's words (≈ 1.3 tokens a word)
+VOCAB = 32000
+ROW_GROUP = 16384
+
+
+def _arguments(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smallest", action="store_true", help="the smallest size (seconds; its numbers mean nothing)")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="token-id rows (default 10^6)")
+    parser.add_argument("--text-rows", type=int, default=50_000, help="text rows (default 50,000)")
+    parser.add_argument("--keep", action="store_true", help="keep outputs/bench/data")
+    parser.add_argument("--first-batch", metavar="ROOT", help=argparse.SUPPRESS)  # the fresh process's part
+    arguments = parser.parse_args(argv)
+    if arguments.smallest:
+        arguments.rows, arguments.text_rows = 3000, 2000
+    return arguments
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _lists(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def write_token_id_rows(path: Path, rows: int, vocab: int, seed: int = 0) -> int:
+    """`rows` token-id rows (ids in [0, vocab)) in Parquet, a row group at a time; returns the tokens written."""
+    generator = np.random.default_rng(seed)
+    schema = pa.schema([("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32())),
+                        ("behavior_log_probs", pa.list_(pa.float32())), ("reward", pa.float64())])  # fmt: skip
+    tokens = 0
+    with pq.ParquetWriter(path, schema) as writer:
+        for start in range(0, rows, ROW_GROUP):
+            n = min(ROW_GROUP, rows - start)
+            prompt = generator.integers(PROMPT // 2, PROMPT * 3 // 2, n)
+            response = generator.integers(RESPONSE // 2, RESPONSE * 3 // 2, n)
+            ids = generator.integers(0, vocab, int(prompt.sum() + response.sum()), dtype=np.int32)
+            log_probs = -generator.exponential(0.5, int(response.sum())).astype(np.float32)
+            table = pa.table({
+                "prompt_ids": _lists(prompt, ids[: prompt.sum()]), "response_ids": _lists(response, ids[prompt.sum():]),
+                "behavior_log_probs": _lists(response, log_probs), "reward": generator.normal(size=n),
+            }, schema=schema)  # fmt: skip
+            writer.write_table(table)
+            tokens += int(prompt.sum() + response.sum())
+    return tokens
+
+
+def _words() -> np.ndarray:
+    """The 20,000 words the texts are made of (the same every run): 1–4 syllables each."""
+    generator = np.random.default_rng(0)
+    syllables = np.array(["ka", "lo", "mi", "ra", "te", "su", "no", "vi", "de", "an", "or", "el", "is", "un", "qu",
+                          "pr", "st", "b", "g", "ch"])  # fmt: skip
+    picks = generator.integers(0, len(syllables), (20000, 4))
+    counts = generator.integers(1, 5, 20000)
+    return np.array(["".join(syllables[picks[i, : counts[i]]]) for i in range(20000)])
+
+
+def write_text_rows(path: Path, rows: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """`rows` text rows (Zipf-distributed words of a 20,000-word vocabulary, some punctuation) in Parquet; returns
+    (prompts, responses)."""
+    generator = np.random.default_rng(seed)
+    words = _words()
+    weights = 1.0 / np.arange(1, len(words) + 1)
+    weights /= weights.sum()
+
+    def text(count: int) -> str:
+        chosen = words[generator.choice(len(words), count, p=weights)]
+        return " ".join(w + ("." if i % 13 == 12 else ",") if i % 7 == 6 else w for i, w in enumerate(chosen))
+
+    prompts = [text(int(generator.integers(TEXT_PROMPT_WORDS // 2, TEXT_PROMPT_WORDS * 3 // 2))) for _ in range(rows)]
+    responses = [" " + text(int(generator.integers(TEXT_RESPONSE_WORDS // 2, TEXT_RESPONSE_WORDS * 3 // 2)))
+                 for _ in range(rows)]  # fmt: skip
+    pq.write_table(pa.table({"prompt": prompts, "response": responses, "reward": generator.normal(size=rows)}), path)
+    return prompts, responses
+
+
+def byte_level_bpe(directory: Path, texts: list[str]) -> Path:
+    """A byte-level BPE `tokenizer.json` of the usual kind (GPT-2's pre-tokenizer), trained on `texts`."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    return directory
+
+
+def _config(files: list[Path], check: str = "warn"):
+    from megatron_ppo.config.schema import DataConfig
+
+    return DataConfig(train_files=[str(f) for f in files], max_prompt_length=2048, max_response_length=2048,
+                      tokenization_check=check)  # fmt: skip
+
+
+def first_batch(root: str) -> None:
+    """In a fresh process: the imports a trainer makes, then the prepared rows mapped (the key computed, nothing
+    prepared) and one batch of 512 drawn and collated; prints seconds since the process started and memory."""
+    started = time.time() - time.clock_gettime(time.CLOCK_MONOTONIC) + _process_start()  # epoch seconds
+    import torch  # noqa: F401 — what every rank has imported before its data
+
+    import megatron_ppo.train.batch  # noqa: F401
+    from megatron_ppo.data.prepare import prepared_rows
+    from megatron_ppo.data.prepared import rows_at
+    from megatron_ppo.data.tokenizer import load_tokenizer
+    from megatron_ppo.train.batch import collate
+
+    imported = _rss_mib()
+    data = prepared_rows(sorted(Path(root).glob("ids*.parquet")), load_tokenizer(Path(root) / "tokenizer"),
+                         _config(sorted(Path(root).glob("ids*.parquet"))), Path(root) / "prepared")  # fmt: skip
+    order = np.random.default_rng(1).permutation(len(data.rows))[:512]
+    batch = collate(rows_at(data.rows, order), pad_id=0)
+    elapsed = time.time() - started
+    print("\t".join(["FIRST_BATCH", f"{elapsed:.2f}", f"{_rss_mib():.0f}", f"{_rss_mib() - imported:.0f}", data.how,
+                     str(tuple(batch["input_ids"].shape))]))  # fmt: skip
+
+
+def _process_start() -> float:
+    """This process's start on the monotonic clock (from /proc/self/stat's start time in clock ticks)."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _directory_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def token_id_part(rows: int) -> None:
+    from megatron_ppo.data.prepare import prepared_rows
+    from megatron_ppo.data.tokenizer import load_tokenizer
+
+    source = SCRATCH / "ids.parquet"
+    tokenizer = load_tokenizer(SCRATCH / "tokenizer")
+    started = time.perf_counter()
+    tokens = write_token_id_rows(source, rows, tokenizer.vocab_size)
+    print(f"token-id rows: {rows:,} rows, {tokens / 1e9:.3f}e9 tokens (≈{PROMPT} prompt + ≈{RESPONSE} response, "
+          f"behaviour log-probs), generated in {time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
+    started = time.perf_counter()
+    data = prepared_rows([source], tokenizer, _config([source]), SCRATCH / "prepared", say=lambda _: None)
+    prepare_s = time.perf_counter() - started
+    prepared_bytes = _directory_bytes(data.directory)
+    print(f"  prepare (key hashing included)  : {prepare_s:8.1f} s, {tokens / prepare_s / 1e6:6.1f}M tokens/s")
+    print(
+        f"  on disk, bytes per token        : source Parquet {source.stat().st_size / tokens:.2f}, "
+        f"prepared {prepared_bytes / tokens:.2f} (int32 ids + float32 log-probs + index)"
+    )
+    del data
+    for attempt in (1, 2):  # the second: the page cache warm from the first
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.bench_data", "--first-batch", str(SCRATCH)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        line = next(line for line in out.stdout.splitlines() if line.startswith("FIRST_BATCH"))
+        _, seconds, rss, above, how, shape = line.split("\t")
+        print(f"  fresh process → first batch ({attempt}): {float(seconds):6.1f} s from process start, resident "
+              f"{rss} MiB ({above} MiB above its imports), {how}, batch {shape}")  # fmt: skip
+
+
+def text_part(rows: int) -> None:
+    from megatron_ppo.data.prepare import prepared_rows
+    from megatron_ppo.data.tokenizer import load_tokenizer
+
+    source = SCRATCH / "text.parquet"
+    prompts, responses = write_text_rows(source, rows, seed=1)
+    tokenizer = load_tokenizer(SCRATCH / "tokenizer")
+    texts = prompts + responses
+    started = time.perf_counter()
+    encoded = tokenizer.tokenizer.encode_batch(texts, add_special_tokens=False)
+    library_s = time.perf_counter() - started
+    tokens = sum(len(e.ids) for e in encoded) + rows  # + the eos each response gets
+    print(f"text rows: {rows:,} rows, {tokens / 1e6:.1f}M tokens, byte-level BPE of {tokenizer.vocab_size} pieces, "
+          f"{os.cpu_count()} cores")  # fmt: skip
+    print(f"  tokenizers' encode_batch        : {library_s:8.1f} s, {tokens / library_s / 1e6:6.2f}M tokens/s")
+    for check in ("warn", "off"):
+        started = time.perf_counter()
+        prepared_rows([source], tokenizer, _config([source], check), SCRATCH / f"prepared-{check}", say=lambda _: None)
+        elapsed = time.perf_counter() - started
+        print(f"  prepare, tokenization_check={check:4s}: {elapsed:8.1f} s, {tokens / elapsed / 1e6:6.2f}M tokens/s, "
+              f"{library_s / elapsed:.2f}× encode_batch")  # fmt: skip
+
+
+def main(argv=None) -> None:
+    arguments = _arguments(argv)
+    if arguments.first_batch:
+        first_batch(arguments.first_batch)
+        return
+    shutil.rmtree(SCRATCH, ignore_errors=True)
+    SCRATCH.mkdir(parents=True)
+    prompts, responses = write_text_rows(SCRATCH / "sample.parquet", 4000, seed=2)
+    byte_level_bpe(SCRATCH / "tokenizer", prompts + responses)
+    try:
+        token_id_part(arguments.rows)
+        text_part(arguments.text_rows)
+    finally:
+        if not arguments.keep:
+            shutil.rmtree(SCRATCH, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
