@@ -17,7 +17,6 @@ else the digest of the prompt's ids; `data_source` "" when absent; verl's `rewar
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ from megatron_ppo.data.parse import (
     ROUTED_EXPERTS_KEY,
     TOKEN_REWARDS_KEY,
     UID_KEY,
+    prompt_group,
 )
 
 PER_TOKEN = (TOKEN_REWARDS_KEY, BEHAVIOR_LOG_PROBS_KEY)
@@ -89,13 +89,13 @@ def _column(batch: pa.RecordBatch, name: str) -> pa.Array | None:
     return None if column is None or column.null_count == len(column) else column
 
 
-def _values(column: pa.Array, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(the non-null lists' values concatenated, each row's length with null lists as 0)."""
+def _values(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(the non-null lists' values concatenated, in the column's own type; each row's length, null lists as 0)."""
     lengths = column.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
     flat = column.flatten()
     if flat.null_count:
         raise _Unclean
-    return flat.to_numpy(zero_copy_only=False).astype(dtype, copy=False), lengths
+    return flat.to_numpy(zero_copy_only=False), lengths
 
 
 class _Unclean(Exception):
@@ -118,8 +118,8 @@ def _columns(batch: pa.RecordBatch, first: int, path: str, vocab_size: int, conf
     prompt_column, response_column = _column(batch, PROMPT_IDS_KEY), _column(batch, RESPONSE_IDS_KEY)
     if prompt_column is None or response_column is None or prompt_column.null_count or response_column.null_count:
         raise _Unclean
-    prompt, prompt_lengths = _values(prompt_column, np.int64)
-    response, response_lengths = _values(response_column, np.int64)
+    prompt, prompt_lengths = _values(prompt_column)
+    response, response_lengths = _values(response_column)
     if (prompt_lengths == 0).any() or (response_lengths == 0).any():
         raise _Unclean
     if len(prompt) and (prompt.min() < 0 or prompt.max() >= vocab_size):
@@ -134,7 +134,7 @@ def _columns(batch: pa.RecordBatch, first: int, path: str, vocab_size: int, conf
         if column is None:
             per_token[key] = (np.zeros(0, np.float64), np.zeros(rows, np.int64), np.zeros(rows, bool))
             continue
-        values, lengths = _values(column, np.float64)
+        values, lengths = _values(column)
         present = column.is_valid().to_numpy(zero_copy_only=False)
         if (lengths[present] != response_lengths[present]).any() or not np.isfinite(values).all():
             raise _Unclean
@@ -162,18 +162,19 @@ def _kept_columns(batch, first, path, kept, prompt, prompt_lengths, response, re
     prompt_ends, response_ends = np.cumsum(prompt_lengths), np.cumsum(response_lengths)
     prompt_starts, response_starts = prompt_ends - prompt_lengths, response_ends - response_lengths
     lengths = prompt_lengths + response_lengths
-    # row i's tokens: prompt[prompt_starts[i]:prompt_ends[i]] then response[...]: one gather over both arrays
-    both = np.concatenate([prompt, response]).astype(np.int32)
-    starts = np.stack([prompt_starts, len(prompt) + response_starts], axis=1)[kept]
-    counts = np.stack([prompt_lengths, response_lengths], axis=1)[kept]
-    tokens = both[_ranges(starts.reshape(-1), counts.reshape(-1))]
-    arrays = {"tokens": (tokens, lengths[kept].tolist())}
-    for key, (values, value_lengths, _) in per_token.items():
-        value_ends = np.cumsum(value_lengths)
-        flat = values[_ranges((value_ends - value_lengths)[kept], value_lengths[kept])].astype(np.float32)
-        arrays[key] = (flat, value_lengths[kept].tolist())
-    uids = _uids(batch, prompt, prompt_starts, prompt_ends, kept)
     keep = np.flatnonzero(kept)
+    bounds = zip(*(a[kept].tolist() for a in (prompt_starts, prompt_ends, response_starts, response_ends)), strict=True)
+    pieces = [prompt[:0]]  # each kept row's prompt then its response: views, copied once by the concatenation
+    for p0, p1, r0, r1 in bounds:
+        pieces += (prompt[p0:p1], response[r0:r1])
+    arrays = {"tokens": (np.concatenate(pieces).astype(np.int32, copy=False), lengths[kept].tolist())}
+    for key, (values, value_lengths, _) in per_token.items():
+        if not kept.all():
+            value_ends = np.cumsum(value_lengths)
+            values = np.concatenate([values[value_ends[i] - value_lengths[i] : value_ends[i]] for i in keep.tolist()]
+                                    or [values[:0]])  # fmt: skip
+        arrays[key] = (values.astype(np.float32, copy=False), value_lengths[kept].tolist())
+    uids = _uids(batch, prompt, prompt_starts, prompt_ends, kept)
     records = {
         "prompt_length": prompt_lengths[kept].tolist(),
         "reward": [float(reward[i]) if given_reward[i] else None for i in keep] if reward is not None
@@ -190,16 +191,6 @@ def _kept_columns(batch, first, path, kept, prompt, prompt_lengths, response, re
     return RowColumns(records, arrays, int(lengths[kept].sum()))
 
 
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The indices start..start+count-1 of every (start, count), concatenated."""
-    total = int(counts.sum())
-    if not total:
-        return np.zeros(0, np.int64)
-    ends = np.cumsum(counts)
-    offsets = np.repeat(starts - (ends - counts), counts)
-    return np.arange(total, dtype=np.int64) + offsets
-
-
 def _strings(batch: pa.RecordBatch, name: str, keep: np.ndarray, default: str) -> list[str]:
     column = _column(batch, name)
     if column is None:
@@ -209,7 +200,7 @@ def _strings(batch: pa.RecordBatch, name: str, keep: np.ndarray, default: str) -
 
 
 def _uids(batch: pa.RecordBatch, prompt: np.ndarray, starts: np.ndarray, ends: np.ndarray, kept: np.ndarray):
-    """The given `uid` as text, else the prompt's group: the digest `parse._uid` makes of its ids."""
+    """The given `uid` as text, else the prompt's group (`parse.prompt_group`)."""
     column = _column(batch, UID_KEY)
     given = [None] * batch.num_rows if column is None else column.to_pylist()
     out = []
@@ -217,8 +208,7 @@ def _uids(batch: pa.RecordBatch, prompt: np.ndarray, starts: np.ndarray, ends: n
         if given[i] is not None:
             out.append(str(given[i]))
         else:
-            ids = repr(prompt[starts[i] : ends[i]].tolist())
-            out.append("prompt:" + hashlib.blake2b(ids.encode(), digest_size=8).hexdigest())
+            out.append(prompt_group(prompt[starts[i] : ends[i]]))
     return out
 
 

@@ -34,9 +34,11 @@ tokens the log-probs belong to are not the ones trained on. Such data should com
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data.chat import ChatTemplate, TemplateRefused, render_builtin_chat
@@ -384,10 +386,16 @@ def render_prompt(prompt: str | list[dict[str, Any]], tokenizer: Tokenizer) -> t
         ) from None
 
 
+def prompt_group(prompt_ids: Sequence[int] | np.ndarray) -> str:
+    """The GRPO group of a row without a `uid`: its prompt, as a digest of the prompt's ids (64-bit little-endian,
+    so that a list and an array of the same ids are one group)."""
+    return "prompt:" + hashlib.blake2b(np.asarray(prompt_ids, dtype="<i8").tobytes(), digest_size=8).hexdigest()
+
+
 def _uid(uid: Any, prompt_ids: list[int]) -> str:
-    """The row's GRPO group: its `uid`, else its prompt (a digest of the prompt's token ids)."""
+    """The row's GRPO group: its `uid`, else its prompt (`prompt_group`)."""
     if uid is None:
-        return "prompt:" + hashlib.blake2b(repr(prompt_ids).encode(), digest_size=8).hexdigest()
+        return prompt_group(prompt_ids)
     if isinstance(uid, bool) or not isinstance(uid, str | int):
         raise BadRow("wrong_type", f"'{UID_KEY}' is {describe(uid)}; expected a string or an integer group id")
     return str(uid)

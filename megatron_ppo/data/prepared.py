@@ -148,7 +148,7 @@ class PreparedRows(Sequence[Row]):
         with warnings.catch_warnings():  # Megatron's reader asks for a rank where no process group exists yet
             warnings.filterwarnings("ignore", "Could not determine rank", UserWarning)
             # a column no row has is an empty .bin, which cannot be mapped: its rows read as empty
-            self.arrays = {name: IndexedDataset(str(self.directory / name)) for name in names
+            self.arrays = {name: IndexedDataset(str(self.directory / name), mmap=False) for name in names
                            if os.path.getsize(self.directory / f"{name}.bin")}  # fmt: skip
         if len(self.arrays[TOKENS]) != self.table.num_rows:
             raise ValueError(f"{self.directory}: {len(self.arrays[TOKENS])} token rows but {self.table.num_rows} "
