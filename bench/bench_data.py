@@ -46,11 +46,12 @@ def _arguments(argv) -> argparse.Namespace:
     return arguments
 
 
-def _rss_mib() -> float:
+def _rss_mib(kind: str = "VmRSS") -> float:
+    """This process's resident memory (VmRSS), or its private part (RssAnon) or its mapped files' (RssFile)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{kind}:"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError(f"no {kind}")
 
 
 def _lists(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
@@ -145,14 +146,25 @@ def first_batch(root: str) -> None:
     from megatron_ppo.data.tokenizer import load_tokenizer
     from megatron_ppo.train.batch import collate
 
-    imported = _rss_mib()
+    imported, imported_anon = _rss_mib(), _rss_mib("RssAnon")
     data = prepared_rows(sorted(Path(root).glob("ids*.parquet")), load_tokenizer(Path(root) / "tokenizer"),
                          _config(sorted(Path(root).glob("ids*.parquet"))), Path(root) / "prepared")  # fmt: skip
     order = np.random.default_rng(1).permutation(len(data.rows))[:512]
     batch = collate(rows_at(data.rows, order), pad_id=0)
     elapsed = time.time() - started
-    print("\t".join(["FIRST_BATCH", f"{elapsed:.2f}", f"{_rss_mib():.0f}", f"{_rss_mib() - imported:.0f}", data.how,
-                     str(tuple(batch["input_ids"].shape))]))  # fmt: skip
+    print(
+        "\t".join(
+            [
+                "FIRST_BATCH",
+                f"{elapsed:.2f}",
+                f"{_rss_mib():.0f}",
+                f"{_rss_mib() - imported:.0f}",
+                f"{_rss_mib('RssAnon') - imported_anon:.0f}",
+                data.how,
+                str(tuple(batch["input_ids"].shape)),
+            ]
+        )
+    )
 
 
 def _process_start() -> float:
@@ -194,9 +206,11 @@ def token_id_part(rows: int) -> None:
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         line = next(line for line in out.stdout.splitlines() if line.startswith("FIRST_BATCH"))
-        _, seconds, rss, above, how, shape = line.split("\t")
-        print(f"  fresh process → first batch ({attempt}): {float(seconds):6.1f} s from process start, resident "
-              f"{rss} MiB ({above} MiB above its imports), {how}, batch {shape}")  # fmt: skip
+        _, seconds, rss, above, private, how, shape = line.split("\t")
+        print(
+            f"  fresh process → first batch ({attempt}): {float(seconds):6.1f} s from process start, resident "
+            f"{rss} MiB, {above} MiB above its imports ({private} MiB of it private), {how}, batch {shape}"
+        )
 
 
 def text_part(rows: int) -> None:

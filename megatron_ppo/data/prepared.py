@@ -1,4 +1,4 @@
-"""The prepared dataset: the rows `read_rows` yields, written once into memory-mapped files that every rank maps.
+"""The prepared dataset: the rows `read_rows` yields, written once into files that every rank opens in place.
 
 A prepared directory holds
     tokens.bin/.idx              Megatron-Core `IndexedDataset`, int32: a row's prompt ids then its response ids
@@ -11,14 +11,16 @@ A prepared directory holds
     report.json                  the `DataReport` of the preparation; rejects.jsonl beside it (skip mode)
 
 The token-shaped columns are what Megatron-LM's own preprocessing writes (`IndexedDatasetBuilder`): a flat binary
-of one dtype and an index of lengths and offsets, memory-mapped (`IndexedDataset`). The per-row fields are strings,
-JSON and nulls, which the indexed format has no place for: Arrow's IPC file keeps them, memory-mapped as well
-(`pa.memory_map`: no copy), and a batch's records are taken from it in one call (`Table.take`).
+of one dtype and an index of lengths and offsets, read by `IndexedDataset` with its file reader (`mmap=False`: a
+`pread` a row; a mapping would count the page cache's folios around every drawn row, 2 MB each here, in each rank's
+resident memory). The per-row fields are strings, JSON and nulls, which the indexed format has no place for: Arrow's
+IPC file keeps them, memory-mapped (`pa.memory_map`: no copy), and a batch's records are taken from it in one call
+(`Table.take`).
 
 Per-token floats are stored as float32, the precision `collate` gives them (`torch.tensor` of Python floats): a row
 read back differs from `read_rows`' only below float32, and its batch not at all. A `Row` is materialized only when
-drawn (`rows_at`), so a rank's resident memory of the data is its batch plus the pages the kernel keeps cached,
-shared by every rank of a node.
+drawn (`rows_at`), so a rank's resident memory of the data is O(batch); the node's page cache holds one copy of the
+files for all its ranks.
 """
 
 from __future__ import annotations
