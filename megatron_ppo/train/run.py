@@ -141,8 +141,7 @@ def train(config: PPOConfig) -> list[dict[str, float]]:
                                        config.data.max_response_length,
                                        config.actor.log_prob_micro_batch_size_per_gpu)  # fmt: skip
         trainer = PPOTrainer(config, rows, data.tokenizer.pad_id, evaluate=validation, weights=weights)
-        trainer.logger.event(0, "data", data.train.line())
-        trainer.logger.event(0, "data", report.summary())
+        trainer.logger.event(0, "data", f"{data.train.line()}; {report.summary()}")
         if val_data is not None:
             trainer.logger.event(0, "data", f"validation: {val_data.line()}; {val_data.report.summary()}")
         for line in other_reward_models(config, report, *([val_data.report] if val_data is not None else [])):

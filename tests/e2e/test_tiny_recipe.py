@@ -44,6 +44,11 @@ def tiny(tmp_path_factory, tiny_work) -> dict:
     return {"root": root, "common": common, "scalars": scalars(root / "tb"), "log": (root / "train.log").read_text()}
 
 
+def test_exactly_one_process_prepares_the_data(tiny) -> None:
+    """Both ranks ask for the prepared rows at once (`data/prepare.py`): one prepares, the other waits or finds them."""
+    assert tiny["log"].count("data: preparing ") == 1, tiny["log"][:3000]
+
+
 def test_every_metric_is_logged_and_finite(tiny) -> None:
     logged = tiny["scalars"]
     missing = [m for m in METRICS if m not in logged]
