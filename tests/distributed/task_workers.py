@@ -27,7 +27,8 @@ def built_then_found(rank: int, world_size: int, work: Path, layout: list[str]) 
     """The tiny task (`SMALL_TASK`, the run at `layout`) prepared twice: built, then found in its cache. Returns the
     process groups inside `in_task_layout` and after it, and whether this rank's RNG state after each preparation is
     the one it was seeded with."""
-    config = load_config(RECIPE, [*SMALL_TASK, *layout, f"data.addition.work_dir={work}"])
+    config = load_config(RECIPE, [*SMALL_TASK, *layout, f"data.addition.work_dir={work}",
+                                  f"trainer.default_local_dir={work}/checkpoints"])  # fmt: skip
     init_distributed(config.actor.megatron, seed=config.trainer.seed)
     run_groups, states = _groups(), [torch.get_rng_state()]  # as seeded
     with recipe.in_task_layout(config):
