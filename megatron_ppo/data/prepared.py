@@ -216,7 +216,3 @@ def rows_at(rows: Sequence[Row], indices: Iterable[int]) -> list[Row]:
         return rows.rows_at(indices)
     return [rows[int(i)] for i in indices]
 
-
-def directory_bytes(directory: Path) -> int:
-    """The size of a prepared directory's files."""
-    return sum(os.path.getsize(directory / name) for name in os.listdir(directory))
