@@ -63,6 +63,11 @@ def _verl_rows(path: Path) -> tuple[list[dict], list[float]]:
     return rows, expected
 
 
+def _megatron_ppo(*words) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_ppo", *map(str, words)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+
+
 def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
     tokenizer_path = tokenizer_dir(tmp_path / "tokenizer", "chatml")
     tokenizer = load_tokenizer(tokenizer_path)
@@ -86,6 +91,12 @@ def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
         "cluster": {"gpus_per_node": 1},
     }  # fmt: skip
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    # prepared first, as on a CPU node before the job: the job then finds both datasets prepared
+    prepared = _megatron_ppo("prepare", tmp_path / "recipe.yaml")
+    assert prepared.returncode == 0, prepared.stdout + prepared.stderr
+    assert f"train: data: {ROWS} rows prepared here in " in prepared.stdout, prepared.stdout
+    assert f"validation: data: {ROWS // 2} rows prepared here in " in prepared.stdout, prepared.stdout
+    assert f"train: data: read {ROWS} rows, kept {ROWS}, rejected 0" in prepared.stdout, prepared.stdout
     torchrun = Path(sys.executable).with_name("torchrun")
     log = tmp_path / "train.log"
     with log.open("w") as out:
@@ -97,7 +108,11 @@ def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
         )  # fmt: skip
     text = log.read_text()
     assert result.returncode == 0, f"training exited {result.returncode}; log tail:\n{text[-4000:]}"
-    assert f"data: read {ROWS} rows, kept {ROWS}, rejected 0" in text, text[-4000:]
+    data = [e.message for e in read_run(tmp_path / "tb")[1] if e.tag == "data"]  # the whole lines
+    assert data[0].startswith(f"data: {ROWS} rows prepared earlier in {tmp_path / 'ckpt' / 'prepared'}"), data
+    assert f"data: read {ROWS} rows, kept {ROWS}, rejected 0" in data[0], data
+    assert data[1].startswith(f"validation: data: {ROWS // 2} rows prepared earlier"), data
+    assert "data: preparing" not in text, "train and validation as `prepare` left them"
 
     logged = scalars(tmp_path / "tb")
     rewards = [row["reward"] for row in id_rows] + verl_rewards
@@ -120,3 +135,14 @@ def test_token_id_and_verl_rows_train_through_the_cli(tmp_path: Path) -> None:
     assert set(logged["eval/reward_mean"]) == {0, 2} and all(0 <= r <= 1 for r in logged["eval/reward_mean"].values())
     assert logged["eval/kl_mean"][0] == 0.0, "before any update the actor is the reference"
     assert logged["eval/kl_mean"][2] > 0.0 and logged["eval/log_prob_mean"][2] < 0.0, "two steps at lr 1e-3 move it"
+
+    # a bad row: `prepare` stops naming its file and line, exit 2, and leaves nothing prepared
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text((tmp_path / "ids.jsonl").read_text().splitlines()[0] + "\n" + '{"prompt_ids": [1], "response_ids"\n')
+    refused = _megatron_ppo("prepare", tmp_path / "recipe.yaml", f"data.train_files={bad}", "data.val_files=[]")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"error: {bad}:2: the line is not valid JSON" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "prepared").iterdir() if "." not in p.name) == sorted(
+        line.split(" in ")[-1].rsplit("/", 1)[-1] for line in prepared.stdout.splitlines() if "prepared here" in line
+    ), "only the two good datasets"
