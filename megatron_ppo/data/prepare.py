@@ -29,13 +29,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from megatron_ppo.config.schema import DataConfig, PPOConfig
 from megatron_ppo.data.columnar import RowColumns
 from megatron_ppo.data.parse import Tokenizer
 from megatron_ppo.data.prepared import PreparedRows, PreparedWriter
-from megatron_ppo.data.rows import DataReport, format_of, stream_rows
+from megatron_ppo.data.rows import DataError, DataReport, format_of, stream_rows
 from megatron_ppo.data.scoring import Scorer
 from megatron_ppo.data.values import RoutingShape
 
@@ -45,6 +45,7 @@ FORMAT_VERSION = 1
 NOT_IN_KEY = ("train_files", "val_files", "train_batch_size", "shuffle", "seed", "task", "addition", "prepared_dir")
 HASH_BLOCK = 64 << 20  # bytes a thread hashes at a time
 REPORT_FILE, KEY_FILE, REJECTS_FILE = "report.json", "key.json", "rejects.jsonl"
+FAILED_SUFFIX = ".failed"  # beside a prepared directory: why the last preparation stopped
 PROGRESS_EVERY_S = 10.0
 
 
@@ -144,23 +145,30 @@ def prepared_rows(
 
 def _prepare_once(directory: Path, prepare: Callable[[Path], None], say: Callable[[str], None]) -> str | None:
     """`prepare(into)` run by one process, `into` then renamed to `directory`. Returns "" when this process
-    prepared, the preparer it waited for, or None when the directory was there already."""
+    prepared, the preparer it waited for, or None when the directory was there already. A preparer stopped by its
+    data (a `DataError`: a bad row in error mode, no row left) leaves the message in `<key>.failed`, and the
+    processes that waited for it raise the same error instead of reading the data again; a later start (which did
+    not wait) prepares anew: the data or the scorer's world may have changed."""
     if (directory / REPORT_FILE).is_file():
         return None
     directory.parent.mkdir(parents=True, exist_ok=True)
+    failed = directory.with_name(directory.name + FAILED_SUFFIX)
     me = f"{socket.gethostname()} pid {os.getpid()}"
     with open(directory.with_name(directory.name + ".lock"), "a+") as lock:
-        holder = None
+        holder, waited_from = None, time.time()
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock(lock, blocking=False)
         except BlockingIOError:
             lock.seek(0)
             holder = lock.read().strip() or "another process"
             say(f"data: waiting for {holder} to prepare {directory}")
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            _lock(lock, blocking=True)
         try:
             if (directory / REPORT_FILE).is_file():
                 return holder
+            if holder is not None and failed.is_file() and failed.stat().st_mtime >= waited_from - 1:
+                raise DataError(failed.read_text())
+            failed.unlink(missing_ok=True)
             lock.truncate(0)
             lock.write(me)
             lock.flush()
@@ -170,12 +178,30 @@ def _prepare_once(directory: Path, prepare: Callable[[Path], None], say: Callabl
             try:
                 prepare(into)
                 os.rename(into, directory)
+            except DataError as error:
+                shutil.rmtree(into, ignore_errors=True)
+                _write_durably(failed, str(error))
+                raise
             except BaseException:
                 shutil.rmtree(into, ignore_errors=True)
                 raise
             return ""
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _lock(lock: IO[str], blocking: bool) -> None:
+    """flock the file; a filesystem without locks is the user's to change, said in one line."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        raise
+    except OSError as error:
+        raise DataError(
+            f"{lock.name}: the filesystem of data.prepared_dir refuses file locks ({error.strerror}), which keep two "
+            "processes from preparing the same data at once; set data.prepared_dir to a local disk, NFSv4 or Lustre "
+            "mounted with -o flock"
+        ) from error
 
 
 def _prepare(

@@ -215,4 +215,3 @@ def rows_at(rows: Sequence[Row], indices: Iterable[int]) -> list[Row]:
     if isinstance(rows, PreparedRows):
         return rows.rows_at(indices)
     return [rows[int(i)] for i in indices]
-

@@ -189,7 +189,8 @@ def test_a_bad_row_in_error_mode_is_named_and_nothing_is_left_prepared(tokenizer
     with pytest.raises(DataError, match=rf"{path}:6: the line is not valid JSON"):
         prepared_rows([path], tokenizer, DataConfig(max_prompt_length=24, max_response_length=24),
                       tmp_path / "prepared", say=lambda _: None)  # fmt: skip
-    assert [p.name for p in (tmp_path / "prepared").iterdir() if not p.name.endswith(".lock")] == []
+    left = sorted(p.suffix for p in (tmp_path / "prepared").iterdir())
+    assert left == [".failed", ".lock"], "no prepared directory, and why for those that waited"
 
 
 def _prepare(paths: list[Path], tokenizer: HFTokenizer, config: DataConfig, root: Path):
@@ -253,6 +254,39 @@ def test_a_second_process_waits_for_the_preparer_and_prepares_if_it_died(tokeniz
     assert sorted(p.name for p in root.iterdir()) == [probe.directory.name, f"{probe.directory.name}.lock"]
 
 
+def _prepare_and_say_how_it_ended(paths, tokenizer_path, root, lines) -> None:
+    try:
+        _prepare_in_child(paths, tokenizer_path, root, lines)
+    except DataError as error:
+        lines.put(f"DataError: {error}")
+
+
+def test_those_that_waited_for_a_preparer_stopped_by_its_data_stop_with_its_error(
+    tokenizer: HFTokenizer, tmp_path: Path
+) -> None:
+    path = _jsonl(tmp_path / "rows.jsonl", TEXT_ROWS[:4])
+    probe = _prepare([path], tokenizer, DataConfig(), tmp_path / "probe")  # the key's folder name
+    root = tmp_path / "prepared"
+    root.mkdir()
+    context = mp.get_context("spawn")
+    ready, release, lines = context.Event(), context.Event(), context.Queue()
+    holder = context.Process(
+        target=_hold_then_release, args=(str(root / f"{probe.directory.name}.lock"), ready, release)
+    )
+    holder.start()
+    assert ready.wait(60)
+    waiter = context.Process(target=_prepare_and_say_how_it_ended, args=([path], tokenizer.path, root, lines))
+    waiter.start()
+    assert lines.get(timeout=60).startswith("data: waiting for the test's holder")
+    (root / f"{probe.directory.name}.failed").write_text(f"{path}:3: a bad row, as the preparer found it")
+    release.set()
+    assert lines.get(timeout=60) == f"DataError: {path}:3: a bad row, as the preparer found it", "not read again"
+    waiter.join(60)
+    holder.join(60)
+    again = _prepare([path], tokenizer, DataConfig(), root)  # a later start did not wait: it prepares anew
+    assert again.how.startswith("prepared here") and not (root / f"{probe.directory.name}.failed").exists()
+
+
 def _prepare_slowly(path: str, tokenizer_path: str, root: str, scorer_file: str) -> None:
     scorer = build_scorer(RewardConfig(score_fn="custom", custom_fn=CustomRewardFnConfig(scorer_file, "slow")))
     prepared_rows([path], load_tokenizer(tokenizer_path), DataConfig(max_prompt_length=512), root, scorer,
@@ -280,3 +314,19 @@ def test_a_preparer_killed_midway_leaves_nothing_trusted(tokenizer: HFTokenizer,
     data = prepared_rows([path], tokenizer, DataConfig(max_prompt_length=512), root, scorer, say=lambda _: None)
     assert data.how.startswith("prepared here") and len(data.rows) == 300
     assert [p.name for p in root.iterdir() if ".partial-" in p.name] == [], "the killed preparer's files are gone"
+
+
+def test_a_filesystem_without_locks_is_named_with_what_to_change(
+    tokenizer: HFTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(A filesystem that refuses flock, as NFS without its lock daemon does, cannot be mounted here: the refusal
+    is the kernel's ENOLCK, raised in its place.)"""
+    import errno
+
+    def refuse(*_) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    path = _jsonl(tmp_path / "rows.jsonl", TEXT_ROWS[:4])
+    with pytest.raises(DataError, match=r"\.lock: the filesystem of data\.prepared_dir refuses file locks"):
+        prepared_rows([path], tokenizer, DataConfig(), tmp_path / "prepared", say=lambda _: None)
