@@ -300,8 +300,9 @@ class DataConfig(Freezable):
     prepared_dir: str | None = per_job(
         None,
         RUN_CONTROL,
-        "where the rows are prepared once (tokenized, memory-mapped) and found again, one folder per data key; null: "
-        "<trainer.default_local_dir>/prepared. A folder shared by several runs prepares each dataset once",
+        "where the rows are prepared once (checked, scored, tokenized into files every rank reads) and found again, "
+        "one folder per data key; null: <trainer.default_local_dir>/prepared. A folder shared by several runs "
+        "prepares each dataset once",
     )
     task: str | None = choice(
         None,

@@ -1,4 +1,4 @@
-"""Preparing the dataset once: keyed by what makes its rows, written by one process of a job, mapped by every rank.
+"""Preparing the dataset once: keyed by what makes its rows, written by one process of a job, read by every rank.
 
 The key (`dataset_key`) is everything a kept row depends on: each file as named (its rows' sources say the name)
 with its size and a hash of its content (not its modification time: a copy is the same data, an overwrite in place
@@ -11,7 +11,7 @@ Who prepares: the first process to take an advisory lock on `<root>/<digest>.loc
 kernel however its holder dies). It writes into `<digest>.partial-<host>-<pid>` and renames that to `<digest>` when
 every file is written (`report.json` last), so a prepared directory is whole or absent: a preparer killed midway
 leaves a partial directory that no one reads, and the next preparer removes it. The others wait on the lock, saying
-so, then map what it wrote. flock is exclusive across nodes on local disks, NFSv4 and Lustre mounted with `-o flock`
+so, then open what it wrote. flock is exclusive across nodes on local disks, NFSv4 and Lustre mounted with `-o flock`
 (as the run directory's lock, `checkpoint/lock.py`).
 """
 
@@ -151,10 +151,18 @@ def _prepare_once(directory: Path, prepare: Callable[[Path], None], say: Callabl
     not wait) prepares anew: the data or the scorer's world may have changed."""
     if (directory / REPORT_FILE).is_file():
         return None
-    directory.parent.mkdir(parents=True, exist_ok=True)
     failed = directory.with_name(directory.name + FAILED_SUFFIX)
     me = f"{socket.gethostname()} pid {os.getpid()}"
-    with open(directory.with_name(directory.name + ".lock"), "a+") as lock:
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        lock_file = open(directory.with_name(directory.name + ".lock"), "a+")  # noqa: SIM115 — closed below
+    except OSError as error:
+        raise DataError(
+            f"data.prepared_dir={str(directory.parent)!r} cannot be written ({error.strerror}) and the data is not "
+            "prepared there yet: point data.prepared_dir at a writable folder, or prepare it where it can be written "
+            "(megatron-ppo prepare RECIPE data.prepared_dir=...)"
+        ) from error
+    with lock_file as lock:
         holder, waited_from = None, time.time()
         try:
             _lock(lock, blocking=False)

@@ -330,3 +330,10 @@ def test_a_filesystem_without_locks_is_named_with_what_to_change(
     path = _jsonl(tmp_path / "rows.jsonl", TEXT_ROWS[:4])
     with pytest.raises(DataError, match=r"\.lock: the filesystem of data\.prepared_dir refuses file locks"):
         prepared_rows([path], tokenizer, DataConfig(), tmp_path / "prepared", say=lambda _: None)
+
+
+def test_a_prepared_dir_that_cannot_be_written_is_named(tokenizer: HFTokenizer, tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "rows.jsonl", TEXT_ROWS[:4])
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(DataError, match=r"data\.prepared_dir='.*a-file/prepared' cannot be written"):
+        prepared_rows([path], tokenizer, DataConfig(), tmp_path / "a-file" / "prepared", say=lambda _: None)
