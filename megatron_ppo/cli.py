@@ -323,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_command(
         commands,
         "prepare",
-        "read, check, score and tokenize the data files once into memory-mapped files (data.prepared_dir) that "
-        "`train` maps: run it on a CPU node before the job",
+        "read, check, score and tokenize the data files once into files (data.prepared_dir) that every rank of "
+        "`train` reads in place: run it on a CPU node before the job",
         _prepare,
         "megatron-ppo prepare recipes/qwen2.5-32b.yaml data.train_files=/data/train.parquet "
         "data.prepared_dir=/shared/prepared",

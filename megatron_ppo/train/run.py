@@ -95,7 +95,7 @@ def require_data(config: PPOConfig) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RunData:
-    """A run's rows, prepared and mapped, with the tokenizer and scorer that made them."""
+    """A run's rows, prepared and opened, with the tokenizer and scorer that made them."""
 
     train: PreparedData
     val: PreparedData | None
@@ -105,7 +105,7 @@ class RunData:
 
 def prepare_data(config: PPOConfig) -> RunData:
     """`data.train_files` (and `data.val_files`) prepared under `data.prepared_dir` once — by one process of the
-    job, the others waiting — and mapped (`data/prepare.py`); what `megatron-ppo prepare` runs on a CPU node."""
+    job, the others waiting — and opened (`data/prepare.py`); what `megatron-ppo prepare` runs on a CPU node."""
     require_data(config)
     scorer = build_scorer(config.reward)  # a missing verl or custom file fails at once
     tokenizer = load_tokenizer(config.model.tokenizer)

@@ -222,7 +222,7 @@ class AdditionTask:
 
     tokenizer: SentencePieceTokenizer
     heldout: list[AdditionProblem]
-    rows: Sequence[Row]  # the prepared dataset, mapped
+    rows: Sequence[Row]  # the prepared dataset, opened (`PreparedRows`)
     data_line: str
     sft_checkpoint: str
     data_path: Path  # the sampled dataset with its rule rewards (the rows, unless data.train_files names others)
