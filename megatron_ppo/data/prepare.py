@@ -171,6 +171,8 @@ def _prepare_once(directory: Path, prepare: Callable[[Path], None], say: Callabl
             holder = lock.read().strip() or "another process"
             say(f"data: waiting for {holder} to prepare {directory}")
             _lock(lock, blocking=True)
+            lock.seek(0)
+            holder = lock.read().strip() or holder  # named by now, if it had not yet written its name
         try:
             if (directory / REPORT_FILE).is_file():
                 return holder
@@ -218,7 +220,7 @@ def _prepare(
 ) -> None:  # fmt: skip
     """Every kept row written into `into`, then the report and the key."""
     final = into.with_name(into.name.split(".partial-")[0])
-    say(f"data: preparing {len(paths)} file(s) into {final} (once: later runs, resumes and requeues map it)")
+    say(f"data: preparing {len(paths)} file(s) into {final} (once: later runs, resumes and requeues open it)")
     writer = PreparedWriter(into, routing)
     report = DataReport(scorer=None if scorer is None else scorer.name)
     progress = _Progress(say, report)
