@@ -11,11 +11,12 @@ A prepared directory holds
     report.json                  the `DataReport` of the preparation; rejects.jsonl beside it (skip mode)
 
 The token-shaped columns are what Megatron-LM's own preprocessing writes (`IndexedDatasetBuilder`): a flat binary
-of one dtype and an index of lengths and offsets, read by `IndexedDataset` with its file reader (`mmap=False`: a
-`pread` a row; a mapping would count the page cache's folios around every drawn row, 2 MB each here, in each rank's
-resident memory). The per-row fields are strings, JSON and nulls, which the indexed format has no place for: Arrow's
-IPC file keeps them, memory-mapped (`pa.memory_map`: no copy), and a batch's records are taken from it in one call
-(`Table.take`).
+of one dtype and an index of lengths and offsets; `IndexedDataset` reads the index, and a row is one `os.pread` from
+the `.bin` held open (`_TokenFile`): not a mapping, which would count the page cache's folios around every drawn
+row (2 MB each here) in each rank's resident memory, nor Megatron's file reader, which opens the file for every row
+(a metadata round trip each on a parallel filesystem). The per-row fields are strings, JSON and nulls, which the
+indexed format has no place for: Arrow's IPC file keeps them, memory-mapped (`pa.memory_map`: no copy), and a
+batch's records are taken from it in one call (`Table.take`).
 
 Per-token floats are stored as float32, the precision `collate` gives them (`torch.tensor` of Python floats): a row
 read back differs from `read_rows`' only below float32, and its batch not at all. A `Row` is materialized only when
@@ -147,11 +148,9 @@ class PreparedRows(Sequence[Row]):
         self.directory, self.routing = Path(directory), routing
         self.table = pa.ipc.open_file(pa.memory_map(str(self.directory / ROWS_FILE))).read_all()
         names = [TOKENS, TOKEN_REWARDS, BEHAVIOR] + ([ROUTED] if routing is not None else [])
-        with warnings.catch_warnings():  # Megatron's reader asks for a rank where no process group exists yet
-            warnings.filterwarnings("ignore", "Could not determine rank", UserWarning)
-            # a column no row has is an empty .bin, which cannot be mapped: its rows read as empty
-            self.arrays = {name: IndexedDataset(str(self.directory / name), mmap=False) for name in names
-                           if os.path.getsize(self.directory / f"{name}.bin")}  # fmt: skip
+        # a column no row has is an empty .bin: its rows read as empty
+        self.arrays = {name: _TokenFile(self.directory / name) for name in names
+                       if os.path.getsize(self.directory / f"{name}.bin")}  # fmt: skip
         if len(self.arrays[TOKENS]) != self.table.num_rows:
             raise ValueError(f"{self.directory}: {len(self.arrays[TOKENS])} token rows but {self.table.num_rows} "
                              "rows in rows.arrow: the prepared dataset is incomplete")  # fmt: skip
@@ -198,6 +197,25 @@ class PreparedRows(Sequence[Row]):
 
     def _values(self, name: str, index: int) -> list[float]:
         return self.arrays[name][index].tolist() if name in self.arrays else []
+
+
+class _TokenFile:
+    """One token column: its index read by `IndexedDataset` (lengths and byte offsets), its `.bin` held open, and
+    row `i` read with one `os.pread` (module docstring)."""
+
+    def __init__(self, prefix: Path) -> None:
+        with warnings.catch_warnings():  # Megatron's reader asks for a rank where no process group exists yet
+            warnings.filterwarnings("ignore", "Could not determine rank", UserWarning)
+            self.index = IndexedDataset(str(prefix), mmap=False).index
+        self.dtype = np.dtype(self.index.dtype)
+        self.file = open(f"{prefix}.bin", "rb", buffering=0)  # noqa: SIM115 — closed with this object
+
+    def __len__(self) -> int:
+        return len(self.index.sequence_lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        count, offset = int(self.index.sequence_lengths[i]), int(self.index.sequence_pointers[i])
+        return np.frombuffer(os.pread(self.file.fileno(), count * self.dtype.itemsize, offset), self.dtype)
 
 
 def column(rows: Sequence[Row], name: str) -> list[Any]:
