@@ -31,7 +31,7 @@ INTERNAL = {
     "BadRow": "one row's rejection: `read_rows` turns it into a DataError or a rejects-file line",
     "ScoreError": "a scorer's bad result: rejects the row (BadRow)",
     "TemplateRefused": "a chat template refusing a row's messages: rejects the row (BadRow)",
-    "_Unclean": "a batch the column-wise reader leaves to the row parser (`data/columnar.py`), which names its bad rows",
+    "_Unclean": "a batch the column-wise reader leaves to the row parser (`data/columnar.py`): it names bad rows",
     "JobStopped": "preemption, Ctrl-C and job budgets: a checkpoint saved, exit 75 / 130 / 0 (`cli._train`)",
     "Preempted": "a JobStopped",
     "JobBudgetReached": "a JobStopped",
