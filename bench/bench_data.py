@@ -26,6 +26,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bench.common import current_rss_mib
+
 SCRATCH = Path("outputs/bench/data")
 PROMPT, RESPONSE = 300, 900  # mean tokens of a token-id row
 TEXT_PROMPT_WORDS, TEXT_RESPONSE_WORDS = 60, 180  # a text row's words (≈ 1.3 tokens a word)
@@ -44,14 +46,6 @@ def _arguments(argv) -> argparse.Namespace:
     if arguments.smallest:
         arguments.rows, arguments.text_rows = 3000, 2000
     return arguments
-
-
-def _rss_mib(kind: str = "VmRSS") -> float:
-    """This process's resident memory (VmRSS), or its private part (RssAnon) or its mapped files' (RssFile)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{kind}:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {kind}")
 
 
 def _lists(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
@@ -146,7 +140,7 @@ def first_batch(root: str) -> None:
     from megatron_ppo.data.tokenizer import load_tokenizer
     from megatron_ppo.train.batch import collate
 
-    imported, imported_anon = _rss_mib(), _rss_mib("RssAnon")
+    imported, imported_anon = current_rss_mib(), current_rss_mib("RssAnon")
     data = prepared_rows(sorted(Path(root).glob("ids*.parquet")), load_tokenizer(Path(root) / "tokenizer"),
                          _config(sorted(Path(root).glob("ids*.parquet"))), Path(root) / "prepared")  # fmt: skip
     order = np.random.default_rng(1).permutation(len(data.rows))[:512]
@@ -157,9 +151,9 @@ def first_batch(root: str) -> None:
             [
                 "FIRST_BATCH",
                 f"{elapsed:.2f}",
-                f"{_rss_mib():.0f}",
-                f"{_rss_mib() - imported:.0f}",
-                f"{_rss_mib('RssAnon') - imported_anon:.0f}",
+                f"{current_rss_mib():.0f}",
+                f"{current_rss_mib() - imported:.0f}",
+                f"{current_rss_mib('RssAnon') - imported_anon:.0f}",
                 data.how,
                 str(tuple(batch["input_ids"].shape)),
             ]

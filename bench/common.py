@@ -31,11 +31,12 @@ def peak_rss_mib() -> float:
     raise RuntimeError("VmHWM not found in /proc/self/status")
 
 
-def current_rss_mib() -> float:
+def current_rss_mib(kind: str = "VmRSS") -> float:
+    """This process's resident memory (VmRSS), or its private part (RssAnon), or its mapped files' (RssFile)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{kind}:"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError("VmRSS not found in /proc/self/status")
+    raise RuntimeError(f"{kind} not found in /proc/self/status")
 
 
 def measure(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tuple[float, float]:
