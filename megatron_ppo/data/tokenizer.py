@@ -105,7 +105,12 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`encode` of each text, on every core (`tokenizers`' own thread pool)."""
-        return [encoding.ids for encoding in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        return [encoding.ids for encoding in self.encodings(texts)]
+
+    def encodings(self, texts: list[str]) -> list[tokenizers.Encoding]:
+        """`tokenizers`' own encodings of each text (ids with the words — pre-tokens — they came from), on every
+        core: what `encoding.py` reads the apart/together check off."""
+        return self.tokenizer.encode_batch(texts, add_special_tokens=False)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i != self.eos_id])
