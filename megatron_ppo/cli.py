@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from omegaconf import OmegaConf
 
 from megatron_ppo.config import ConfigError, load_config
+from megatron_ppo.checkpoint.verify import CheckpointError
 from megatron_ppo.config.errors import UserError
 from megatron_ppo.import_gc import imports_without_gc
 from megatron_ppo.launcher import NPROC, tell_user
@@ -268,6 +269,16 @@ def _convert(args: argparse.Namespace) -> int:
         destroy_distributed()
 
 
+def _verify_checkpoint(args: argparse.Namespace) -> int:
+    from megatron_ppo.checkpoint.directory import checked
+
+    lines, damaged = checked(Path(args.checkpoint))
+    print("\n".join(lines))
+    if damaged:
+        raise CheckpointError(f"{damaged} of the checkpoints under {args.checkpoint} cannot be trusted (above)")
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from megatron_ppo.runs.report import print_report
 
@@ -367,6 +378,15 @@ def build_parser() -> argparse.ArgumentParser:
     reporter.add_argument("--plot", nargs="?", const="", metavar="FILE", help="draw the runs on one figure (.png, "
                           ".pdf, .svg; default: <trainer.log_dir>/<run id>.png, beside the first run)")  # fmt: skip
     reporter.set_defaults(run=_report)
+    verifier = _command(
+        commands,
+        "verify-checkpoint",
+        "check that a checkpoint (or each one under a checkpoint directory) holds every file its save wrote, with "
+        "its size and bytes (the digests in its manifest.json, every file read back)",
+        "megatron-ppo verify-checkpoint outputs/tiny/checkpoints/step_20",
+    )
+    verifier.add_argument("checkpoint", help="a step_N checkpoint, or trainer.default_local_dir (each step_N in it)")
+    verifier.set_defaults(run=_verify_checkpoint)
     converter = _command(
         commands,
         "convert",

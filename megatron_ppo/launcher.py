@@ -14,7 +14,9 @@ other workers (a worker that had not yet printed its `error:` line never does), 
    signal no one here sent (SIGKILL, SIGSEGV, …) first, since the others' errors follow from it; otherwise the
    outcome of the lowest rank with a non-zero status (the rank that decided, whichever it is), else rank 0's
    (a job budget's "stopped early" line, exit 0); a worker that exited non-zero without an outcome is named with
-   its status. A signal to the launcher (Ctrl-C, Slurm's SIGTERM) is forwarded once to each worker by the agent,
+   its status; where the launcher received no signal, a worker's "stopped by SIGTERM" (the agent's, sent once
+   another failed) never speaks before another's outcome. A signal to the launcher (Ctrl-C, Slurm's SIGTERM) is
+   forwarded once to each worker by the agent,
    which waits for them (30 s, then SIGKILL): the workers' outcome (130 after a Ctrl-C, 75 after a preemption) is
    the launcher's exit.
 
@@ -111,6 +113,10 @@ def conclude(outcomes: dict[int, Outcome], exits: dict[int, Exit], received: int
             "the job's memory limit), a `kill` or a node that went down. The last complete checkpoint is kept; "
             f"resume with: {resume}"))  # fmt: skip
     decided = [o for _, o in sorted(outcomes.items()) if o.status != 0] or [o for _, o in sorted(outcomes.items())]
+    if received is None:  # a worker's stop by a signal came from the agent, after another's failure: that one speaks
+        from megatron_ppo.train.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT
+
+        decided.sort(key=lambda o: o.status in (PREEMPTED_EXIT, INTERRUPTED_EXIT))  # stable: by rank within each
     if decided:
         return decided[0]
     failed = sorted(r for r, e in exits.items() if e.status > 0)

@@ -5,7 +5,8 @@ A checkpoint is written to `<root>/.tmp_step_N`, published by renaming it to `<r
 in `<root>/latest` (itself replaced atomically, `point_latest_at`); the writing is `store.save_checkpoint`'s. A save
 killed at any point therefore leaves the previous checkpoint as the newest complete one; `find_resumable` skips
 anything incomplete with a warning. Complete means: the files a save writes last are there, and every file matches
-the manifest the save wrote (`verify.py`); `damage` says why a checkpoint is not. A step saved again (after a
+the manifest the save wrote (`verify.py`); `damage` says why a checkpoint is not. One about to be loaded must also
+prove its bytes (`unproven`: every file's digest read back). A step saved again (after a
 rollback to it) replaces the old `step_N` by two renames, the old one kept as `.replaced_step_N` until the new one
 is in place; `restore_replaced` undoes a save killed between the two.
 
@@ -31,7 +32,7 @@ from pathlib import Path
 from megatron.core import dist_checkpointing
 
 from megatron_ppo.checkpoint import verify
-from megatron_ppo.checkpoint.run_identity import RUN_FILE, RunIdentity
+from megatron_ppo.checkpoint.run_identity import RUN_FILE, RunIdentity, UnreadableIdentity
 
 logger = logging.getLogger(__name__)
 LATEST = "latest"
@@ -48,13 +49,26 @@ def damage(path: Path) -> str | None:
         return "it does not exist"
     if not (path / TRAINER_STATE).is_file():
         return f"it has no {TRAINER_STATE} (a save that did not finish)"
-    if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
+    try:
+        megatron_metadata = dist_checkpointing.check_is_distributed_checkpoint(str(path))
+    except (OSError, ValueError) as error:  # unreadable JSON (a decode error is a ValueError)
+        return f"its Megatron checkpoint metadata is unreadable ({type(error).__name__}: {error})"
+    if not megatron_metadata:
         return "it has no Megatron checkpoint metadata (a save that did not finish)"
     return verify.damage(path)
 
 
 def is_complete(path: Path) -> bool:
     return damage(path) is None
+
+
+def unproven(path: Path) -> str | None:
+    """Why `path` is not to be loaded (None: it is complete and every file holds the bytes its save wrote): a file
+    missing, of another size or whose digest differs from the manifest's (`verify.damage`, `verify.corruption`,
+    which reads every file: asked first, so a damaged file is named before anything reads it), or `damage`."""
+    if path.is_dir() and (why := verify.damage(path) or verify.corruption(path)):
+        return why
+    return damage(path)
 
 
 def step_directories(root: Path) -> list[tuple[int, Path]]:
@@ -83,35 +97,71 @@ def named_by_latest(root: Path) -> Path | None:
 
 
 def find_resumable(root: str | Path) -> Path | None:
-    """The checkpoint to continue: the one `latest` names when complete. Otherwise (with a warning) the newest
-    complete checkpoint of the run `latest` named — or, without a readable `latest`, of the only run present; never
-    another run's. None when there is nothing to continue (or several runs and nothing to choose between them)."""
+    """The checkpoint to continue: the one `latest` names when it proves its bytes (`unproven`). Otherwise (with a
+    warning) the newest checkpoint that does of the run `latest` named — or, without a readable `latest`, of the only
+    run present; never another run's. None when there is nothing to continue (or several runs and nothing to choose
+    between them)."""
     root = Path(root)
     named = named_by_latest(root)
-    if named is not None and (why := damage(named)) is None:
+    if named is not None and (why := unproven(named)) is None:
         return named
     for partial in root.glob(".tmp_step_*") if root.is_dir() else []:
         logger.warning("ignoring %s: a save that did not finish", partial)
-    complete = complete_checkpoints(root)
-    if named is not None and (named / RUN_FILE).is_file():
-        runs = {run_of(named)}
+    complete = [(step, path) for step, path in complete_checkpoints(root) if path != named]
+    if named is not None and (named_run := readable_run(named)) is not None:
+        runs = {named_run}
         logger.warning("skipping %s, named by %s: %s; looking for an older one of its run", named, LATEST, why)
     else:
-        runs = {run_of(path) for _, path in complete}
+        runs = {readable_run(path) for _, path in complete}
         if named is not None and complete:
             logger.warning("checkpoint %s named by %s is missing; looking for an older one", named, LATEST)
         if len(runs) > 1:
             logger.warning("%s holds checkpoints of %d runs and no usable %s: not choosing", root, len(runs), LATEST)
             return None
-    own = [path for _, path in complete if run_of(path) in runs]
-    return own[-1] if own else None
+    own = [path for _, path in complete if readable_run(path) in runs]
+    for path in reversed(own):
+        if (corrupt := verify.corruption(path)) is None:
+            return path
+        logger.warning("skipping %s: %s", path, corrupt)
+    return None
+
+
+def checked(path: Path) -> tuple[list[str], int]:
+    """`unproven` asked of the checkpoint `path`, or of each `step_N` under it: a line for each, and how many cannot
+    be trusted (`megatron-ppo verify-checkpoint`)."""
+    checkpoints = [path] if not step_directories(path) else [checkpoint for _, checkpoint in step_directories(path)]
+    lines, damaged = [], 0
+    for checkpoint in checkpoints:
+        started = time.perf_counter()
+        why = unproven(checkpoint)
+        files, size, digests = verify.recorded(checkpoint)
+        if why is not None:
+            damaged += 1
+            lines.append(f"{checkpoint}: damaged: {why}")
+        elif digests:
+            lines.append(f"{checkpoint}: proves its bytes ({files} files, {size / 2**20:.1f} MiB read back in "
+                         f"{time.perf_counter() - started:.1f} s)")  # fmt: skip
+        else:
+            lines.append(f"{checkpoint}: complete by its files' sizes (saved before digests were recorded)")
+    return lines, damaged
+
+
+def readable_run(checkpoint: Path) -> str | None:
+    """The run that saved `checkpoint` when its identity is there and readable (None: an initialisation's, or damaged
+    bytes); an identity that reads but names no run id is refused (`RunIdentity.read`)."""
+    if not (checkpoint / RUN_FILE).is_file():
+        return None
+    try:
+        return run_of(checkpoint)
+    except UnreadableIdentity:
+        return None
 
 
 def resolve(path: str | Path) -> Path:
     """`path` if it is a complete checkpoint, else the newest complete one under it (a checkpoint root); a
     `CheckpointError` saying why otherwise (a damaged checkpoint: which files differ from its manifest)."""
     path = Path(path)
-    why = damage(path)
+    why = unproven(path)
     if why is None:
         return path
     if (path / TRAINER_STATE).is_file() or (path / verify.MANIFEST).is_file():
@@ -161,7 +211,7 @@ def prune(root: Path, run_id: str, keep: int, step: int, protect: Sequence[Path]
     saved ranks first, so the one `latest` names is never deleted; nor is another run's checkpoint, or an
     incomplete or damaged one (left for a person to inspect; it never counts among the `keep`, so it never
     becomes the only checkpoint left)."""
-    own = [(s, path) for s, path in complete_checkpoints(root) if run_of(path) == run_id]
+    own = [(s, path) for s, path in complete_checkpoints(root) if readable_run(path) == run_id]
     own.sort(key=lambda item: (item[0] <= step, item[0]), reverse=True)
     for _, path in own[keep:]:
         if any(path.resolve() == p.resolve() for p in protect):

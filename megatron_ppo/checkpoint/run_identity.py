@@ -91,11 +91,14 @@ class RunIdentity:
         flat = flatten_config(config)
         return cls(run_id, config_hash(flat), flat, total_steps)
 
-    def write(self, directory: str | Path) -> None:
+    def write(self, directory: str | Path) -> Path:
+        """Write the identity into a checkpoint directory; returns the file written."""
         payload = {"run_id": self.run_id, "config_hash": self.config_hash, "config": self.config}
         if self.total_steps is not None:
             payload["total_steps"] = self.total_steps
-        (Path(directory) / RUN_FILE).write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+        path = Path(directory) / RUN_FILE
+        path.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+        return path
 
     @classmethod
     def read(cls, directory: str | Path) -> RunIdentity | None:
@@ -108,8 +111,8 @@ class RunIdentity:
             payload = json.loads(path.read_text())
             identity = cls(payload["run_id"], payload["config_hash"], payload["config"], payload.get("total_steps"))
         except (ValueError, KeyError, TypeError) as error:
-            raise CheckpointError(f"{path} is unreadable ({type(error).__name__}: {error}); the checkpoint is "
-                                  "damaged: use another one") from error  # fmt: skip
+            raise UnreadableIdentity(f"{path} is unreadable ({type(error).__name__}: {error}); the checkpoint is "
+                                     "damaged: use another one") from error  # fmt: skip
         if not isinstance(identity.run_id, str) or not RUN_ID.fullmatch(identity.run_id):
             raise CheckpointError(
                 f"{path} names the run {identity.run_id!r}, which is no run id (letters, digits, '-', '_', '.', not "
@@ -117,6 +120,11 @@ class RunIdentity:
                 "refused; the checkpoint's run.json was edited or damaged: use another checkpoint"
             )
         return identity
+
+
+class UnreadableIdentity(CheckpointError):
+    """A checkpoint's run.json that is not the JSON a save writes (damaged bytes): the checkpoint is damaged, and
+    skipped where checkpoints are looked for (an identity that reads but names no run id is refused instead)."""
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:

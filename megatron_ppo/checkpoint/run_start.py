@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ppo.checkpoint import directory, lock
-from megatron_ppo.checkpoint.run_identity import RunIdentity, config_differences, new_run_id
+from megatron_ppo.checkpoint.run_identity import RunIdentity, UnreadableIdentity, config_differences, new_run_id
 from megatron_ppo.checkpoint.verify import CheckpointError
 from megatron_ppo.config.errors import ConfigError, UserError
 from megatron_ppo.config.schema import PPOConfig, TrainerConfig
@@ -124,7 +124,8 @@ def _resume_source(trainer: TrainerConfig, root: Path) -> tuple[Path | None, str
         named = directory.named_by_latest(root)
         if named == source:
             return source, f"named by {root / directory.LATEST}"
-        skipped = f"; skipped {named.name}, which {directory.LATEST} named: {directory.damage(named)}" if named else ""
+        why = directory.unproven(named) if named else None
+        skipped = f"; skipped {named.name}, which {directory.LATEST} named: {why}" if named else ""
         return source, f"its newest complete checkpoint{skipped}"
     try:
         source = directory.resolve(trainer.resume_from_path)
@@ -168,12 +169,17 @@ def check_directories(config: PPOConfig) -> None:
 
 def _other_runs_checkpoints(root: Path, run_id: str) -> list[Path]:
     """The `step_N` directories under `root` not saved by run `run_id`. An incomplete one without identity (a
-    damaged save) is not counted: it is left for a person to inspect."""
-    return [
-        path
-        for _, path in directory.step_directories(root)
-        if directory.run_of(path) != run_id and (directory.run_of(path) is not None or directory.is_complete(path))
-    ]
+    damaged save), or one whose identity is damaged bytes, is not counted: it is left for a person to
+    inspect."""
+    found = []
+    for _, path in directory.step_directories(root):
+        try:
+            run = directory.run_of(path)
+        except UnreadableIdentity:
+            continue
+        if run != run_id and (run is not None or directory.is_complete(path)):
+            found.append(path)
+    return found
 
 
 def _refusal(root: Path, foreign: list[Path], resume_mode: str) -> str:

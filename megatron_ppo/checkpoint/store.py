@@ -190,17 +190,25 @@ def save_checkpoint(
     # on the host: a process forked from a CUDA one (the asynchronous writer) must not touch the device
     rng, trainer_state = _on_host(rng_states()), _on_host(trainer_state)
 
+    rank = global_rank()
+    own_files: list[Path] = []
+
     def write_own_files() -> None:
-        torch.save(rng, temporary / f"rng_rank{global_rank()}.pt")
-        if global_rank() == 0:
-            torch.save({**trainer_state, OPTIMIZERS_SAVED: stateful}, temporary / directory.TRAINER_STATE)
+        own_files.append(temporary / f"rng_rank{rank}.pt")
+        torch.save(rng, own_files[-1])
+        if rank == 0:
+            own_files.append(temporary / directory.TRAINER_STATE)
+            torch.save({**trainer_state, OPTIMIZERS_SAVED: stateful}, own_files[-1])
             if run is not None:
-                run.write(temporary)
+                own_files.append(run.write(temporary))
 
     def write_in_the_writer() -> None:
-        if global_rank() == 0:  # what earlier publications set aside, first: the space it frees
+        if rank == 0:  # what earlier publications set aside, first: the space it frees
             directory.delete_discarded(root)
         write_own_files()
+
+    def digest_in_the_writer(shards: list[Path]) -> None:
+        verify.write_digests(temporary, [*own_files, *shards], rank)
 
     request = None
     with verify.writing(temporary, step):  # Megatron's plan and writers fail on every rank at once
@@ -211,7 +219,7 @@ def save_checkpoint(
         else:
             with without_device_mode():  # Megatron's asynchronous plan names no CUDA device either
                 request = async_save_request(sharded, str(temporary), strategy, validate)
-            request = writing_first_in_the_writer(request, write_in_the_writer)
+            request = writing_first_in_the_writer(request, write_in_the_writer, digest_in_the_writer)
 
     def publish() -> None:
         # every rank's files are written (the agreement after them, or Megatron's finalisation); the agreement
@@ -232,9 +240,10 @@ def save_checkpoint(
                 if saves is None:  # an asynchronous save leaves the deleting to the next writer (or `close`)
                     directory.delete_discarded(root)
 
-    if request is None:
+    if request is None:  # a synchronous save: the shards' digests are the manifest's (rank 0)
         with verify.writing_on_every_rank(temporary, step):
             write_own_files()
+            verify.write_digests(temporary, own_files, rank)
         publish()
     else:
         request.add_finalize_fn(publish)

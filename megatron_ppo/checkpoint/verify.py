@@ -1,12 +1,21 @@
-"""Whether a checkpoint's files are all there: a manifest written at save, checked before a checkpoint is trusted.
+"""Whether a checkpoint's files are all there and hold the bytes its save wrote: a manifest written at save,
+checked before a checkpoint is trusted.
 
-`save_checkpoint` writes `manifest.json` into the checkpoint last, once every rank has written its files: each file
-under the checkpoint (relative path) with its size in bytes. `damage(path)` compares the directory with it: a file
-missing or of another size (a truncated copy, a disk that filled up, a file removed by hand) makes the checkpoint
-damaged, with the first differences named. Resuming (`auto` and `resume_path`), rollbacks, pruning and export all
-go through `directory.is_complete`, which asks this; a checkpoint saved before manifests existed is judged by its
-files alone (the older rule). Reading a checkpoint's files that still fails (`reading`) ends in a `CheckpointError`
-naming it, not in the unpickler's or Megatron's internal error.
+Every rank records the xxh3-64 digest of each file it wrote (`write_digests`, into `digests_rank<r>.json`): its
+shards, hashed by its asynchronous writer process once they are written (so training does not wait for it), its RNG
+states, and on rank 0 the trainer state and run identity. `save_checkpoint` then writes `manifest.json` into the
+checkpoint last, once every rank has written its files: each file under the checkpoint (relative path) with its size
+in bytes and its digest (rank 0 hashes the files no rank did: Megatron's metadata, written at finalisation, and a
+synchronous save's shards).
+
+Two checks read it. `damage(path)` compares sizes: a file missing or of another size (a truncated copy, a disk that
+filled up, a file removed by hand) makes the checkpoint damaged, with the first differences named; resuming,
+rollbacks, pruning and export all go through `directory.is_complete`, which asks this. `corruption(path)` reads every
+file and compares its digest (a shard overwritten in place, bit rot, a bad copy between filesystems keep the size):
+asked of a checkpoint about to be loaded (`directory.unproven`: the one a run resumes from, the one a rollback
+returns to, the one `resolve` gives export and conversion). A checkpoint saved before manifests existed is judged by
+its files alone (the older rule), one saved before digests by its sizes. Reading a checkpoint's files that still
+fails (`reading`) ends in a `CheckpointError` naming it, not in the unpickler's or Megatron's internal error.
 """
 
 from __future__ import annotations
@@ -16,14 +25,20 @@ import json
 import os
 import pickle
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+
+import xxhash
 
 from megatron_ppo.config.errors import UserError
 
 MANIFEST = "manifest.json"
+DIGESTS = "digests_rank{rank}.json"  # one rank's files, hashed where it wrote them
 _SHOWN = 3  # differences named in a message
+_READ_BYTES = 16 * 2**20  # a file is hashed this much at a time
+_HASHING_THREADS = 8  # files hashed at once (xxhash releases the GIL; reading is the bound)
 
 
 class CheckpointError(UserError):
@@ -31,16 +46,81 @@ class CheckpointError(UserError):
     it and what to do."""
 
 
+def file_digest(path: Path) -> str:
+    """The xxh3-64 digest of the file at `path`, as 16 hex digits."""
+    digest, buffer = xxhash.xxh3_64(), bytearray(_READ_BYTES)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as file:
+        while read := file.readinto(buffer):
+            digest.update(view[:read])
+    return digest.hexdigest()
+
+
+def write_digests(checkpoint: Path, files: Iterable[Path], rank: int) -> None:
+    """Record the size and digest of each of `files` (under `checkpoint`, written by `rank`) in its digests file."""
+    entries = {str(path.relative_to(checkpoint)): [path.stat().st_size, file_digest(path)] for path in files}
+    temporary = checkpoint / f".{DIGESTS.format(rank=rank)}.tmp"
+    temporary.write_text(json.dumps(entries, indent=0, sort_keys=True) + "\n")
+    temporary.replace(checkpoint / DIGESTS.format(rank=rank))
+
+
 def write_manifest(checkpoint: Path) -> None:
-    """Record every file under `checkpoint` with its size (rank 0, after every rank has written its files)."""
+    """Record every file under `checkpoint` with its size and digest (rank 0, after every rank has written its
+    files): the digests the ranks recorded for a file still of the size they saw, the others computed here."""
     files = {
         str(path.relative_to(checkpoint)): path.stat().st_size
         for path in sorted(checkpoint.rglob("*"))
         if path.is_file() and path.name != MANIFEST
     }
+    recorded: dict[str, str] = {}
+    for digests in checkpoint.glob(DIGESTS.format(rank="*")):
+        for name, (size, digest) in json.loads(digests.read_text()).items():
+            if files.get(name) == size:
+                recorded[name] = digest
+    missing = [name for name in files if name not in recorded]
+    recorded.update(zip(missing, _hashed(checkpoint, missing), strict=True))
     temporary = checkpoint / f".{MANIFEST}.tmp"
-    temporary.write_text(json.dumps({"files": files}, indent=0, sort_keys=True) + "\n")
+    manifest = {"files": files, "xxh3_64": {name: recorded[name] for name in files}}
+    temporary.write_text(json.dumps(manifest, indent=0, sort_keys=True) + "\n")
     temporary.replace(checkpoint / MANIFEST)
+
+
+def _hashed(checkpoint: Path, names: list[str]) -> list[str]:
+    with ThreadPoolExecutor(_HASHING_THREADS) as pool:
+        return list(pool.map(file_digest, [checkpoint / name for name in names]))
+
+
+def recorded(checkpoint: Path) -> tuple[int, int, bool]:
+    """What `checkpoint`'s manifest records: (files, bytes, whether with digests); (0, 0, False) without one."""
+    try:
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+        return len(manifest["files"]), sum(manifest["files"].values()), bool(manifest.get("xxh3_64"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0, 0, False
+
+
+def corruption(checkpoint: Path) -> str | None:
+    """Which of `checkpoint`'s files hold other bytes than the digest its save recorded (None: none do, or its save
+    recorded no digests). Reads every file: asked of a checkpoint about to be loaded, after `damage`."""
+    try:
+        digests = json.loads((checkpoint / MANIFEST).read_text()).get("xxh3_64", {})
+    except (OSError, ValueError, AttributeError):
+        return None  # `damage` names an unreadable manifest
+    names = sorted(digests)
+    try:
+        found = _hashed(checkpoint, names)
+    except OSError as error:
+        return f"a file cannot be read ({error})"
+    differ = [name for name, digest in zip(names, found, strict=True) if digest != digests[name]]
+    if not differ:
+        return None
+    more = f" and {len(differ) - _SHOWN} more" if len(differ) > _SHOWN else ""
+    return (
+        f"{len(differ)} of its {len(names)} files hold other bytes than when saved (their xxh3-64 digest differs "
+        f"from {MANIFEST}; same size: overwritten in place, or damaged on disk or in a copy): "
+        + ", ".join(differ[:_SHOWN])
+        + more
+    )
 
 
 def damage(checkpoint: Path) -> str | None:

@@ -6,6 +6,7 @@ Device stand-ins (Megatron on a machine without CUDA) are `cpu_compat`'s job."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import pickle
@@ -15,6 +16,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import megatron.core
@@ -149,16 +151,22 @@ def constant_structure_save_strategy() -> Any:
 WRITER_NICENESS = 10
 
 
-def writing_first_in_the_writer(request: Any, write: Callable[[], None]) -> Any:
-    """`request` (an `AsyncRequest`) whose writer process runs `write` (the save's small files) before the shards,
-    so that the trainer does not wait for them: under the fork the writer starts from, they are what the trainer
-    held when it scheduled the save. A failure of `write` is reported as a failed write of the shards would be, and
-    the shards are not written: Megatron's writer function takes (rank, write buckets, results queue) in every
-    release admitted, and an exception put on that queue is raised by Megatron's finalisation on every rank. On a
-    rank with no shards to write (no writer process) `write` runs at once. The writer runs at `WRITER_NICENESS`."""
+def writing_first_in_the_writer(
+    request: Any, write: Callable[[], None], then: Callable[[list[Path]], None] = lambda shards: None
+) -> Any:
+    """`request` (an `AsyncRequest`) whose writer process runs `write` (the save's small files) before the shards
+    and `then` with the paths of the shard files it wrote after them (their digests), so that the trainer waits for
+    neither: under the fork the writer starts from, the small files are what the trainer held when it scheduled the
+    save. A failure of `write` is reported as a failed write of the shards would be, and the shards are not
+    written: Megatron's writer function takes (rank, write buckets, results queue) in every release admitted, and an
+    exception put on that queue is raised by Megatron's finalisation on every rank. `then` runs after the writer
+    has put its one result on that queue, so a failure of it is not reported there: what it would have recorded is
+    left undone (the manifest's writer hashes what no rank did). On a rank with no shards to write (no writer
+    process) both run at once. The writer runs at `WRITER_NICENESS`."""
     shards = request.async_fn
     if shards is None:
         write()
+        then([])
         return request
 
     def write_then_shards(*args: Any, **kwargs: Any) -> None:
@@ -169,6 +177,8 @@ def writing_first_in_the_writer(request: Any, write: Callable[[], None]) -> Any:
             args[2].put(error)
             return
         shards(*args, **kwargs)
+        with contextlib.suppress(Exception):
+            then([Path(bucket[0]) for bucket in args[1]])
 
     return request._replace(async_fn=write_then_shards)
 

@@ -21,6 +21,7 @@ of every checkpoint, under the keys checkpoints have always had.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,9 +33,16 @@ from megatron_ppo.checkpoint.async_save import AsyncSaves, SaveTiming
 from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.config.schema import TrainerConfig
 from megatron_ppo.models.gpt import RoleModel, sync_parameters
-from megatron_ppo.parallel.collectives import any_and_every_rank_within, barrier, global_rank, host_group
+from megatron_ppo.parallel.collectives import (
+    any_and_every_rank_within,
+    barrier,
+    broadcast_from_rank0,
+    global_rank,
+    host_group,
+)
 from megatron_ppo.train.guards import GuardAction
 
+logger = logging.getLogger(__name__)
 CLOSE_AGREEMENT_S = 30.0  # how long `close` waits for every rank to agree to publish a pending save
 
 
@@ -137,11 +145,22 @@ class CheckpointKeeper:
         self.unconfirmed = None
 
     def good_checkpoint(self) -> Path | None:
-        """The good checkpoint, while it is complete on disk and this run's (another run may reuse its step's name)."""
-        path = None if self.good is None else Path(self.good)
-        if path is None or not directory.is_complete(path) or directory.run_of(path) != self.run.run_id:
-            return None
-        return path
+        """The good checkpoint while it can be loaded (`loadable`); a collective."""
+        return self.loadable(self.good, "the good checkpoint")
+
+    def loadable(self, checkpoint: str | None, what: str) -> Path | None:
+        """`checkpoint` while it proves its bytes on disk (`directory.unproven`, judged on rank 0: it reads every
+        file) and is this run's (another run may reuse its step's name); else None, with a warning naming `what`
+        and why. A collective."""
+        path = None if checkpoint is None else Path(checkpoint)
+        why = None
+        if global_rank() == 0 and path is not None:
+            why = directory.unproven(path)
+            if why is None and directory.run_of(path) != self.run.run_id:
+                why = "another run's checkpoint has taken its name"
+            if why is not None:
+                logger.warning("%s %s cannot be loaded: %s", what, path, why)
+        return path if broadcast_from_rank0(why) is None else None
 
     # --- rollback and stop ---------------------------------------------------------------------------------------
     def rollback_target(self, target: Literal["latest", "best_eval"]) -> Rollback:
@@ -149,7 +168,8 @@ class CheckpointKeeper:
         save is published first: it may be either)."""
         self.wait()
         if target == "best_eval":
-            return Rollback(Path(self.best) if self.best else None, "the best evaluation's checkpoint")
+            return Rollback(self.loadable(self.best, "the best evaluation's checkpoint"),
+                            "the best evaluation's checkpoint")  # fmt: skip
         why = "the newest good checkpoint: its policy passed the guards of the iteration after it"
         if self.unconfirmed is not None:
             why += f"; {self.unconfirmed}, saved before this iteration, is passed over"

@@ -351,3 +351,57 @@ def damaged_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]
         report["escape"] = str(refusal)
     report["outside"] = sorted(p.name for p in root.parent.iterdir() if p.name == "escaped")
     return report
+
+
+def corrupted_in_place(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Run A saves step 2 synchronously and steps 4 and 6 asynchronously (each rank's writer hashes its shards);
+    then one file of step_6 after another — each kind a checkpoint holds — is overwritten in its middle at its own
+    size, and the run resumed with `auto`; the file is put back between kinds. Also what the keeper's rollback
+    finds when its good checkpoint is the damaged one."""
+    from megatron_ppo.checkpoint import verify
+    from megatron_ppo.checkpoint.async_save import AsyncSaves
+
+    root, ckpt = Path(root), Path(root) / "ckpt"
+    init_distributed(MegatronConfig(), seed=0)
+    actor, optimizer = _actor_and_optimizer()
+    run = start_run(_config(root, resume_mode="disable")).identity
+    store.save_checkpoint(ckpt, 2, {"actor": actor}, {"actor": optimizer}, {"step": 2}, run=run)
+    saves = AsyncSaves()
+    for step in (4, 6):
+        store.save_checkpoint(ckpt, step, {"actor": actor}, {"actor": optimizer}, {"step": step}, run=run,
+                              saves=saves)  # fmt: skip
+        saves.wait()
+    step_6 = ckpt / "step_6"
+    manifest = json.loads((step_6 / verify.MANIFEST).read_text())
+    writers = {}
+    for digests in sorted(step_6.glob("digests_rank*.json")):
+        writers[digests.name] = sorted(json.loads(digests.read_text()))
+    report: dict[str, Any] = {"manifest": manifest, "writers": writers, "proven": directory.unproven(step_6),
+                              "resumed": {}}  # fmt: skip
+    kinds = {"a shard": sorted(step_6.glob("*.distcp"))[-1].name, "Megatron's metadata": ".metadata",
+             "Megatron's metadata.json": "metadata.json", "the trainer state": directory.TRAINER_STATE,
+             "the run identity": "run.json", "an RNG state": "rng_rank1.pt"}  # fmt: skip
+    for kind, name in kinds.items():
+        path = step_6 / name
+        original = path.read_bytes()
+        if rank == 0:
+            middle = len(original) // 2
+            path.write_bytes(original[:middle] + bytes(b ^ 0xFF for b in original[middle : middle + 16])
+                             + original[middle + 16 :])  # fmt: skip
+        barrier()
+        if kind == "a shard":
+            report["checked"] = directory.checked(ckpt)  # megatron-ppo verify-checkpoint
+        started = start_run(_config(root, resume_mode="auto"))
+        report["resumed"][kind] = (name, started.resume_from.name, " ".join(started.messages), path.stat().st_size
+                                   == len(original))  # fmt: skip
+        try:
+            directory.resolve(step_6)
+        except CheckpointError as refusal:
+            report["resumed"][kind] += (str(refusal),)
+        barrier()
+        if rank == 0:
+            path.write_bytes(original)
+            directory.point_latest_at(step_6)
+        barrier()
+    report["after_repair"] = directory.unproven(step_6)
+    return report

@@ -137,3 +137,35 @@ def test_damaged_checkpoints_are_named_skipped_and_never_pruned_into_the_only_on
     assert report["after_prune"] == ["latest", "step_4", "step_6", "step_8"]
     assert f"{ckpt}/step_4 cannot be read (trainer_state.pt: " in report["load"], report["load"]
     assert "names the run '../../escaped', which is no run id" in report["escape"] and report["outside"] == []
+
+
+def test_a_file_overwritten_in_place_is_refused_by_its_digest_and_the_run_resumes_from_the_one_before(
+    tmp_path,
+) -> None:
+    """Every file's xxh3-64 digest is in the manifest — the shards' computed by each rank's asynchronous writer — and
+    a file of any kind overwritten at its own size (bit rot, a bad copy, another job's write) makes `auto` skip the
+    checkpoint with a line naming the file and resume from the one before; `resolve` (export, conversion,
+    `resume_from_path`) refuses it naming the file."""
+    ranks = run_distributed(checkpoint_workers.corrupted_in_place, 2, str(tmp_path))
+    report = ranks[0]
+    manifest = report["manifest"]
+    assert sorted(manifest["xxh3_64"]) == sorted(manifest["files"]), "every file has its digest"
+    assert all(len(digest) == 16 for digest in manifest["xxh3_64"].values())
+    shards = sorted(name for name in manifest["files"] if name.endswith(".distcp"))
+    written = report["writers"]
+    assert sorted(written) == ["digests_rank0.json", "digests_rank1.json"], written
+    assert sorted(name for names in written.values() for name in names if name.endswith(".distcp")) == shards
+    assert "trainer_state.pt" in written["digests_rank0.json"] and "rng_rank1.pt" in written["digests_rank1.json"]
+    assert report["proven"] is None and report["after_repair"] is None
+    lines, damaged = report["checked"]  # `megatron-ppo verify-checkpoint <the run's directory>`
+    shard = report["resumed"]["a shard"][0]
+    assert damaged == 1 and len(lines) == 3, lines
+    assert "step_2: proves its bytes (" in lines[0] and "step_4: proves its bytes (" in lines[1], lines
+    assert "step_6: damaged: 1 of its" in lines[2] and lines[2].endswith(shard), lines
+    assert len(report["resumed"]) == 6
+    for kind, (name, source, messages, same_size, refusal) in report["resumed"].items():
+        assert same_size, kind
+        assert source == "step_4", (kind, messages)
+        assert "skipped step_6, which latest named: 1 of its" in messages, (kind, messages)
+        assert f"): {name}" in messages, (kind, messages)  # the file named
+        assert f"checkpoint {tmp_path / 'ckpt'}/step_6 is damaged: 1 of its" in refusal and name in refusal, refusal

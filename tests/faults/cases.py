@@ -148,6 +148,25 @@ def auto_past_damaged_latest(folder: Path, work: Path) -> Outcome:
     return Outcome(code, saw, kept, ok, output)
 
 
+def auto_past_overwritten_latest(folder: Path, work: Path) -> Outcome:
+    """64 KiB in the middle of a shard of step_6, which `latest` names, overwritten with zeros at the shard's size
+    (`dd conv=notrunc`: bit rot, another job's write): the run names the shard, resumes from step_4 and trains steps
+    5 and 6 again; the damaged step_6 is saved again over."""
+    ckpt = folder / "ckpt"
+    shard = sorted((ckpt / "step_6").glob("*.distcp"))[-1]
+    with shard.open("r+b") as file:
+        file.seek(shard.stat().st_size // 2)
+        file.write(bytes(65536))
+    code, output = cli(folder, work, ["train"])
+    skipped = line_with(output, "skipped step_6")
+    named = (ckpt / "latest").read_text()
+    ok = code == 0 and "resumed from" in skipped and "hold other bytes than when saved" in output
+    ok = ok and shard.name in output and named == "step_6" and "step 5:" in output
+    kept = f"step_2, step_4; step_6 saved again over the damaged one, latest → {named}"
+    saw = line_with(output, "hold other bytes")
+    return Outcome(code, saw[saw.index("1 of its") :] if "1 of its" in saw else saw, kept, ok, output)
+
+
 def changed_run_length(folder: Path, work: Path) -> Outcome:
     ckpt = folder / "ckpt"
     before = snapshot(ckpt)
@@ -284,6 +303,11 @@ CASES = [
         "auto, latest damaged",
         "latest names step_6, a shard truncated; a killed job's lock left behind",
         auto_past_damaged_latest,
+    ),
+    Case(
+        "auto, latest overwritten",
+        "latest names step_6, 64 KiB of a shard overwritten with zeros at its size",
+        auto_past_overwritten_latest,
     ),
     Case("second job", "train while another job holds the run directory", second_job),
     Case("disk full", "the checkpoint directory's disk fills up during the first save", disk_full_at_save),

@@ -39,6 +39,16 @@ def test_the_lowest_rank_with_a_non_zero_status_speaks_else_rank_0() -> None:
     assert conclude(budget, {}, None, "") == budget[0]
 
 
+def test_a_worker_stopped_by_the_agents_sigterm_never_speaks_before_the_error_that_caused_it() -> None:
+    """Rank 1 finds a config error and exits 2; the agent SIGTERMs rank 0, still in its set-up, which says it was
+    stopped (75): the launcher, which received no signal, reports rank 1's error. With a signal to the launcher (a
+    real preemption) the lowest rank's outcome stands."""
+    stopped = Outcome(0, 75, "stopped early by SIGTERM before training: nothing new to save; exiting with 75")
+    exits = {0: Exit(75, 6), 1: Exit(2, 5)}
+    assert conclude({0: stopped, 1: CONFIG}, exits, None, "") == CONFIG
+    assert conclude({0: stopped, 1: CONFIG}, exits, signal.SIGTERM, "") == stopped
+
+
 def test_without_an_outcome_the_status_or_the_signal_is_said() -> None:
     crashed = conclude({}, {1: Exit(1, 5), 0: Exit(TERM, 5)}, None, "")
     assert crashed.status == 1 and "rank 1 exited with status 1" in crashed.text
