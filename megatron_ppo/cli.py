@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
-from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.checkpoint.verify import CheckpointError
+from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.errors import UserError
 from megatron_ppo.import_gc import imports_without_gc
 from megatron_ppo.launcher import NPROC, tell_user
