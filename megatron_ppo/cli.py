@@ -432,13 +432,16 @@ def build_parser() -> argparse.ArgumentParser:
 # - Megatron-Core's notes on its own API: GPTModel's deprecation for HybridModel (per model built), its experimental
 #   MiMo config (a class defined at import), the `cuda_graph_scope` default it renames itself (per config copied);
 # - torch's distributed-checkpoint notes on how Megatron calls it (a load without a process group, its argument
-#   order, ShardedTensor's deprecation for DTensor).
+#   order, ShardedTensor's deprecation for DTensor), and torch 2.13's renaming of `all_gather_into_tensor` (to
+#   `all_gather_single`, which torch < 2.13 lacks), which Megatron-Core's parameter buffers and tensor-parallel
+#   gathers call (0.16.1–0.19; nothing of ours does).
 LIBRARY_NOTICES = ("Apex is not installed", "Transformer Engine and Apex are not installed",
                    "No CUDA runtime is found", "MCore's async save is deprecated", "GPTModel IS DEPRECATED",
                    "MimoModelConfig is experimental", "full scope is deprecated",
                    "torch.distributed is disabled, unavailable or uninitialized",
                    "The argument order of load has been changed",
-                   "Please use DTensor instead and we are deprecating ShardedTensor")  # fmt: skip
+                   "Please use DTensor instead and we are deprecating ShardedTensor",
+                   "`torch.distributed.all_gather_into_tensor` is deprecated")  # fmt: skip
 # the loggers that log some of them (the others are Python warnings)
 NOTICE_LOGGERS = ("torch.utils.cpp_extension", "megatron.core.dist_checkpointing.strategies.torch",
                   "megatron.core.models.gpt.gpt_model")  # fmt: skip

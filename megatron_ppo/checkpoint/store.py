@@ -219,6 +219,10 @@ def save_checkpoint(
         else:
             with without_device_mode():  # Megatron's asynchronous plan names no CUDA device either
                 request = async_save_request(sharded, str(temporary), strategy, validate)
+            # Rank 0's save looked for files in the directory first ("Overwriting old incomplete / corrupted
+            # checkpoint" where it found some); with a cached plan nothing inside Megatron's save waits for it, so
+            # no rank writes its own files before it has looked
+            barrier()
             request = writing_first_in_the_writer(request, write_in_the_writer, digest_in_the_writer)
 
     def publish() -> None:

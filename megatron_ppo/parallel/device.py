@@ -39,7 +39,9 @@ def select_device(requested: str, local_rank: int) -> torch.device:
 
     cuda: refused where no GPU is visible (with the fix); otherwise GPU `local_rank`, made current (with
     `CUDA_DEVICE_MAX_CONNECTIONS=1` unless set, before the context exists: `set_cuda_max_connections`).
-    cpu: the CPU compatibility layer; where GPUs are visible, a warning names the key that would use them.
+    cpu: the CPU compatibility layer; where GPUs are visible, a warning names the key that would use them. The
+    variable is set there too, unless the user set it: it has no effect without a CUDA context, and Megatron's
+    tensor-parallel layers warn that it is unset.
     """
     if requested not in DEVICES:
         raise ConfigError([f"cluster.device={requested!r} is not one of {', '.join(map(repr, DEVICES))}"])
@@ -66,6 +68,7 @@ def select_device(requested: str, local_rank: int) -> torch.device:
             visible,
         )
     enable_cpu_compat(hide_gpus=True)
+    set_cuda_max_connections()  # no CUDA context here; Megatron's layers warn on every rank while it is unset
     return torch.device("cpu")
 
 
