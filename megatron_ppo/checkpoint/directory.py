@@ -6,9 +6,10 @@ in `<root>/latest` (itself replaced atomically, `point_latest_at`); the writing 
 killed at any point therefore leaves the previous checkpoint as the newest complete one; `find_resumable` skips
 anything incomplete with a warning. Complete means: the files a save writes last are there, and every file matches
 the manifest the save wrote (`verify.py`); `damage` says why a checkpoint is not. One about to be loaded must also
-prove its bytes (`unproven`: every file's digest read back). A step saved again (after a
-rollback to it) replaces the old `step_N` by two renames, the old one kept as `.replaced_step_N` until the new one
-is in place; `restore_replaced` undoes a save killed between the two.
+prove its bytes (`unproven`: every file's digest read back), asked once, by one process: `find_resumable` and
+`resolve` with `prove` at a run's start (rank 0) and by the export, the keeper's rollback target (rank 0). A step
+saved again (after a rollback to it) replaces the old `step_N` by two renames, the old one kept as `.replaced_step_N`
+until the new one is in place; `restore_replaced` undoes a save killed between the two.
 
 A checkpoint is deleted in two steps: renamed to `.discarded_step_N.<id>` (`discard`, atomic), which nothing reads
 as a checkpoint, then deleted (`delete_discarded`) — by an asynchronous save's next writer process or at the end,
@@ -96,14 +97,16 @@ def named_by_latest(root: Path) -> Path | None:
     return root / tracker.read_text().strip() if tracker.is_file() else None
 
 
-def find_resumable(root: str | Path) -> Path | None:
-    """The checkpoint to continue: the one `latest` names when it proves its bytes (`unproven`). Otherwise (with a
-    warning) the newest checkpoint that does of the run `latest` named — or, without a readable `latest`, of the only
-    run present; never another run's. None when there is nothing to continue (or several runs and nothing to choose
-    between them)."""
+def find_resumable(root: str | Path, prove: bool = False) -> Path | None:
+    """The checkpoint to continue: the one `latest` names when complete. Otherwise (with a warning) the newest
+    complete checkpoint of the run `latest` named — or, without a readable `latest`, of the only run present; never
+    another run's. None when there is nothing to continue (or several runs and nothing to choose between them).
+    `prove`: complete means proving its bytes too (`unproven`: every file read back), which one process asks of the
+    checkpoint it is about to have loaded (the run's start on rank 0), not every rank."""
     root = Path(root)
     named = named_by_latest(root)
-    if named is not None and (why := unproven(named)) is None:
+    judge = unproven if prove else damage
+    if named is not None and (why := judge(named)) is None:
         return named
     for partial in root.glob(".tmp_step_*") if root.is_dir() else []:
         logger.warning("ignoring %s: a save that did not finish", partial)
@@ -120,7 +123,7 @@ def find_resumable(root: str | Path) -> Path | None:
             return None
     own = [path for _, path in complete if readable_run(path) in runs]
     for path in reversed(own):
-        if (corrupt := verify.corruption(path)) is None:
+        if not prove or (corrupt := verify.corruption(path)) is None:
             return path
         logger.warning("skipping %s: %s", path, corrupt)
     return None
@@ -157,16 +160,17 @@ def readable_run(checkpoint: Path) -> str | None:
         return None
 
 
-def resolve(path: str | Path) -> Path:
+def resolve(path: str | Path, prove: bool = False) -> Path:
     """`path` if it is a complete checkpoint, else the newest complete one under it (a checkpoint root); a
-    `CheckpointError` saying why otherwise (a damaged checkpoint: which files differ from its manifest)."""
+    `CheckpointError` saying why otherwise (a damaged checkpoint: which files differ from its manifest). `prove`: as
+    `find_resumable`'s (every file read back: one process, before it loads or exports the checkpoint)."""
     path = Path(path)
-    why = unproven(path)
+    why = (unproven if prove else damage)(path)
     if why is None:
         return path
     if (path / TRAINER_STATE).is_file() or (path / verify.MANIFEST).is_file():
         raise verify.CheckpointError(f"checkpoint {path} is damaged: {why}; use another checkpoint")
-    found = find_resumable(path)
+    found = find_resumable(path, prove)
     if found is None:
         raise verify.CheckpointError(f"{path} is neither a complete checkpoint nor a directory holding one ({why})")
     return found

@@ -118,7 +118,7 @@ def _resume_source(trainer: TrainerConfig, root: Path) -> tuple[Path | None, str
     if trainer.resume_mode == "disable":
         return None, ""
     if trainer.resume_mode == "auto":
-        source = directory.find_resumable(root)
+        source = directory.find_resumable(root, prove=True)
         if source is None or RunIdentity.read(source) is None:
             return None, ""
         named = directory.named_by_latest(root)
@@ -128,7 +128,7 @@ def _resume_source(trainer: TrainerConfig, root: Path) -> tuple[Path | None, str
         skipped = f"; skipped {named.name}, which {directory.LATEST} named: {why}" if named else ""
         return source, f"its newest complete checkpoint{skipped}"
     try:
-        source = directory.resolve(trainer.resume_from_path)
+        source = directory.resolve(trainer.resume_from_path, prove=True)
     except CheckpointError as unusable:
         raise ConfigError(
             [f"trainer.resume_from_path={trainer.resume_from_path!r}: {unusable}; nothing was changed (latest names "

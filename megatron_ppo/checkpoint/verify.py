@@ -12,10 +12,10 @@ Two checks read it. `damage(path)` compares sizes: a file missing or of another 
 filled up, a file removed by hand) makes the checkpoint damaged, with the first differences named; resuming,
 rollbacks, pruning and export all go through `directory.is_complete`, which asks this. `corruption(path)` reads every
 file and compares its digest (a shard overwritten in place, bit rot, a bad copy between filesystems keep the size):
-asked of a checkpoint about to be loaded (`directory.unproven`: the one a run resumes from, the one a rollback
-returns to, the one `resolve` gives export and conversion). A checkpoint saved before manifests existed is judged by
-its files alone (the older rule), one saved before digests by its sizes. Reading a checkpoint's files that still
-fails (`reading`) ends in a `CheckpointError` naming it, not in the unpickler's or Megatron's internal error.
+asked once, by one process, of a checkpoint about to be loaded (`directory.unproven`: the one a run resumes from,
+on rank 0; the one a rollback returns to, on rank 0; the one exported). A checkpoint saved before manifests existed
+is judged by its files alone (the older rule), one saved before digests by its sizes. Reading a checkpoint's files
+that still fails (`reading`) ends in a `CheckpointError` naming it, not in the unpickler's or Megatron's internal error.
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ def mcore_to_hf(
     merged weights (`peft_adapter`)."""
     model = hf_model_config(hf_config_dir)
     shapes, dtype = Shapes.of(model), hf_dtype(hf_config_dir)
-    source = CheckpointWeights(directory.resolve(megatron_dir), "actor")
+    source = CheckpointWeights(directory.resolve(megatron_dir, prove=True), "actor")
     if problems := _export_mismatches(source, model):
         raise ConfigError(problems, source=str(Path(hf_config_dir) / "config.json"))
     lora = peft_adapter.adapter_settings(source)  # a LoRA run's actor: its adapters, or merged weights

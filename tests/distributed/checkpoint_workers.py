@@ -395,7 +395,7 @@ def corrupted_in_place(rank: int, world_size: int, root: str) -> dict[str, Any]:
         report["resumed"][kind] = (name, started.resume_from.name, " ".join(started.messages), path.stat().st_size
                                    == len(original))  # fmt: skip
         try:
-            directory.resolve(step_6)
+            directory.resolve(step_6, prove=True)  # export; resume_path
         except CheckpointError as refusal:
             report["resumed"][kind] += (str(refusal),)
         barrier()

@@ -144,7 +144,7 @@ def test_a_file_overwritten_in_place_is_refused_by_its_digest_and_the_run_resume
 ) -> None:
     """Every file's xxh3-64 digest is in the manifest — the shards' computed by each rank's asynchronous writer — and
     a file of any kind overwritten at its own size (bit rot, a bad copy, another job's write) makes `auto` skip the
-    checkpoint with a line naming the file and resume from the one before; `resolve` (export, conversion,
+    checkpoint with a line naming the file and resume from the one before; `resolve` with `prove` (export,
     `resume_from_path`) refuses it naming the file."""
     ranks = run_distributed(checkpoint_workers.corrupted_in_place, 2, str(tmp_path))
     report = ranks[0]
