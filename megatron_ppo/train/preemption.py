@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,6 +84,7 @@ class PreemptionWatch:
         self.signalled = signum
         if not self.loop_started:
             mark_preempted()
+            end_within(SET_UP_STOP_GRACE_S, signal.Signals(signum).name)
             raise StoppedBeforeTraining(signal.Signals(signum).name)
 
     def _interrupt(self, signum: int, frame: FrameType | None) -> None:
@@ -113,6 +115,31 @@ class PreemptionWatch:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+# How long a stop before training may take to unwind (its `finally` blocks, the process groups' teardown) before the
+# process says so and ends at once: a step of it may wait in a collective that another process, stopped by the same
+# signal, never joins. The agent SIGKILLs 30 s after the signal, with no outcome and no marker.
+SET_UP_STOP_GRACE_S = 3.0
+
+
+def end_within(grace_s: float, name: str) -> None:
+    """A daemon timer: this process, if it still runs `grace_s` after a stop signal before training, says it was
+    stopped (`tell_user`) and ends with `PREEMPTED_EXIT` at once (`os._exit`: the unwinding is stuck, its remaining
+    cleanup is what the process's end does anyway — sockets closed, locks released)."""
+
+    def end() -> None:
+        from megatron_ppo.launcher import tell_user
+
+        tell_user(PREEMPTED_EXIT, f"stopped early by {name} before training: nothing new to save; its set-up did not "
+                                  f"end within {grace_s:g} s of the signal (waiting for a process already stopped), "
+                                  f"so it ended at once; exiting with {PREEMPTED_EXIT}, requeued unless it was "
+                                  "cancelled")  # fmt: skip
+        os._exit(PREEMPTED_EXIT)
+
+    timer = threading.Timer(grace_s, end)
+    timer.daemon = True
+    timer.start()
 
 
 _active: list[PreemptionWatch] = []

@@ -5,7 +5,11 @@ launch cannot stage on demand (which rank fails first, a death in the same secon
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
+import time
 
 from megatron_ppo.launcher import FIRST_FAILURES_S, OUTCOME_DIR, Exit, Outcome, conclude, read_outcomes, tell_user
 
@@ -68,3 +72,16 @@ def test_a_worker_under_the_launcher_writes_its_outcome_and_prints_nothing(tmp_p
     monkeypatch.delenv(OUTCOME_DIR)
     assert tell_user(2, "error: y") == 2 and capsys.readouterr().err == "", "rank 1 of torchrun: rank 0 says it"
     assert tell_user(1, "a traceback", every_rank=True) == 1 and capsys.readouterr().err == "a traceback\n"
+
+
+def test_a_stop_before_training_that_cannot_unwind_ends_at_once_with_75_and_says_so(tmp_path) -> None:
+    """The unwinding of a stop signal before training can wait in a collective another process never joins (the
+    task's process groups made again, a barrier): after `SET_UP_STOP_GRACE_S` the process says it was stopped and
+    ends with 75 instead of waiting for the agent's SIGKILL, which leaves neither outcome nor marker."""
+    stuck = ("from megatron_ppo.train.preemption import end_within; import time\n"
+             "end_within(0.5, 'SIGTERM')\ntime.sleep(60)  # a collective no one joins\n")  # fmt: skip
+    started = time.monotonic()
+    ended = subprocess.run([sys.executable, "-c", stuck], env={**os.environ, OUTCOME_DIR: str(tmp_path)}, timeout=30)
+    assert ended.returncode == 75 and time.monotonic() - started < 20
+    (outcome,) = read_outcomes(tmp_path).values()
+    assert outcome.status == 75 and "did not end within 0.5 s of the signal" in outcome.text, outcome.text

@@ -132,15 +132,14 @@ def task_layout(layout: MegatronConfig) -> MegatronConfig:
 def in_task_layout(config: PPOConfig) -> Iterator[MegatronConfig]:
     """Megatron's process groups at `task_layout` for the body, then back at the run's (the actor's) layout, seeded
     again with `trainer.seed` either way: what the PPO run draws next does not depend on whether the task was built
-    or found cached."""
+    or found cached. A body that raises (a stop signal during the SFT above all) leaves the task's groups as they
+    are: making groups is a collective, which the other processes, stopped elsewhere, may never join."""
     layout = task_layout(config.actor.megatron)
     initialize_model_parallel(layout)
     seed_everything(config.trainer.seed)
-    try:
-        yield layout
-    finally:
-        initialize_model_parallel(config.actor.megatron)
-        seed_everything(config.trainer.seed)
+    yield layout
+    initialize_model_parallel(config.actor.megatron)
+    seed_everything(config.trainer.seed)
 
 
 def demonstrations(config: PPOConfig, tokenizer, train: list[AdditionProblem]) -> list[Row]:
