@@ -77,6 +77,7 @@ class PreemptionWatch:
         self.interrupted = False
         self.in_loop = False
         self.loop_started = False
+        self.ending: threading.Timer | None = None  # a stop before training: ends the process if it cannot unwind
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
 
@@ -84,7 +85,7 @@ class PreemptionWatch:
         self.signalled = signum
         if not self.loop_started:
             mark_preempted()
-            end_within(SET_UP_STOP_GRACE_S, signal.Signals(signum).name)
+            self.ending = end_within(SET_UP_STOP_GRACE_S, signal.Signals(signum).name)
             raise StoppedBeforeTraining(signal.Signals(signum).name)
 
     def _interrupt(self, signum: int, frame: FrameType | None) -> None:
@@ -113,6 +114,9 @@ class PreemptionWatch:
         return Interrupted(checkpoint) if any_rank(self.interrupted) else Preempted(checkpoint)
 
     def restore(self) -> None:
+        """The handlers as they were; a stop's unwinding has reached the end of the watch: its timer is off."""
+        if self.ending is not None:
+            self.ending.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -123,10 +127,11 @@ class PreemptionWatch:
 SET_UP_STOP_GRACE_S = 3.0
 
 
-def end_within(grace_s: float, name: str) -> None:
-    """A daemon timer: this process, if it still runs `grace_s` after a stop signal before training, says it was
-    stopped (`tell_user`) and ends with `PREEMPTED_EXIT` at once (`os._exit`: the unwinding is stuck, its remaining
-    cleanup is what the process's end does anyway — sockets closed, locks released)."""
+def end_within(grace_s: float, name: str) -> threading.Timer:
+    """A daemon timer (started, returned): this process, unless the timer is cancelled (the watch's end: the
+    unwinding got out), says `grace_s` after a stop signal before training that it was stopped (`tell_user`) and ends
+    with `PREEMPTED_EXIT` at once (`os._exit`: the unwinding is stuck, and what is left of it is what the process's
+    end does anyway — sockets closed, locks released)."""
 
     def end() -> None:
         from megatron_ppo.launcher import tell_user
@@ -140,6 +145,7 @@ def end_within(grace_s: float, name: str) -> None:
     timer = threading.Timer(grace_s, end)
     timer.daemon = True
     timer.start()
+    return timer
 
 
 _active: list[PreemptionWatch] = []

@@ -124,6 +124,7 @@ def test_a_signal_before_training_stops_at_once_as_a_preemption(tmp_path, monkey
             os.kill(os.getpid(), signal.SIGUSR1)  # in the loop: remembered, not raised
             assert inner.signalled == signal.SIGUSR1 and inner.agreed()
     assert signal.getsignal(signal.SIGUSR1) == before
+    assert outer.ending.finished.is_set(), "the stop unwound: its timer, which would end the process, is off"
 
 
 def test_without_sbatch_the_wrapper_says_where_to_run(monkeypatch, capsys) -> None:
