@@ -51,7 +51,7 @@ def _train(args: argparse.Namespace) -> int:
 
     config = None
     try:
-        with watching():
+        with watching(say=tell_user):
             config = load_config(args.recipe, args.overrides)
             try:
                 (addition.run if config.data.task == "addition" else train)(config)

@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -72,7 +72,8 @@ class PreemptionWatch:
     deferred to the iteration's end only while `in_loop` (the trainer's loop sets it); a preemption signal once the
     loop has started (`loop_started`), and before it ends the process at once (`StoppedBeforeTraining`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, say: Callable[[int, str], object] = lambda status, text: print(text, file=sys.stderr)) -> None:
+        self.say = say  # how a stop that cannot unwind says so: (exit status, text); the CLI's `tell_user`
         self.signalled: int | None = None
         self.interrupted = False
         self.in_loop = False
@@ -85,7 +86,7 @@ class PreemptionWatch:
         self.signalled = signum
         if not self.loop_started:
             mark_preempted()
-            self.ending = end_within(SET_UP_STOP_GRACE_S, signal.Signals(signum).name)
+            self.ending = end_within(SET_UP_STOP_GRACE_S, signal.Signals(signum).name, self.say)
             raise StoppedBeforeTraining(signal.Signals(signum).name)
 
     def _interrupt(self, signum: int, frame: FrameType | None) -> None:
@@ -127,19 +128,16 @@ class PreemptionWatch:
 SET_UP_STOP_GRACE_S = 3.0
 
 
-def end_within(grace_s: float, name: str) -> threading.Timer:
+def end_within(grace_s: float, name: str, say: Callable[[int, str], object]) -> threading.Timer:
     """A daemon timer (started, returned): this process, unless the timer is cancelled (the watch's end: the
-    unwinding got out), says `grace_s` after a stop signal before training that it was stopped (`tell_user`) and ends
-    with `PREEMPTED_EXIT` at once (`os._exit`: the unwinding is stuck, and what is left of it is what the process's
-    end does anyway — sockets closed, locks released)."""
+    unwinding got out), says `grace_s` after a stop signal before training that it was stopped (`say`: exit status,
+    text) and ends with `PREEMPTED_EXIT` at once (`os._exit`: the unwinding is stuck, and what is left of it is what
+    the process's end does anyway — sockets closed, locks released)."""
 
     def end() -> None:
-        from megatron_ppo.launcher import tell_user
-
-        tell_user(PREEMPTED_EXIT, f"stopped early by {name} before training: nothing new to save; its set-up did not "
-                                  f"end within {grace_s:g} s of the signal (waiting for a process already stopped), "
-                                  f"so it ended at once; exiting with {PREEMPTED_EXIT}, requeued unless it was "
-                                  "cancelled")  # fmt: skip
+        say(PREEMPTED_EXIT, f"stopped early by {name} before training: nothing new to save; its set-up did not end "
+                            f"within {grace_s:g} s of the signal (waiting for a process already stopped), so it ended "
+                            f"at once; exiting with {PREEMPTED_EXIT}, requeued unless it was cancelled")  # fmt: skip
         os._exit(PREEMPTED_EXIT)
 
     timer = threading.Timer(grace_s, end)
@@ -152,14 +150,14 @@ _active: list[PreemptionWatch] = []
 
 
 @contextmanager
-def watching() -> Iterator[PreemptionWatch]:
+def watching(say: Callable[[int, str], object] | None = None) -> Iterator[PreemptionWatch]:
     """The watch already active (the CLI starts one before any model is built, so that a signal during set-up ends
     the job as a preemption — the marker, exit 75 — not by the signal's default action), or a new one for the
-    duration of the block."""
+    duration of the block; `say`: how a stop that cannot unwind tells the user (the CLI's `tell_user`; else stderr)."""
     if _active:
         yield _active[-1]
         return
-    watch = PreemptionWatch()
+    watch = PreemptionWatch() if say is None else PreemptionWatch(say)
     _active.append(watch)
     try:
         yield watch

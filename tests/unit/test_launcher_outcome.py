@@ -79,7 +79,8 @@ def test_a_stop_before_training_that_cannot_unwind_ends_at_once_with_75_and_says
     task's process groups made again, a barrier): after `SET_UP_STOP_GRACE_S` the process says it was stopped and
     ends with 75 instead of waiting for the agent's SIGKILL, which leaves neither outcome nor marker."""
     stuck = ("from megatron_ppo.train.preemption import end_within; import time\n"
-             "end_within(0.5, 'SIGTERM')\ntime.sleep(60)  # a collective no one joins\n")  # fmt: skip
+             "from megatron_ppo.launcher import tell_user\n"
+             "end_within(0.5, 'SIGTERM', tell_user)\ntime.sleep(60)  # a collective no one joins\n")  # fmt: skip
     started = time.monotonic()
     ended = subprocess.run([sys.executable, "-c", stuck], env={**os.environ, OUTCOME_DIR: str(tmp_path)}, timeout=30)
     assert ended.returncode == 75 and time.monotonic() - started < 20
