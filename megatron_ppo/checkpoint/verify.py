@@ -59,9 +59,7 @@ def file_digest(path: Path) -> str:
 def write_digests(checkpoint: Path, files: Iterable[Path], rank: int) -> None:
     """Record the size and digest of each of `files` (under `checkpoint`, written by `rank`) in its digests file."""
     entries = {str(path.relative_to(checkpoint)): [path.stat().st_size, file_digest(path)] for path in files}
-    temporary = checkpoint / f".{DIGESTS.format(rank=rank)}.tmp"
-    temporary.write_text(json.dumps(entries, indent=0, sort_keys=True) + "\n")
-    temporary.replace(checkpoint / DIGESTS.format(rank=rank))
+    _write_json(checkpoint / DIGESTS.format(rank=rank), entries)
 
 
 def write_manifest(checkpoint: Path) -> None:
@@ -79,10 +77,14 @@ def write_manifest(checkpoint: Path) -> None:
                 recorded[name] = digest
     missing = [name for name in files if name not in recorded]
     recorded.update(zip(missing, _hashed(checkpoint, missing), strict=True))
-    temporary = checkpoint / f".{MANIFEST}.tmp"
-    manifest = {"files": files, "xxh3_64": {name: recorded[name] for name in files}}
-    temporary.write_text(json.dumps(manifest, indent=0, sort_keys=True) + "\n")
-    temporary.replace(checkpoint / MANIFEST)
+    _write_json(checkpoint / MANIFEST, {"files": files, "xxh3_64": {name: recorded[name] for name in files}})
+
+
+def _write_json(path: Path, content: dict) -> None:
+    """`content` into `path` whole or not at all (written beside it, then renamed)."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(content, indent=0, sort_keys=True) + "\n")
+    temporary.replace(path)
 
 
 def _hashed(checkpoint: Path, names: list[str]) -> list[str]:
