@@ -246,7 +246,7 @@ def _text_tokens(prompt: Any, response: str, tokenizer: Tokenizer, config: DataC
         )
     difference = None
     if config.tokenization_check != "off" or has_log_probs:
-        difference = _apart_vs_together(prompt_ids + response_tokens, tokenizer.encode(prompt_text + response))
+        difference = apart_vs_together(prompt_ids + response_tokens, tokenizer.encode(prompt_text + response))
     unknown = _unknown_characters(prompt_text, response, prompt_ids + response_tokens, tokenizer)
     if unknown is not None and config.tokenization_check == "strict":
         raise BadRow(
@@ -280,7 +280,7 @@ def _unknown_characters(prompt: str, response: str, ids: list[int], tokenizer: T
             f"vocabulary: {found}")  # fmt: skip
 
 
-def _apart_vs_together(apart: list[int], together: list[int]) -> str | None:
+def apart_vs_together(apart: list[int], together: list[int]) -> str | None:
     """None when the ids are equal, else where they first differ."""
     if apart == together:
         return None
@@ -407,3 +407,17 @@ def _data_source(data_source: Any) -> str:
     if not isinstance(data_source, str):
         raise BadRow("wrong_type", f"'{DATA_SOURCE_KEY}' is {describe(data_source)}; expected a string")
     return data_source
+
+
+def prompt_kept(length: int, limit: int, side: str) -> tuple[slice, ...]:
+    """The spans of a prompt of `length` tokens that truncation to `limit` keeps, as verl's `data.truncation` keeps
+    them (`verl.utils.torch_functional.postprocess_data`): left the last `limit`, right the first `limit`, middle the
+    first ⌊limit/2⌋ and the last ⌈limit/2⌉; the whole prompt when it fits."""
+    if length <= limit:
+        return (slice(0, length),)
+    if side == "left":
+        return (slice(length - limit, length),)
+    if side == "right":
+        return (slice(0, limit),)
+    head = limit // 2
+    return slice(0, head), slice(length - (limit - head), length)

@@ -9,10 +9,13 @@ the `DataReport`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -24,10 +27,10 @@ from megatron_ppo.config.errors import UserError
 from megatron_ppo.config.fields import field_problems
 from megatron_ppo.config.schema import DataConfig
 from megatron_ppo.data.chat import BUILTIN_FORMAT
-from megatron_ppo.data.columnar import RowColumns, eligible, token_id_columns
+from megatron_ppo.data.columnar import RowColumns, batch_columns, eligible
 from megatron_ppo.data.encoding import BatchEncoded
 from megatron_ppo.data.pairs import expand_records, of_side
-from megatron_ppo.data.parse import ParsedRow, Row, Tokenizer, parse_row
+from megatron_ppo.data.parse import ParsedRow, Row, Tokenizer, parse_row, prompt_kept
 from megatron_ppo.data.scoring import Scorer
 from megatron_ppo.data.values import BadRow, RoutingShape
 
@@ -38,6 +41,7 @@ __all__ = ["DataError", "DataReport", "Row", "Tokenizer", "read_rows", "stream_r
 SCORED_BY_KEY = b"megatron_ppo.scored_by"
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 RECORDS_PER_CHUNK = 1024  # records decoded and batch-tokenized together
+BATCHES_IN_FLIGHT = 2  # Parquet batches read column-wise at once (`_columnar_rows`)
 
 
 @dataclass
@@ -135,7 +139,7 @@ def stream_rows(
     """The kept rows of `read_rows`, one at a time, counting into `report` as they come (what the prepared dataset
     writes without holding them; `read_rows` for the rest). Text is tokenized a chunk of records at a time with the
     tokenizer's batch call (`BatchEncoded`: every core); each row is still parsed on its own (`parse_row`).
-    `columnar`: a Parquet batch of token-id rows that `columnar.py` takes whole comes as one `RowColumns`."""
+    `columnar`: a Parquet batch of token-id or text rows that `columnar.py` takes whole comes as one `RowColumns`."""
     _check_options(config)
     if not paths:
         raise DataError("no data files given; set data.train_files")
@@ -151,12 +155,13 @@ def stream_rows(
         for path, fmt in files:
             if fmt == "parquet" and (scorer_of_file := scored_by(path)) is not None:
                 report.scored_by[str(path)] = scorer_of_file
-            if (
+            kind = (
                 columnar
                 and fmt == "parquet"
                 and eligible(_schema(path), config, scorer is not None, routing is not None)
-            ):
-                yield from _columnar_rows(path, tokenizer.vocab_size, config, report, parser)
+            )
+            if kind:
+                yield from _columnar_rows(path, kind, tokenizer, config, report, parser)
                 continue
             for chunk in _chunks(records_of(path, fmt), RECORDS_PER_CHUNK):
                 yield from parser.rows(chunk)
@@ -168,22 +173,47 @@ def stream_rows(
         raise DataError(f"no rows left in {names}: {report.summary()}")
 
 
-def _columnar_rows(path: Path, vocab_size: int, config: DataConfig, report: DataReport,
+def _columnar_rows(path: Path, kind: str, tokenizer: Tokenizer, config: DataConfig, report: DataReport,
                    parser: _RowParser) -> Iterator[Row | RowColumns]:  # fmt: skip
-    """A Parquet file of token-id rows a batch at a time: column-wise where `token_id_columns` takes the batch,
-    row by row (`parser`) where it does not."""
+    """A Parquet file (`kind` of rows, `columnar.eligible`) a batch at a time: column-wise where `batch_columns`
+    takes the batch, row by row (`parser`) where it does not. `BATCHES_IN_FLIGHT` batches are read at once on
+    threads: while one holds the interpreter, the tokenizer encodes another (it lets the interpreter go)."""
+    batches = _numbered(_parquet_batches(path))
+
+    def columns(numbered: tuple[int, pa.RecordBatch]) -> tuple[int, pa.RecordBatch, RowColumns | None]:
+        first, batch = numbered
+        return first, batch, batch_columns(batch, kind, first, str(path), tokenizer, config)
+
+    with ThreadPoolExecutor(BATCHES_IN_FLIGHT) as pool:
+        pending = collections.deque(pool.submit(columns, b) for b in itertools.islice(batches, BATCHES_IN_FLIGHT))
+        while pending:
+            first, batch, taken = pending.popleft().result()
+            pending.extend(pool.submit(columns, b) for b in itertools.islice(batches, 1))
+            if taken is None:
+                yield from parser.rows([(f"{path}:row {first + i}", r) for i, r in enumerate(batch.to_pylist())])
+            else:
+                _count_columns(taken, report)
+                yield taken
+
+
+def _numbered(batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """Each batch with the index of its first row in the file."""
     first = 0
-    for batch in _parquet_batches(path):
-        taken = token_id_columns(batch, first, str(path), vocab_size, config)
-        if taken is None:
-            yield from parser.rows([(f"{path}:row {first + i}", r) for i, r in enumerate(batch.to_pylist())])
-        else:
-            columns, dropped = taken
-            report.rows_read += batch.num_rows
-            report.filtered_overlong += dropped
-            report.rows_kept += batch.num_rows - dropped
-            yield columns
+    for batch in batches:
+        yield first, batch
         first += batch.num_rows
+
+
+def _count_columns(columns: RowColumns, report: DataReport) -> None:
+    kept = len(columns.records["source"])
+    report.rows_read += columns.read
+    report.rows_kept += kept
+    report.filtered_overlong += columns.filtered_overlong
+    report.truncated_prompt += columns.truncated_prompt
+    report.truncated_response += columns.truncated_response
+    report.tokenization_mismatches += len(columns.mismatches)
+    if columns.mismatches and report.first_mismatch is None:
+        report.first_mismatch = columns.mismatches[0]
 
 
 class _RowParser:
@@ -397,22 +427,12 @@ def _fit_length(row: Row, config: DataConfig, report: DataReport) -> Row | None:
     report.truncated_response += long_response
     return dataclasses.replace(
         row,
-        prompt_ids=truncate_prompt(row.prompt_ids, max_prompt, config.prompt_truncation),
+        prompt_ids=[
+            i
+            for kept in prompt_kept(len(row.prompt_ids), max_prompt, config.prompt_truncation)
+            for i in row.prompt_ids[kept]
+        ],
         response_ids=row.response_ids[:max_response],
         token_rewards=None if row.token_rewards is None else row.token_rewards[:max_response],
         behavior_log_probs=None if row.behavior_log_probs is None else row.behavior_log_probs[:max_response],
     )
-
-
-def truncate_prompt(ids: list[int], limit: int, side: str) -> list[int]:
-    """The prompt cut to `limit` tokens as verl's `data.truncation` does (`verl.utils.torch_functional
-    .postprocess_data`): left keeps the last `limit`, right the first `limit`, middle the first ⌊limit/2⌋ and the
-    last ⌈limit/2⌉."""
-    if len(ids) <= limit:
-        return ids
-    if side == "left":
-        return ids[len(ids) - limit :]
-    if side == "right":
-        return ids[:limit]
-    head = limit // 2
-    return ids[:head] + ids[len(ids) - (limit - head) :]

@@ -21,7 +21,7 @@ import torch
 
 from megatron_ppo.config.schema import CustomRewardFnConfig, DataConfig, RewardConfig
 from megatron_ppo.data import DataError, build_scorer, read_rows
-from megatron_ppo.data.columnar import eligible, token_id_columns
+from megatron_ppo.data.columnar import TEXT, TOKEN_IDS, batch_columns, eligible
 from megatron_ppo.data.prepare import REJECTS_FILE, prepared_rows
 from megatron_ppo.data.prepared import column, rows_at
 from megatron_ppo.data.tokenizer import HFTokenizer, load_tokenizer
@@ -121,6 +121,12 @@ def _cases(tmp_path: Path, tokenizer: HFTokenizer) -> dict[str, tuple[list[Path]
                                       DataConfig(tokenization_check="strict"), {}),
         "token ids column-wise, a bad batch": ([_parquet(tmp_path / "many.parquet", _many_id_rows(tokenizer))],
                                                DataConfig(max_prompt_length=6, on_bad_row="skip"), {}),
+        "text column-wise, warn, truncate middle, a bad batch": (
+            [_parquet(tmp_path / "many-text.parquet", _many_text_rows())],
+            DataConfig(max_prompt_length=12, max_response_length=10, overlong_policy="truncate",
+                       prompt_truncation="middle", on_bad_row="skip"), {}),
+        "text column-wise, off, filter": ([_parquet(tmp_path / "many-text-off.parquet", _many_text_rows()[:2048])],
+                                          DataConfig(max_prompt_length=12, tokenization_check="off"), {}),
         "preference pairs": ([_jsonl(tmp_path / "pairs.jsonl", pairs)], DataConfig(pair_reward="given"), {}),
         "verl layout, scored": ([_parquet(tmp_path / "verl.parquet", verl)], DataConfig(max_prompt_length=512), custom),
         "R3 routes": ([_jsonl(tmp_path / "r3.jsonl", r3)], DataConfig(),
@@ -146,6 +152,26 @@ def _many_id_rows(tokenizer: HFTokenizer) -> list[dict]:
                      "reward_model": {"ground_truth": str(i), "style": "rule"} if i % 4 == 0 else None,
                      "extra_info": {"index": i} if i % 6 == 0 else None})  # fmt: skip
     rows[2400]["behavior_log_probs"] = [0.5] * len(rows[2400]["response_ids"])
+    return rows
+
+
+def _many_text_rows() -> list[dict]:
+    """2500 text rows (three Parquet batches): prompts repeated by groups of four (GRPO), joins that tokenize
+    differently together ("Hel" + "lo"), over-long prompts and responses, a given uid or none, verl's columns; the
+    last batch holds a row with an empty response (rejected: that batch is parsed row by row)."""
+    generator = np.random.default_rng(1)
+    words = ["Hello", "there", "world", "the", "answer", "is", "4", "2+2", "step", "by", "42", "Hel", "lo", "\n", "."]
+    rows = []
+    for i in range(2500):
+        prompt = " ".join(generator.choice(words, int(generator.integers(1, 12))).tolist())
+        if i % 4:
+            prompt = rows[-1]["prompt"]
+        response = (" " if i % 9 else "") + " ".join(generator.choice(words, int(generator.integers(1, 14))).tolist())
+        rows.append({"prompt": prompt, "response": response, "reward": float(generator.normal()),
+                     "uid": None if i % 5 else f"group-{i // 10}", "data_source": None if i % 7 else "text",
+                     "reward_model": {"ground_truth": str(i), "style": "rule"} if i % 4 == 0 else None,
+                     "extra_info": {"index": i} if i % 6 == 0 else None})  # fmt: skip
+    rows[2400]["response"] = ""
     return rows
 
 
@@ -176,12 +202,20 @@ def test_the_column_wise_reader_takes_clean_batches_and_leaves_a_bad_one_to_the_
 ) -> None:
     path = _parquet(tmp_path / "many.parquet", _many_id_rows(tokenizer))
     config = DataConfig(max_prompt_length=6, on_bad_row="skip")
-    assert eligible(pq.read_schema(path), config, scoring=False, routing=False)
+    assert eligible(pq.read_schema(path), config, scoring=False, routing=False) == TOKEN_IDS
     batches = list(pq.ParquetFile(path).iter_batches(batch_size=1024))
-    taken = [token_id_columns(b, 1024 * i, str(path), tokenizer.vocab_size, config) for i, b in enumerate(batches)]
+    taken = [batch_columns(b, TOKEN_IDS, 1024 * i, str(path), tokenizer, config) for i, b in enumerate(batches)]
     assert [t is not None for t in taken] == [True, True, False]
-    assert taken[0][1] > 0, "over-long rows dropped (filter)"
+    assert taken[0].filtered_overlong > 0, "over-long rows dropped (filter)"
     assert not eligible(pq.read_schema(path), config, scoring=True, routing=False), "rows to score: row by row"
+    text = _parquet(tmp_path / "many-text.parquet", _many_text_rows())
+    assert eligible(pq.read_schema(text), config, scoring=False, routing=False) == TEXT
+    batches = list(pq.ParquetFile(text).iter_batches(batch_size=1024))
+    taken = [batch_columns(b, TEXT, 1024 * i, str(text), tokenizer, config) for i, b in enumerate(batches)]
+    assert [t is not None for t in taken] == [True, True, False], "the empty response's batch: row by row"
+    assert taken[0].mismatches, "joins that tokenize differently together are counted"
+    strict = dataclasses.replace(config, tokenization_check="strict")
+    assert not eligible(pq.read_schema(text), strict, scoring=False, routing=False), "strict: row by row"
 
 
 def test_a_bad_row_in_error_mode_is_named_and_nothing_is_left_prepared(tokenizer: HFTokenizer, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import tokenizers
 from tokenizers import models, normalizers, pre_tokenizers, trainers
 
 from megatron_ppo.config.schema import DataConfig
+from megatron_ppo.data import encoding
 from megatron_ppo.data.encoding import WINDOW_CHARS, BatchEncoded
 from megatron_ppo.data.tokenizer import HFTokenizer
 
@@ -36,6 +37,9 @@ def _pre_tokenizer(kind: str) -> tuple[pre_tokenizers.PreTokenizer, normalizers.
 PIECES = ["hello", "world", "the", "tokenizer", "Über", "naïve", "e\u0301", "中文字", "👍🏽", "'s", "'ll", "don't",
           "123", "4567", "0", " ", "  ", "\n", "\n\n", " \n ", "\t", ".", ",", "!?", "...", "--", "(", ")", "<", ">",
           "|", "_", "'", '"', "#", "$", SPECIAL]  # fmt: skip
+# found by this test's generator: apart " |" + "'d" + "on", together " |'" + "don"; with a one-character window the
+# window's ids are equal (" |'" + "d") while its last word's boundary has moved
+SHIFTED = {"prompt": "the_...\n \t0...         |", "response": "'don't" + " \n" * 16 + "\n4567", "reward": 0.0}
 RUNS = [" ", "\n", "7", "a", "-", " \n"]  # repeated past the window's width, to reach across it
 
 
@@ -83,12 +87,19 @@ class _Seen:
         return self.tokenizer.encodings(texts)
 
 
+@pytest.mark.parametrize("window", [WINDOW_CHARS, 1])
 @pytest.mark.parametrize("kind", ["gpt2", "llama3", "qwen2", "metaspace"])
-def test_the_window_answers_as_the_whole_joined_text_does(kind: str, tmp_path: Path) -> None:
+def test_the_window_answers_as_the_whole_joined_text_does(
+    kind: str, window: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also with a window of one character each side: then only the word boundaries make the answer right (equal
+    ids can hide a shifted boundary, see `_Window.answers`)."""
+    monkeypatch.setattr(encoding, "WINDOW_CHARS", window)
     tokenizer = _tokenizer(kind, tmp_path / kind)
     generator = random.Random(1)
     records = [{"prompt": _text(generator, generator.randint(1, 60)),
                 "response": _text(generator, generator.randint(1, 60)), "reward": 0.0} for _ in range(600)]  # fmt: skip
+    records.append(SHIFTED)
     seen = _Seen(tokenizer)
     encoded = BatchEncoded(seen, DataConfig(tokenization_check="warn"))
     encoded.encode_ahead(records)
