@@ -104,8 +104,9 @@ class HFTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """`encode` of each text, on every core (`tokenizers`' own thread pool)."""
-        return [encoding.ids for encoding in self.encodings(texts)]
+        """`encode` of each text, on every core (`tokenizers`' own thread pool; its call that keeps no character
+        offsets, ≈ 10 % faster than `encodings`)."""
+        return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
     def encodings(self, texts: list[str]) -> list[tokenizers.Encoding]:
         """`tokenizers`' own encodings of each text (ids with the words — pre-tokens — they came from), on every
