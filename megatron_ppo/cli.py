@@ -19,7 +19,7 @@ from megatron_ppo.checkpoint.verify import CheckpointError
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.errors import UserError
 from megatron_ppo.import_gc import imports_without_gc
-from megatron_ppo.launcher import NPROC, tell_user
+from megatron_ppo.launcher import NPROC, OUTCOME_DIR, tell_user
 
 if TYPE_CHECKING:
     from megatron_ppo.config.schema import PPOConfig
@@ -46,7 +46,14 @@ def _train(args: argparse.Namespace) -> int:
     with imports_without_gc():
         from megatron_ppo.tasks import addition
         from megatron_ppo.train.guards import GuardStopped
-        from megatron_ppo.train.preemption import Interrupted, JobStopped, Preempted, StoppedBeforeTraining, watching
+        from megatron_ppo.train.preemption import (
+            MARKER_ENV,
+            Interrupted,
+            JobStopped,
+            Preempted,
+            StoppedBeforeTraining,
+            watching,
+        )
         from megatron_ppo.train.run import train
 
     config = None
@@ -65,6 +72,10 @@ def _train(args: argparse.Namespace) -> int:
         return tell_user(_end_as_interrupted(), f"interrupted: nothing new saved ({_kept(config)}); resume with: "
                                                 f"{resume_command(args.recipe, args.overrides, config)}")  # fmt: skip
     except StoppedBeforeTraining as stop:
+        if _under_plain_torchrun() and MARKER_ENV not in os.environ:  # most likely torchrun ending the others
+            return tell_user(128 + signal.Signals[str(stop)].value,
+                             f"stopped by {stop} from the launcher before training (another rank failed first? its "
+                             f"error is above, or in its log): nothing new to save ({_kept(config)})")  # fmt: skip
         return tell_user(stop.exit_status, f"stopped early by {stop} before training: nothing new to save "
                                            f"({_kept(config)}); exiting with {stop.exit_status}, requeued unless it "
                                            "was cancelled")  # fmt: skip
@@ -495,18 +506,61 @@ def main(argv: Sequence[str] | None = None) -> int:
 BUG = "this is a bug in megatron-ppo, not in your config or data: please report it with the traceback above"
 
 
+# plain torchrun: how long a rank other than 0 leaves rank 0 to say the error they both met (`_say_error`)
+RANK_0_SAYS_WITHIN_S = 10.0
+
+
+def _under_plain_torchrun() -> bool:
+    """Started by `torchrun` itself, not by `train --nproc` (whose workers tell it their outcome)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and OUTCOME_DIR not in os.environ
+
+
+def _say_error(text: str) -> int:
+    """A user error's `error:` block, said once, and exit 2. Plain torchrun SIGTERMs every other rank as soon as one
+    exits: a rank other than 0 that met the error first would leave rank 0 — the one that says it — stopped in its
+    set-up with the error unsaid. So such a rank waits for that SIGTERM (sent once rank 0 has said the same error and
+    exited) up to `RANK_0_SAYS_WITHIN_S`, and says the error itself if none comes (rank 0 did not meet it). A rank
+    that says it ignores SIGTERM from then on: it finishes its exit."""
+    from megatron_ppo.parallel import dist_env_from_environment
+
+    if not _under_plain_torchrun() or dist_env_from_environment().rank == 0:
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return tell_user(2, text)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    if signal.sigtimedwait({signal.SIGTERM}, RANK_0_SAYS_WITHIN_S) is None:
+        tell_user(2, text, every_rank=True)
+    return 2
+
+
+# what gloo and the TCP store say when the process on the other end of a connection has gone (killed, or ended by
+# its own error): this process's collective failed because of that one
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _peer_lost(error: BaseException) -> str | None:
+    """The library's line, when `error` is a collective's or the store's lost connection to a peer (`PEER_LOST`, or
+    torch's `DistNetworkError`), else None."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if type(error).__name__ == "DistNetworkError" or any(words in text for words in PEER_LOST):
+        return f"{type(error).__name__}: {text}"
+    return None
+
+
 def run_reporting_errors(args: argparse.Namespace) -> int:
     """Run the subcommand under the one error contract: a `UserError` (config, data, checkpoint, conversion,
     directory, launch) is one `error:` block on stderr, said once (`tell_user`: by the launcher under
-    `train --nproc`, by rank 0 under torchrun), and every process exits 2 (under torchrun it finishes its exit when
-    the agent SIGTERMs the ranks still running); anything else is a bug: its traceback, a line saying so, exit 1."""
+    `train --nproc`, by rank 0 under plain torchrun: `_say_error`), and every process exits 2; a collective that lost
+    its peer (`_peer_lost`) is one line saying another process ended, exit 1; anything else is a bug: its traceback,
+    a line saying so, exit 1."""
     try:
         return args.run(args)
     except UserError as error:
-        if "TORCHELASTIC_RUN_ID" in os.environ:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return tell_user(2, f"error: {error}")
+        return _say_error(f"error: {error}")
     except KeyboardInterrupt:  # Ctrl-C in any other command: one line, no traceback
         return tell_user(_end_as_interrupted(), "interrupted")
-    except Exception:
+    except Exception as error:
+        if lost := _peer_lost(error):
+            return tell_user(1, f"a process of this job died or stopped ({lost}): its own output, above or in its log, "
+                                "says why; this one ends with it", every_rank=True)  # fmt: skip
         return tell_user(1, f"{traceback.format_exc()}{BUG}", every_rank=True)

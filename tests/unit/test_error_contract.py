@@ -13,15 +13,19 @@ import argparse
 import importlib
 import inspect
 import json
+import os
 import pkgutil
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import megatron_ppo
-from bench.ports import port_taken
-from bench.tiny import RECIPE
+from bench.ports import free_port, port_taken
+from bench.tiny import RECIPE, REPO
 from megatron_ppo.cli import BUG, main, run_reporting_errors
 from megatron_ppo.config.errors import ConfigError, UserError
 from megatron_ppo.data.tokenizer import train_char_tokenizer
@@ -89,6 +93,41 @@ def test_a_bug_shows_its_traceback_and_says_it_is_one(capsys) -> None:
     assert run_reporting_errors(argparse.Namespace(run=fail)) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "KeyError: 'missing'" in err and err.endswith(BUG + "\n")
+
+
+def _gloo_rank(rank: int, port: int) -> None:
+    """Rank 0 of two meets rank 1's death in an all-reduce, through the CLI's error contract; rank 1 leaves."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+
+    def run(_: argparse.Namespace) -> int:
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        dist.barrier()
+        if rank == 1:
+            os._exit(9)  # as a SIGKILL: no goodbye to the peer
+        time.sleep(1.0)
+        dist.all_reduce(torch.ones(1))
+        return 0
+
+    sys.exit(run_reporting_errors(argparse.Namespace(run=run)))
+
+
+def test_a_peer_that_died_is_named_as_such_not_called_a_bug(tmp_path: Path) -> None:
+    """Real gloo: what rank 0 says when rank 1 is gone in the middle of a collective (plain torchrun prints it)."""
+    port = free_port()
+    code = (
+        "import sys; from tests.unit.test_error_contract import _gloo_rank; "
+        "_gloo_rank(int(sys.argv[1]), int(sys.argv[2]))"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port)], cwd=REPO, env=env,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]  # fmt: skip
+    (_, err), _ = ranks[0].communicate(timeout=120), ranks[1].communicate(timeout=120)
+    assert ranks[0].returncode == 1, err
+    assert "a process of this job died or stopped (" in err and "this one ends with it" in err, err
+    assert BUG not in err and "Traceback" not in err, err
 
 
 # --- cases through `main`, ended before any process group or model -----------------------------------------------
