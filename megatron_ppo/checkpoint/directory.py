@@ -16,6 +16,10 @@ as a checkpoint, then deleted (`delete_discarded`) — by an asynchronous save's
 so that the deleting does not stop training. A job killed between the two leaves a `.discarded_*` directory, never
 a half-deleted `step_N`; the next save deletes it.
 
+A checkpoint the trainer's guards judged good (its policy passed the next iteration's) holds `judged_good`, written
+beside its files once it is published (not in its manifest: a judgment about the checkpoint, not part of it); a run
+resumed from it knows it good at once (`train/checkpoint_keeper.py`). A step saved again is a new directory, unjudged.
+
 A training run's checkpoints hold its identity (`run.json`, see `run_identity.py`). Resuming and rolling back
 follow one run only, and pruning removes only that run's older checkpoints, never the one `latest` names (nor those
 the caller protects: the trainer's good checkpoint, which a rollback loads, and its best evaluation's).
@@ -38,6 +42,7 @@ from megatron_ppo.checkpoint.run_identity import RUN_FILE, RunIdentity, Unreadab
 logger = logging.getLogger(__name__)
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
+JUDGED_GOOD = "judged_good"
 REPLACED_PREFIX = ".replaced_"
 DISCARDED_PREFIX = ".discarded_"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -174,6 +179,21 @@ def resolve(path: str | Path, prove: bool = False) -> Path:
     if found is None:
         raise verify.CheckpointError(f"{path} is neither a complete checkpoint nor a directory holding one ({why})")
     return found
+
+
+def mark_judged_good(checkpoint: Path, step: int) -> bool:
+    """Write `judged_good` into `checkpoint` (the guards of iteration `step` passed its policy); False while it is
+    not published yet (an asynchronous save's write still running): ask again later."""
+    if not checkpoint.is_dir():
+        return False
+    marker = checkpoint / f".{JUDGED_GOOD}.tmp"
+    marker.write_text(f"judged good by the guards of step {step}\n")
+    marker.replace(checkpoint / JUDGED_GOOD)
+    return True
+
+
+def judged_good(checkpoint: Path) -> bool:
+    return (checkpoint / JUDGED_GOOD).is_file()
 
 
 def point_latest_at(checkpoint: Path) -> None:

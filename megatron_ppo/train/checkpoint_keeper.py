@@ -16,7 +16,10 @@ for it (`wait`). Each save's cost (`SaveTiming`: how long training was blocked, 
 `report`.
 
 The keeper's own state (`state_dict`: the good and the best checkpoint as of a save) travels in the trainer state
-of every checkpoint, under the keys checkpoints have always had.
+of every checkpoint, under the keys checkpoints have always had. A judgment made after the last save would be lost
+with the process: so a save judged good is also marked in its directory (`directory.mark_judged_good`, rank 0, once
+it is published), and a run resumed from a marked checkpoint holds it as its good one — a rollback at the first
+iteration after the resume returns to it, not to an older one (or nowhere) as the trainer state of its own save says.
 """
 
 from __future__ import annotations
@@ -71,14 +74,21 @@ class CheckpointKeeper:
         self.good: str | None = None  # the newest save whose policy passed the next iteration's guards
         self.unconfirmed: str | None = None  # a save the next iteration's guards have not judged yet
         self.best: str | None = None  # the checkpoint of the best evaluation (evaluation-drop rollbacks)
+        self.to_mark: tuple[Path, int] | None = None  # judged good, not marked yet (rank 0: not published yet)
 
     # --- state ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"best_checkpoint": self.best, "good_checkpoint": self.good}  # the good one as of this save
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best = state["best_checkpoint"]
-        self.good = state.get("good_checkpoint")  # (absent in checkpoints saved before it was kept)
+        """The good and best checkpoints as of the save, in this run's directory: the state holds the paths the run
+        had then, and a run directory moved or copied since (another file system, a backup restored) must not roll
+        back into the old place — every checkpoint is `<root>/step_N`."""
+        self.best = self._here(state["best_checkpoint"])
+        self.good = self._here(state.get("good_checkpoint"))  # (absent in checkpoints saved before it was kept)
+
+    def _here(self, checkpoint: str | None) -> str | None:
+        return None if checkpoint is None else str(Path(self.root) / Path(checkpoint).name)
 
     # --- saving and loading --------------------------------------------------------------------------------------
     def save(
@@ -108,10 +118,18 @@ class CheckpointKeeper:
         """At an iteration's end: publish the pending save if every rank's write is done (collective)."""
         if self.saves is not None:
             self.saves.poll()
+        self._mark()
 
     def wait(self) -> SaveTiming | None:
         """Publish the pending save, waiting for its write (collective); before anything reads the directory."""
-        return self.saves.wait() if self.saves is not None else None
+        waited = self.saves.wait() if self.saves is not None else None
+        self._mark()
+        return waited
+
+    def _mark(self) -> None:
+        """Mark the save judged good in its directory once it is published (rank 0)."""
+        if self.to_mark is not None and (global_rank() != 0 or directory.mark_judged_good(*self.to_mark)):
+            self.to_mark = None
 
     def close(self) -> None:
         """At the trainer's close, after `fit` (whose end published every save) or an exception out of it: a save
@@ -133,15 +151,21 @@ class CheckpointKeeper:
         self.wait()
         state = store.load_checkpoint(path, models, optimizers)
         self.load_state_dict(state)
-        self.unconfirmed = str(path)
+        if broadcast_from_rank0(directory.judged_good(path) if global_rank() == 0 else None):
+            self.good, self.unconfirmed = str(path), None  # judged by the run that saved it
+        else:
+            self.unconfirmed = str(path)
         return state
 
     # --- judging -------------------------------------------------------------------------------------------------
-    def judge(self, actions: Sequence[GuardAction]) -> None:
-        """The unconfirmed save held the policy this iteration started from: good when its guards asked for no
-        rollback or stop, else passed over for good (a rollback has already loaded the good one)."""
+    def judge(self, step: int, actions: Sequence[GuardAction]) -> None:
+        """The unconfirmed save held the policy iteration `step` started from: good when its guards asked for no
+        rollback or stop (and marked so in its directory), else passed over for good (a rollback has already loaded
+        the good one)."""
         if self.unconfirmed is not None and not any(a.kind in ("rollback", "stop") for a in actions):
             self.good = self.unconfirmed
+            self.to_mark = (Path(self.good), step)
+            self._mark()
         self.unconfirmed = None
 
     def good_checkpoint(self) -> Path | None:

@@ -89,7 +89,7 @@ class PPOTrainer:
             #    the phases); then the save before this iteration is good or passed over
             actions = self.guards.observe(metrics, any(u.skipped for u in updates), self.kl.guard_overrides)
             self.respond(actions)
-            self.keeper.judge(actions)
+            self.keeper.judge(state.step, actions)
         # 8. metrics: counters, timings and throughput (MFU from the planner's FLOP count)
         return metrics | self.observers.iteration_ends(batch["lengths"], timings)
 

@@ -166,30 +166,42 @@ def keeper_waits_for_pending_saves(rank: int, world_size: int, root: str) -> dic
     slow_writes(0.5)
     report: dict[str, Any] = {}
     for step in (1, 2):
-        keeper.save(step, models, optimizers, {"step": step})
-        keeper.judge([])  # each save passes the next iteration's guards: good
+        keeper.save(step, models, optimizers, {"step": step, **keeper.state_dict()})
+        keeper.judge(step + 1, [])  # each save passes the next iteration's guards: good
     # step 2 is pending and unconfirmed-then-good; step 3's save must first publish it
-    keeper.save(3, models, optimizers, {"step": 3})
+    keeper.save(3, models, optimizers, {"step": 3, **keeper.state_dict()})
     report["pending_after_save_3"] = keeper.saves.pending.step
     report["published_before_save_3"] = sorted(p.name for _, p in directory.step_directories(root))
-    keeper.judge([])
+    report["marked_before_save_3"] = sorted(p.name for _, p in directory.step_directories(root)
+                                            if directory.judged_good(p))  # fmt: skip
+    keeper.judge(4, [])
     # step 3 is pending: the good checkpoint (step 3) is loaded by a rollback only once published
     target = keeper.rollback_target("latest")
     report["rollback_target"] = (target.path.name if target.path else None, keeper.saves.pending)
-    keeper.save(4, models, optimizers, {"step": 4})
-    keeper.save(5, models, optimizers, {"step": 5})  # step 4 published: prune (keep 2) while 5 is pending
+    keeper.save(4, models, optimizers, {"step": 4, **keeper.state_dict()})
+    keeper.save(
+        5, models, optimizers, {"step": 5, **keeper.state_dict()}
+    )  # step 4 published: prune (keep 2) while 5 is pending
     report["while_5_pending"] = sorted(p.name for p in root.iterdir() if "step" in p.name and not _set_aside(p))
     report["resumable_while_5_pending"] = directory.find_resumable(root).name
-    keeper.judge([])
+    keeper.judge(6, [])
     report["stop"] = keeper.leave_for_stop()
     report["after_stop"] = (sorted(p.name for _, p in directory.step_directories(root)),
                             directory.named_by_latest(root).name, keeper.saves.pending)  # fmt: skip
     # step 5's writer deleted what step 4's publication pruned; step 5's publication set step 3 aside, undeleted
     report["set_aside_after_stop"] = sorted(_set_aside(p) for p in root.iterdir() if _set_aside(p))
-    keeper.save(6, models, optimizers, {"step": 6})
+    keeper.save(6, models, optimizers, {"step": 6, **keeper.state_dict()})
     keeper.close()  # the trainer's close, step 6 still being written: every rank (the one) agrees to publish it
     report["after_close"] = (directory.named_by_latest(root).name, keeper.saves.pending)
     report["set_aside_after_close"] = sorted(p.name for p in root.iterdir() if _set_aside(p))
+    # a new process's keeper: step 5 was judged good (by step 6's guards) and marked; step 6 never judged
+    report["marked"] = sorted(p.name for _, p in directory.step_directories(root) if directory.judged_good(p))
+    resumed = {}
+    for name in ("step_5", "step_6"):
+        again = CheckpointKeeper(trainer, RUN)
+        again.resume(root / name, models, optimizers)
+        resumed[name] = (again.good and Path(again.good).name, again.unconfirmed and Path(again.unconfirmed).name)
+    report["resumed"] = resumed
     return report
 
 

@@ -63,6 +63,11 @@ def test_the_next_save_a_rollback_and_a_stop_wait_for_the_pending_save_and_pruni
     # a publication sets what it prunes aside, and the next save's writer deletes it (not the training loop)
     assert report["set_aside_after_stop"] == ["step_3"], report["set_aside_after_stop"]
     assert report["set_aside_after_close"] == [], "the close deletes what the last publications set aside"
+    # judged good, marked once published (step 2 while it was pending: marked at its publication)
+    assert report["marked_before_save_3"] == ["step_1", "step_2"]
+    assert report["marked"] == ["step_5"], "of those kept (keep=2: step_5, step_6), the one judged"
+    # a resume from a checkpoint judged good holds it good at once; an unjudged one waits for the next iteration
+    assert report["resumed"] == {"step_5": ("step_5", None), "step_6": ("step_5", "step_6")}
 
 
 def test_a_job_killed_mid_write_resumes_from_the_previous_published_checkpoint(tmp_path) -> None:

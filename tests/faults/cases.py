@@ -153,10 +153,7 @@ def auto_past_overwritten_latest(folder: Path, work: Path) -> Outcome:
     (`dd conv=notrunc`: bit rot, another job's write): the run names the shard, resumes from step_4 and trains steps
     5 and 6 again; the damaged step_6 is saved again over."""
     ckpt = folder / "ckpt"
-    shard = sorted((ckpt / "step_6").glob("*.distcp"))[-1]
-    with shard.open("r+b") as file:
-        file.seek(shard.stat().st_size // 2)
-        file.write(bytes(65536))
+    shard = _overwrite_in_place(ckpt / "step_6")
     code, output = cli(folder, work, ["train"])
     skipped = line_with(output, "skipped step_6")
     named = (ckpt / "latest").read_text()
@@ -165,6 +162,28 @@ def auto_past_overwritten_latest(folder: Path, work: Path) -> Outcome:
     kept = f"step_2, step_4; step_6 saved again over the damaged one, latest → {named}"
     saw = line_with(output, "hold other bytes")
     return Outcome(code, saw[saw.index("1 of its") :] if "1 of its" in saw else saw, kept, ok, output)
+
+
+def _overwrite_in_place(checkpoint: Path) -> Path:
+    """64 KiB in the middle of one of `checkpoint`'s shards overwritten with zeros, its size kept; returns it."""
+    shard = sorted(checkpoint.glob("*.distcp"))[-1]
+    with shard.open("r+b") as file:
+        file.seek(shard.stat().st_size // 2)
+        file.write(bytes(65536))
+    return shard
+
+
+def rollback_after_a_fallback_resume(folder: Path, work: Path) -> Outcome:
+    """step_6 overwritten in place, the run resumed from step_4 under a KL limit every update passes: the rollback
+    at step 5 returns to step_4 — judged good by step 5's guards in the run that saved it, after its save (whose
+    trainer state names step_2) — and the second rollback asked for stops the run (exit 3) with step_4 left."""
+    ckpt = folder / "ckpt"
+    _overwrite_in_place(ckpt / "step_6")
+    code, output = cli(folder, work, ["train", "guards.kl_explosion_threshold=1e-9", "guards.max_rollbacks=1"])
+    rolled = line_with(output, "rolled back to")
+    ok = code == 3 and f"rolled back to {ckpt / 'step_4'}," in rolled and "resumed from" in output
+    named = (ckpt / "latest").read_text()
+    return Outcome(code, rolled[rolled.index("rolled back") :] if rolled else "", f"latest → {named}", ok, output)
 
 
 def changed_run_length(folder: Path, work: Path) -> Outcome:
@@ -308,6 +327,11 @@ CASES = [
         "auto, latest overwritten",
         "latest names step_6, 64 KiB of a shard overwritten with zeros at its size",
         auto_past_overwritten_latest,
+    ),
+    Case(
+        "rollback after a fallback resume",
+        "step_6 overwritten in place, resumed from step_4 with guards.kl_explosion_threshold=1e-9",
+        rollback_after_a_fallback_resume,
     ),
     Case("second job", "train while another job holds the run directory", second_job),
     Case("disk full", "the checkpoint directory's disk fills up during the first save", disk_full_at_save),
