@@ -445,16 +445,22 @@ def build_parser() -> argparse.ArgumentParser:
 # - torch's distributed-checkpoint notes on how Megatron calls it (a load without a process group, its argument
 #   order, ShardedTensor's deprecation for DTensor), and torch 2.13's renaming of `all_gather_into_tensor` (to
 #   `all_gather_single`, which torch < 2.13 lacks), which Megatron-Core's parameter buffers and tensor-parallel
-#   gathers call (0.16.1–0.19; nothing of ours does).
+#   gathers call (0.16.1–0.19; nothing of ours does);
+# - Megatron's background checkpoint writer's own lines about a failed write ("Local worker 0 encountered an error:
+#   [enforce fail at inline_container.cc:672] …", "An error is caught while starting worker 0 …"), printed before the
+#   failure reaches the rank: the save's failure is then said once, by our line (the cause — a full disk, an errno —
+#   what was kept and what to do, `checkpoint/verify.py`) or, when it is not the user's, by its traceback.
 LIBRARY_NOTICES = ("Apex is not installed", "Transformer Engine and Apex are not installed",
                    "No CUDA runtime is found", "MCore's async save is deprecated", "GPTModel IS DEPRECATED",
                    "MimoModelConfig is experimental", "full scope is deprecated",
                    "torch.distributed is disabled, unavailable or uninitialized",
                    "The argument order of load has been changed",
                    "Please use DTensor instead and we are deprecating ShardedTensor",
-                   "`torch.distributed.all_gather_into_tensor` is deprecated")  # fmt: skip
+                   "`torch.distributed.all_gather_into_tensor` is deprecated", "Local worker ",
+                   "An error is caught while starting worker ")  # fmt: skip
 # the loggers that log some of them (the others are Python warnings)
 NOTICE_LOGGERS = ("torch.utils.cpp_extension", "megatron.core.dist_checkpointing.strategies.torch",
+                  "megatron.core.dist_checkpointing.strategies.filesystem_async",
                   "megatron.core.models.gpt.gpt_model")  # fmt: skip
 LOG_LEVEL = "MEGATRON_PPO_LOG_LEVEL"  # e.g. DEBUG: the notices above, and every library's debug log
 
