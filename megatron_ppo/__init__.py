@@ -1,6 +1,12 @@
 """megatron-ppo: offline RLHF with PPO on the Megatron-Core backend."""
 
-from megatron_ppo import deferred_compile, lazy_modules
+import sys
+
+from megatron_ppo import early_signals
+
+early_signals.hold(sys.argv)  # first: a stop signal while `train` still imports (seconds) is answered, not lost
+
+from megatron_ppo import deferred_compile, lazy_modules  # noqa: E402 — after the signals are held
 
 __version__ = "0.1.0"
 

@@ -84,7 +84,7 @@ def _train(args: argparse.Namespace) -> int:
         return tell_user(stop.exit_status, f"stopped early: saved {stop}; exiting with {stop.exit_status}, {then}")
     except GuardStopped as stop:
         return report_guard_stop(stop)
-    return 0
+    return tell_user(0, "")  # the run's end, for the launcher: a stop signal that comes now is no preemption
 
 
 def _report_to_trackers(config: PPOConfig) -> None:

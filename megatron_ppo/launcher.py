@@ -35,6 +35,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ppo.early_signals import PREEMPTED_EXIT, SIGNALS, write_marker
 from megatron_ppo.import_gc import imports_without_gc
 
 OUTCOME_DIR = "MEGATRON_PPO_OUTCOME_DIR"
@@ -52,9 +53,9 @@ class Outcome:
 
 
 def tell_user(status: int, text: str, every_rank: bool = False) -> int:
-    """Say `text` (this process's outcome, which it exits with `status`): under the launcher, written to the
-    outcome folder for the launcher to print once; otherwise printed on stderr, by rank 0 only unless `every_rank`
-    (a traceback is each rank's own). Returns `status`."""
+    """Say `text` (this process's outcome, which it exits with `status`; "" for a run that ended as planned): under the
+    launcher, written to the outcome folder for the launcher to print once; otherwise printed on stderr, by rank 0
+    only unless `every_rank` (a traceback is each rank's own). Returns `status`."""
     from megatron_ppo.parallel import dist_env_from_environment
 
     rank = dist_env_from_environment().rank
@@ -62,7 +63,7 @@ def tell_user(status: int, text: str, every_rank: bool = False) -> int:
         path = Path(folder) / f"rank{rank}.json"
         path.with_suffix(".tmp").write_text(json.dumps({"status": status, "text": text}))
         path.with_suffix(".tmp").replace(path)  # whole or absent: the launcher never reads half an outcome
-    elif every_rank or rank == 0:
+    elif text and (every_rank or rank == 0):
         print(text, file=sys.stderr, flush=True)
     return status
 
@@ -114,7 +115,7 @@ def conclude(outcomes: dict[int, Outcome], exits: dict[int, Exit], received: int
             f"resume with: {resume}"))  # fmt: skip
     decided = [o for _, o in sorted(outcomes.items()) if o.status != 0] or [o for _, o in sorted(outcomes.items())]
     if received is None:  # a worker's stop by a signal came from the agent, after another's failure: that one speaks
-        from megatron_ppo.train.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT
+        from megatron_ppo.train.preemption import INTERRUPTED_EXIT
 
         decided.sort(key=lambda o: o.status in (PREEMPTED_EXIT, INTERRUPTED_EXIT))  # stable: by rank within each
     if decided:
@@ -125,6 +126,10 @@ def conclude(outcomes: dict[int, Outcome], exits: dict[int, Exit], received: int
         return Outcome(-1, status, f"error: rank {rank} exited with status {status} without a message of "
                                    "megatron-ppo's; its output is above")  # fmt: skip
     if received is not None:
+        if received in SIGNALS:  # a preemption before any worker could say anything: starting, nothing to save
+            return Outcome(-1, PREEMPTED_EXIT, f"stopped early by {signal_name(received)} before training (its "
+                                               "workers were starting): nothing new to save; exiting with "
+                                               f"{PREEMPTED_EXIT}, requeued unless it was cancelled")  # fmt: skip
         return Outcome(-1, 128 + received, f"stopped by {signal_name(received)} before the workers said anything")
     return Outcome(-1, 0, "")
 
@@ -172,6 +177,8 @@ def launch(nproc: int, worker_args: list[str], resume: str) -> int:
         finally:
             del os.environ[OUTCOME_DIR], os.environ[NPROC]
         outcome = conclude(read_outcomes(Path(folder)), exits, received, resume)
+    if outcome.rank == -1 and outcome.status == PREEMPTED_EXIT:  # no worker wrote the batch script's marker
+        write_marker()
     if outcome.text:
         print(outcome.text, file=sys.stderr, flush=True)
     return outcome.status

@@ -26,17 +26,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from types import FrameType
 
 import psutil
 
+from megatron_ppo import early_signals
+from megatron_ppo.early_signals import MARKER_ENV, PREEMPTED_EXIT, SIGNALS  # noqa: F401 — MARKER_ENV: said here too
 from megatron_ppo.parallel.collectives import any_rank, global_rank
 
-PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later"
 INTERRUPTED_EXIT = 130  # 128 + SIGINT: what a shell reports for a Ctrl-C
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-MARKER_ENV = "MEGATRON_PPO_PREEMPTED_MARKER"
 
 
 class JobStopped(Exception):
@@ -88,6 +86,10 @@ class PreemptionWatch:
             mark_preempted()
             self.ending = end_within(SET_UP_STOP_GRACE_S, signal.Signals(signum).name, self.say)
             raise StoppedBeforeTraining(signal.Signals(signum).name)
+
+    def answer(self, signum: int) -> None:
+        """A stop signal received before this watch was installed (`early_signals`), answered as if now."""
+        self._handle(signum, None)
 
     def _interrupt(self, signum: int, frame: FrameType | None) -> None:
         if not self.in_loop or self.interrupted:
@@ -160,6 +162,8 @@ def watching(say: Callable[[int, str], object] | None = None) -> Iterator[Preemp
     watch = PreemptionWatch() if say is None else PreemptionWatch(say)
     _active.append(watch)
     try:
+        if (early := early_signals.received()) is not None:  # came while the command was still importing
+            watch.answer(early)
         yield watch
     finally:
         _active.pop()
@@ -186,7 +190,5 @@ class JobBudget:
 def mark_preempted() -> None:
     """Rank 0 writes `$MEGATRON_PPO_PREEMPTED_MARKER` (when set) for the batch script. Called after `save_checkpoint`,
     whose closing barrier means every rank has saved."""
-    marker = os.environ.get(MARKER_ENV)
-    if marker and global_rank() == 0:
-        Path(marker).parent.mkdir(parents=True, exist_ok=True)
-        Path(marker).write_text("preempted: checkpoint saved, requeue me\n")
+    if global_rank() == 0:
+        early_signals.write_marker()

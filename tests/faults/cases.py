@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 from bench.tiny import RECIPE, REPO
 from megatron_ppo.checkpoint.directory import named_by_latest
 from megatron_ppo.cli import BUG, LIBRARY_NOTICES
+from megatron_ppo.train.preemption import MARKER_ENV, PREEMPTED_EXIT
 
 # One process, a quick SFT start: what is tested is what a fault does to the run's files, not how well it learns
 QUICK = [
@@ -193,6 +195,53 @@ def changed_run_length(folder: Path, work: Path) -> Outcome:
     return _refused(code, output, "trainer.total_training_steps", before, snapshot(ckpt))
 
 
+SET_UP_POINTS, SET_UP_SPAN_S, SET_UP_STOP_LIMIT_S = 20, 14.0, 5.0
+
+
+def _stopped_at(folder: Path, delay_s: float) -> tuple[int, float, bool, str]:
+    """`train --nproc 2` from scratch (its own task cache: tokenizer, data, SFT) under the batch script's marker,
+    SIGTERM to the launcher `delay_s` after it starts: (exit status, seconds from the signal to the exit, whether the
+    marker was written, output)."""
+    marker = folder / "preempted"
+    inherited = {name: value for name, value in os.environ.items() if name != "MASTER_PORT"}
+    environment = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "1000",
+                   "PYTHONPATH": str(REPO), MARKER_ENV: str(marker)}  # fmt: skip
+    command = [sys.executable, "-m", "megatron_ppo", "train", "--nproc", "2", str(RECIPE), *QUICK,
+               "cluster.gpus_per_node=2", *(f"{role}.ppo_micro_batch_size_per_gpu=8" for role in ("actor", "critic")),
+               f"data.addition.work_dir={folder}/work", f"trainer.default_local_dir={folder}/ckpt",
+               f"trainer.log_dir={folder}/tb"]  # fmt: skip
+    with open(folder / "output.txt", "w+") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=log, stderr=subprocess.STDOUT)
+        time.sleep(delay_s)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=120)
+        took = time.monotonic() - signalled
+        log.seek(0)
+        return code, took, marker.exists(), log.read()
+
+
+def signals_during_set_up(folder: Path, work: Path) -> Outcome:
+    """SIGTERM (Slurm's preemption) to `train --nproc 2` at `SET_UP_POINTS` moments spread over a first start's
+    set-up (workers starting, the tokenizer, the data, the task's SFT, the models): every run ends 75 with the
+    batch script's marker within `SET_UP_STOP_LIMIT_S` of the signal."""
+    results = []
+    for point in range(SET_UP_POINTS):
+        delay = 0.5 + point * SET_UP_SPAN_S / (SET_UP_POINTS - 1)
+        (folder / f"point-{point}").mkdir()
+        code, took, marked, output = _stopped_at(folder / f"point-{point}", delay)
+        results.append((delay, code, took, marked, output))
+    good = [r for r in results if r[1] == PREEMPTED_EXIT and r[3] and r[2] <= SET_UP_STOP_LIMIT_S]
+    worst = max(r[2] for r in results)
+    bad = [f"{d:.1f} s: exit {c}, {t:.1f} s, marker {m}" for d, c, t, m, _ in results if (d, c, t, m, _) not in good]
+    saw = (f"{len(good)} of {len(results)} ended 75 with the marker within {SET_UP_STOP_LIMIT_S:g} s (slowest "
+           f"{worst:.1f} s)")  # fmt: skip
+    log = "\n".join(f"--- {r[0]:.1f} s\n{r[4][-1500:]}" for r in results if r not in good)
+    return Outcome(
+        0 if not bad else 1, saw + (f"; not: {'; '.join(bad)}" if bad else ""), "nothing new to save", not bad, log
+    )
+
+
 def second_job(folder: Path, work: Path) -> Outcome:
     ckpt = folder / "ckpt"
     before = snapshot(ckpt)
@@ -335,6 +384,12 @@ CASES = [
         rollback_after_a_fallback_resume,
     ),
     Case("second job", "train while another job holds the run directory", second_job),
+    Case(
+        "SIGTERM during set-up ×20",
+        f"SIGTERM to train --nproc 2 at {SET_UP_POINTS} moments of a first start's set-up",
+        signals_during_set_up,
+        in_tests=False,
+    ),
     Case("disk full", "the checkpoint directory's disk fills up during the first save", disk_full_at_save),
     Case("disk full, logs", "the checkpoints' and the logs' one disk fills up", disk_full_with_the_logs),
     Case("run id a path", "run.json of step_6 names the run '../../escaped'", run_id_is_a_path, in_tests=False),

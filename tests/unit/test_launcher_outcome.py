@@ -56,8 +56,16 @@ def test_a_worker_stopped_by_the_agents_sigterm_never_speaks_before_the_error_th
 def test_without_an_outcome_the_status_or_the_signal_is_said() -> None:
     crashed = conclude({}, {1: Exit(1, 5), 0: Exit(TERM, 5)}, None, "")
     assert crashed.status == 1 and "rank 1 exited with status 1" in crashed.text
+    # a preemption signal before any worker said anything: the workers were starting, nothing to save — requeued
     stopped = conclude({}, {}, signal.SIGTERM, "")
-    assert stopped.status == 128 + signal.SIGTERM and "SIGTERM" in stopped.text
+    assert (
+        stopped.status == 75 and "stopped early by SIGTERM before training (its workers were starting)" in stopped.text
+    )
+    # the same signal after the workers said their run ended as planned: no preemption, nothing requeued
+    done = conclude({0: Outcome(0, 0, ""), 1: Outcome(1, 0, "")}, {}, signal.SIGTERM, "")
+    assert (done.status, done.text) == (0, "")
+    hung_up = conclude({}, {}, signal.SIGHUP, "")
+    assert hung_up.status == 128 + signal.SIGHUP and "SIGHUP" in hung_up.text
     assert conclude({}, {}, None, "") == Outcome(-1, 0, "")
 
 
