@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -77,15 +78,45 @@ class PreemptionWatch:
         self.in_loop = False
         self.loop_started = False
         self.ending: threading.Timer | None = None  # a stop before training: ends the process if it cannot unwind
+        self._ending_lock = threading.Lock()
+        self.restored = False
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
+        # the signals' numbers as the interpreter's C handler writes them, heard by a thread (`_hear`)
+        self._heard, wakeups = socket.socketpair()
+        wakeups.setblocking(False)
+        self._wakeups = wakeups
+        self._previous_wakeup_fd = signal.set_wakeup_fd(wakeups.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._hear, name="preemption-watch", daemon=True).start()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signalled = signum
         if not self.loop_started:
-            mark_preempted()
-            self.ending = end_within(SET_UP_STOP_GRACE_S, signal.Signals(signum).name, self.say)
+            self._end_before_training(signum)
             raise StoppedBeforeTraining(signal.Signals(signum).name)
+
+    def _end_before_training(self, signum: int) -> None:
+        """A stop before training: the marker, and the timer that ends the process if its unwinding is stuck (once,
+        whoever asks first: the handler, or `_hear`)."""
+        with self._ending_lock:
+            if self.ending is None and not self.restored:
+                mark_preempted()
+                self.ending = end_within(SET_UP_STOP_GRACE_S, signal.Signals(signum).name, self.say)
+
+    def _hear(self) -> None:
+        """The stop signals as they arrive, on a thread of their own: the Python handler runs on the main thread
+        only between its bytecodes, and a main thread blocked in C++ — a store or collective wait for a peer that
+        the same signal stopped — would never run it (the agent SIGKILLs it 30 s later: no line, no marker). Before
+        training, the timer is started from here (`_end_before_training`)."""
+        while True:
+            try:
+                heard = self._heard.recv(1)
+            except OSError:
+                return
+            if not heard:
+                return
+            if heard[0] in SIGNALS and not self.loop_started:
+                self._end_before_training(heard[0])
 
     def answer(self, signum: int) -> None:
         """A stop signal received before this watch was installed (`early_signals`), answered as if now."""
@@ -118,10 +149,16 @@ class PreemptionWatch:
 
     def restore(self) -> None:
         """The handlers as they were; a stop's unwinding has reached the end of the watch: its timer is off."""
-        if self.ending is not None:
-            self.ending.cancel()
+        with self._ending_lock:
+            if self.ending is not None:
+                self.ending.cancel()
+            self.restored = True  # nothing starts another
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._previous_wakeup_fd)
+        self._wakeups.close()
+        self._heard.shutdown(socket.SHUT_RDWR)
+        self._heard.close()
 
 
 # How long a stop before training may take to unwind (its `finally` blocks, the process groups' teardown) before the

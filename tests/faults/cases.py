@@ -207,7 +207,8 @@ def _stopped_at(folder: Path, delay_s: float) -> tuple[int, float, bool, str]:
     environment = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "1000",
                    "PYTHONPATH": str(REPO), MARKER_ENV: str(marker)}  # fmt: skip
     command = [sys.executable, "-m", "megatron_ppo", "train", "--nproc", "2", str(RECIPE), *QUICK,
-               "cluster.gpus_per_node=2", *(f"{role}.ppo_micro_batch_size_per_gpu=8" for role in ("actor", "critic")),
+               "cluster.gpus_per_node=2", "trainer.total_training_steps=60",  # still training at the last moment
+               *(f"{role}.ppo_micro_batch_size_per_gpu=8" for role in ("actor", "critic")),
                f"data.addition.work_dir={folder}/work", f"trainer.default_local_dir={folder}/ckpt",
                f"trainer.log_dir={folder}/tb"]  # fmt: skip
     with open(folder / "output.txt", "w+") as log:
@@ -223,8 +224,8 @@ def _stopped_at(folder: Path, delay_s: float) -> tuple[int, float, bool, str]:
 
 def signals_during_set_up(folder: Path, work: Path) -> Outcome:
     """SIGTERM (Slurm's preemption) to `train --nproc 2` at `SET_UP_POINTS` moments spread over a first start's
-    set-up (workers starting, the tokenizer, the data, the task's SFT, the models): every run ends 75 with the
-    batch script's marker within `SET_UP_STOP_LIMIT_S` of the signal."""
+    set-up (workers starting, the tokenizer, the data, the task's SFT, the models) and its first steps: every run ends
+    75 with the batch script's marker within `SET_UP_STOP_LIMIT_S` of the signal."""
     results = []
     for point in range(SET_UP_POINTS):
         delay = 0.5 + point * SET_UP_SPAN_S / (SET_UP_POINTS - 1)

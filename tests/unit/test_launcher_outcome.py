@@ -12,6 +12,7 @@ import sys
 import time
 
 from megatron_ppo.launcher import FIRST_FAILURES_S, OUTCOME_DIR, Exit, Outcome, conclude, read_outcomes, tell_user
+from megatron_ppo.train.preemption import MARKER_ENV
 
 BUG = Outcome(0, 1, "Traceback ... Connection reset by peer\nthis is a bug in megatron-ppo")
 CONFIG = Outcome(1, 2, "error: 1 config problem")
@@ -94,3 +95,28 @@ def test_a_stop_before_training_that_cannot_unwind_ends_at_once_with_75_and_says
     assert ended.returncode == 75 and time.monotonic() - started < 20
     (outcome,) = read_outcomes(tmp_path).values()
     assert outcome.status == 75 and "did not end within 0.5 s of the signal" in outcome.text, outcome.text
+
+
+def test_a_signal_before_training_is_heard_while_the_main_thread_is_blocked_in_cpp(tmp_path) -> None:
+    """The signal comes while the main thread waits in C++ for a peer the same signal stopped (here a TCP store's
+    wait for a key no one sets): the Python handler cannot run until that returns, so the watch's own thread hears
+    the signal (`set_wakeup_fd`), writes the marker and ends the process `SET_UP_STOP_GRACE_S` later with 75 and its
+    line. Before, nothing ran until the agent's SIGKILL 30 s later: no line, no marker (`make faults`, "SIGTERM
+    during set-up ×20": one run in 20)."""
+    marker = tmp_path / "preempted"
+    blocked = ("import datetime, sys\nfrom torch.distributed import TCPStore\n"
+               "from megatron_ppo.launcher import tell_user\nfrom megatron_ppo.train.preemption import watching\n"
+               "store = TCPStore('127.0.0.1', 0, 1, True, timeout=datetime.timedelta(seconds=60))\n"
+               "with watching(say=tell_user):\n    print('waiting', flush=True)\n"
+               "    store.wait(['never'], datetime.timedelta(seconds=60))\n")  # fmt: skip
+    env = {**os.environ, OUTCOME_DIR: str(tmp_path), MARKER_ENV: str(marker), "RANK": "0", "WORLD_SIZE": "1"}
+    process = subprocess.Popen([sys.executable, "-c", blocked], env=env, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "waiting\n"
+    time.sleep(0.5)  # in the store's wait
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=40) == 75
+    assert time.monotonic() - signalled < 15, "ended after the grace, not at the store's timeout"
+    (outcome,) = read_outcomes(tmp_path).values()
+    assert outcome.status == 75 and "did not end within 3 s of the signal" in outcome.text, outcome.text
+    assert marker.exists(), "the batch script requeues on it"
