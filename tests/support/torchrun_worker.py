@@ -19,5 +19,5 @@ if __name__ == "__main__":
         sys.exit(1)
     if mode == "rank-0-late" and rank == "0":
         time.sleep(LATE_S)
-    sys.argv = ["megatron_ppo", *sys.argv[2:]]
+    sys.argv = ["-m", *sys.argv[2:]]  # as `python -m megatron_ppo …` has it while the package is imported
     runpy.run_module("megatron_ppo", run_name="__main__", alter_sys=True)
