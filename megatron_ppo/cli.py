@@ -6,7 +6,9 @@ import argparse
 import logging
 import os
 import shlex
+import shutil
 import signal
+import sys
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -28,13 +30,16 @@ if TYPE_CHECKING:
 
 def _validate(args: argparse.Namespace) -> int:
     config = load_config(args.recipe, args.overrides)
-    initial = [p for p in (config.model.init_checkpoint, config.critic.model.init_checkpoint) if p]
-    if initial:  # the model the checkpoints hold (training refuses others)
-        from megatron_ppo.checkpoint.shapes import checkpoint_problems, step_directory
+    from megatron_ppo.checkpoint.named import resumed_checkpoint, step_directory
 
-        found = filter(None, map(step_directory, dict.fromkeys(initial)))
+    # the model the checkpoints hold (training refuses others): the initial weights, and the checkpoint a resume loads
+    initial = [p for p in (config.model.init_checkpoint, config.critic.model.init_checkpoint) if p]
+    found = [checkpoint for checkpoint in map(step_directory, dict.fromkeys(initial)) if checkpoint is not None]
+    if found or resumed_checkpoint(config.trainer) is not None:
+        from megatron_ppo.checkpoint.shapes import checkpoint_problems, resume_problems  # torch's reader
+
         problems = [problem for checkpoint in found for problem in checkpoint_problems(checkpoint, config)]
-        if problems:
+        if problems := problems + resume_problems(config):
             raise ConfigError(problems, source=str(args.recipe))
     print(OmegaConf.to_yaml(OmegaConf.structured(config)), end="")
     return 0
@@ -171,15 +176,25 @@ def resume_command(recipe: str, overrides: Sequence[str], config: PPOConfig | No
         kept.append("trainer.resume_mode=auto")
     words = ["-m", "megatron_ppo", "train", recipe, *kept]
     nodes, per_node = int(os.environ.get("GROUP_WORLD_SIZE", "1")), os.environ.get("LOCAL_WORLD_SIZE")
+    python = Path(sys.executable)
     if nproc := nproc or (int(os.environ[NPROC]) if NPROC in os.environ else None):
         words.insert(3, f"--nproc={nproc}")
-        launch = ["python"]
+        launch = [_as_found(python)]
     elif "TORCHELASTIC_RUN_ID" in os.environ and per_node:
-        launch = ["torchrun", *(["--nnodes", str(nodes)] if nodes > 1 else ["--standalone"]), "--nproc_per_node",
-                  per_node]  # fmt: skip
+        launch = [_as_found(python.with_name("torchrun")), *(["--nnodes", str(nodes)] if nodes > 1 else
+                  ["--standalone"]), "--nproc_per_node", per_node]  # fmt: skip
     else:
-        launch = ["python"]
+        launch = [_as_found(python)]
     return shlex.join([*launch, *words])
+
+
+def _as_found(program: Path) -> str:
+    """`program` (this environment's interpreter, or a script beside it) as the user's shell runs it: its bare name
+    where PATH leads to this very file, else its path — a bare `python` may be another environment's, or none."""
+    found = shutil.which(program.name)
+    if not program.exists():  # torchrun installed elsewhere than the interpreter
+        return program.name if found is None else found
+    return program.name if found is not None and os.path.samefile(found, program) else str(program)
 
 
 def _end_as_interrupted() -> int:

@@ -22,10 +22,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron_ppo.checkpoint.named import resumed_checkpoint
 from megatron_ppo.config.layout import padded_vocab_size
 from megatron_ppo.config.schema import ModelConfig, PPOConfig
-
-METADATA = ".metadata"
 
 
 def saved_shapes(checkpoint: str | Path) -> dict[str, tuple[int, ...]]:
@@ -85,13 +84,14 @@ def checkpoint_problems(checkpoint: str | Path, config: PPOConfig) -> list[str]:
     return problems
 
 
-def step_directory(path: str | Path) -> Path | None:
-    """The checkpoint `path` names without Megatron (for `validate`): itself when it holds the metadata, else the
-    step its `latest` names; None when neither (the run's start resolves it fully and says why)."""
-    path = Path(path)
-    if (path / METADATA).is_file():
-        return path
-    latest = path / "latest"
-    if latest.is_file() and (path / latest.read_text().strip() / METADATA).is_file():
-        return path / latest.read_text().strip()
-    return None
+def resume_problems(config: PPOConfig) -> list[str]:
+    """`checkpoint_problems` of the checkpoint the run would continue (`resumed_checkpoint`), with how to start a
+    new run of this model instead; none when it holds this model or there is none. Asked before any work — the tiny
+    task's SFT of the new shape included — and by `validate`."""
+    checkpoint = resumed_checkpoint(config.trainer)
+    problems = checkpoint_problems(checkpoint, config) if checkpoint is not None else []
+    if problems:
+        problems.append(f"{checkpoint} is the checkpoint trainer.resume_mode={config.trainer.resume_mode} continues; "
+                        "for a new run of this model: another trainer.default_local_dir, or "
+                        "trainer.resume_mode=disable trainer.overwrite=true")  # fmt: skip
+    return problems

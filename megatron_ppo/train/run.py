@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from megatron_ppo.checkpoint import directory
 from megatron_ppo.checkpoint.initial_weights import InitialWeights
 from megatron_ppo.checkpoint.run_start import check_directories
+from megatron_ppo.checkpoint.shapes import resume_problems
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.layout import world_size
 from megatron_ppo.config.schema import PPOConfig
@@ -30,8 +31,9 @@ from megatron_ppo.train.ppo import PPOTrainer
 
 
 def check_launch(config: PPOConfig) -> DistEnv:
-    """Before any process group or model: the processes started are the config's, and the run's directories are
-    writable (`check_directories`). Returns this process's place in the launch."""
+    """Before any process group or model: the processes started are the config's, the run's directories are
+    writable (`check_directories`), and the checkpoint a resume would load holds the config's model
+    (`resume_problems`). Returns this process's place in the launch."""
     env = dist_env_from_environment()
     expected = world_size(config)
     if env.world_size != expected:
@@ -40,6 +42,8 @@ def check_launch(config: PPOConfig) -> DistEnv:
              f"with `torchrun --nproc_per_node {expected} -m megatron_ppo train ...` or set cluster.gpus_per_node"]
         )  # fmt: skip
     check_directories(config)
+    if problems := resume_problems(config):
+        raise ConfigError(problems)
     return env
 
 

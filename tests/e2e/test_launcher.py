@@ -7,6 +7,8 @@ Plain `torchrun` (before this launcher, and still) ends each of these with its o
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,7 +127,9 @@ def test_ctrl_c_saves_and_ends_130_with_one_resume_command_that_relaunches_alike
     assert training.end() == 130
     _said_once(training.output, "interrupted: saved")
     line = next(line for line in training.lines if line.startswith("interrupted: saved"))
-    assert "resume with: python -m megatron_ppo train --nproc=2 " in line, line
+    words = shlex.split(line.split("resume with: ", 1)[1])
+    assert words[1:5] == ["-m", "megatron_ppo", "train", "--nproc=2"], line
+    assert os.path.samefile(shutil.which(words[0]) or words[0], sys.executable), "this job's interpreter, found"
     assert named_by_latest(training.folder / "ckpt") is not None
     shown = [notice for notice in LIBRARY_NOTICES if notice in training.output]
     assert not shown, f"the libraries' notices are the debug log's, not the run's: {shown}"

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,15 +109,39 @@ def test_the_resume_command_repeats_the_launch_without_starting_another_run(monk
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.delenv("GROUP_WORLD_SIZE", raising=False)
     monkeypatch.delenv(NPROC, raising=False)
+    python, torchrun = sys.executable, str(Path(sys.executable).with_name("torchrun"))  # not on this PATH
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
     assert cli.resume_command(recipe, overrides, config) == (
-        f"torchrun --standalone --nproc_per_node 2 -m megatron_ppo train {recipe} actor.optim.lr=1e-5 data.seed=3 "
+        f"{torchrun} --standalone --nproc_per_node 2 -m megatron_ppo train {recipe} actor.optim.lr=1e-5 data.seed=3 "
         "trainer.resume_mode=auto"
     )  # the new run and the moving aside dropped, resuming asked for; one node: a rendezvous of its own
     monkeypatch.setenv(NPROC, "2")  # a worker of `train --nproc 2`
-    assert cli.resume_command(recipe, ["x=a b"], None) == f"python -m megatron_ppo train --nproc=2 {recipe} 'x=a b'"
+    assert cli.resume_command(recipe, ["x=a b"], None) == f"{python} -m megatron_ppo train --nproc=2 {recipe} 'x=a b'"
     monkeypatch.delenv(NPROC)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
-    assert cli.resume_command(recipe, ["x=a b"], None) == f"python -m megatron_ppo train {recipe} 'x=a b'"
+    assert cli.resume_command(recipe, ["x=a b"], None) == f"{python} -m megatron_ppo train {recipe} 'x=a b'"
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:/usr/bin:/bin")  # an activated environment
+    assert cli.resume_command(recipe, [], None).startswith(f"{Path(sys.executable).name} -m megatron_ppo train ")
+
+
+def test_the_resume_command_runs_as_printed(tmp_path) -> None:
+    """From a shell whose PATH leads to another environment's `python` (or none): the printed command's program is
+    the interpreter that ran the job, and its words are the CLI's (it began with a bare `python`)."""
+    other = tmp_path / "other-env"
+    other.mkdir()
+    (other / "python").write_text("#!/bin/sh\nexit 1\n")
+    (other / "python").chmod(0o755)
+    env = {**os.environ, "PATH": f"{other}:/usr/bin:/bin"}
+    code = ("import megatron_ppo.cli as c; print(c.resume_command('recipes/tiny-cpu.yaml', ['data.seed=3'], None, "
+            "nproc=2))")  # fmt: skip
+    printed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                             cwd=REPO).stdout.strip()  # fmt: skip
+    words = shlex.split(printed)
+    program = shutil.which(words[0], path=env["PATH"])
+    assert program is not None and os.path.samefile(program, sys.executable), printed
+    ran = subprocess.run([*words[:3], "--help"], env=env, capture_output=True, text=True, cwd=REPO)
+    assert ran.returncode == 0 and "train" in ran.stdout, ran.stderr[-2000:]
+    assert cli.build_parser().parse_args(words[3:]).nproc == 2, printed
 
 
 def test_megatrons_import_notices_go_to_the_debug_log_and_other_warnings_still_show(capsys, caplog) -> None:

@@ -15,6 +15,7 @@ import inspect
 import json
 import os
 import pkgutil
+import shutil
 import socket
 import subprocess
 import sys
@@ -304,13 +305,45 @@ def test_validate_refuses_a_model_that_does_not_match_its_checkpoint(tmp_path, c
     """The tiny recipe's model (2 layers, hidden 128, 4 heads) with a checkpoint of 1 layer, hidden 32, 2 heads:
     `validate` names each differing setting with both values and exits 2 (it accepted it, and `train` died in
     Megatron's `Global shape mismatch`); with the checkpoint's shape it passes."""
-    assert main(["validate", str(RECIPE), f"model.init_checkpoint={FIXTURE}"]) == 2
+    new_run = f"trainer.default_local_dir={tmp_path / 'ckpt'}"  # not the recipe's, which a `make train` fills
+    assert main(["validate", str(RECIPE), f"model.init_checkpoint={FIXTURE}", new_run]) == 2
     message = _one_error(capsys)
     for named in ("model.hidden_size: the config builds 128", "model.num_layers: the config builds 2",
                   "(4 + 2·4)·32 = 384 QKV rows", "model.ffn_hidden_size: the config builds 512"):  # fmt: skip
         assert named in message, message
     assert "[1, 96, 32]" in message and str(FIXTURE / "step_1") in message, message
-    assert main(["validate", str(RECIPE), f"model.init_checkpoint={FIXTURE}", *FIXTURE_MODEL]) == 0
+    assert main(["validate", str(RECIPE), f"model.init_checkpoint={FIXTURE}", new_run, *FIXTURE_MODEL]) == 0
+
+
+def test_validate_refuses_a_resume_into_a_model_of_another_shape(tmp_path, capsys) -> None:
+    """A run directory whose `latest` checkpoint holds another model than the config's (the model changed between
+    jobs): `validate` names each differing setting, the checkpoint a resume continues and how to start a new run
+    instead, exit 2; the checkpoint's own model, or a new run elsewhere, passes."""
+    run = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE, run)
+    assert main(["validate", str(RECIPE), f"trainer.default_local_dir={run}"]) == 2
+    message = _one_error(capsys)
+    assert "model.hidden_size: the config builds 128" in message and str(run / "step_1") in message, message
+    assert "trainer.resume_mode=auto continues" in message and "another trainer.default_local_dir" in message, message
+    assert main(["validate", str(RECIPE), f"trainer.default_local_dir={run}", *FIXTURE_MODEL]) == 0
+    assert main(["validate", str(RECIPE), f"trainer.default_local_dir={tmp_path / 'new'}"]) == 0
+    named = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={run / 'step_1'}"]
+    assert main(["validate", str(RECIPE), f"trainer.default_local_dir={tmp_path / 'new'}", *named]) == 2
+    assert "trainer.resume_mode=resume_path continues" in _one_error(capsys)
+
+
+def test_the_tiny_task_refuses_a_resume_into_another_shape_before_its_sft(tmp_path, capsys) -> None:
+    """`train` on the tiny recipe into a run directory of another model: refused before the task builds anything
+    (it trained the new shape's SFT policy for ≈ 105 s, then died loading the checkpoint)."""
+    run, work = tmp_path / "ckpt", tmp_path / "task"
+    shutil.copytree(FIXTURE, run)
+    args = ["train", str(RECIPE), "cluster.gpus_per_node=1", f"data.addition.work_dir={work}",
+            *(f"{role}.megatron.tensor_model_parallel_size=1" for role in ("actor", "ref", "critic")),
+            f"trainer.default_local_dir={run}", f"trainer.log_dir={tmp_path}/tb"]  # fmt: skip
+    assert main(args) == 2
+    message = _one_error(capsys)
+    assert "model.hidden_size: the config builds 128" in message and "trainer.resume_mode=auto" in message, message
+    assert not work.exists() or not any(work.iterdir()), "nothing of the task was built"
 
 
 def test_training_refuses_a_model_that_does_not_match_its_checkpoint_before_building_it(
