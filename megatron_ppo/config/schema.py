@@ -701,6 +701,12 @@ class GuardsConfig(Freezable):
     loss_explosion_factor: float | None = ranged(
         None, SPIKE_FACTOR, "|loss| above this × its running median, or a non-finite loss → rollback; null: off"
     )
+    loss_explosion_floor: float = ranged(
+        1.0,
+        NON_NEGATIVE,
+        "|loss| at or below this is no explosion whatever its median: a policy loss of whitened advantages sits "
+        "near zero (±0.01–0.1), where loss_explosion_factor × its median is noise",
+    )
     rollback_lr_factor: float = ranged(0.5, FACTOR, "every learning rate × this after a rollback")
     max_rollbacks: int = ranged(3, NON_NEGATIVE, "rollbacks allowed per run; one more asked for stops the run")
     kl_bump_threshold: float | None = ranged(

@@ -9,8 +9,9 @@ Per iteration (`Guards.observe`):
 - KL explosion: the KL of this iteration's update (`UPDATE_KL`, below) above `kl_explosion_threshold`, or not finite
   → `rollback` to the last good checkpoint with the learning rates × `rollback_lr_factor`, at most `max_rollbacks`
   times (all rollbacks count together).
-- Loss explosion: a non-finite loss, or |loss| above `loss_explosion_factor` × its running median (actor: the
-  policy-gradient loss, critic: the value loss) → `rollback`, as for the KL.
+- Loss explosion: a non-finite loss, or |loss| above `loss_explosion_factor` × its running median and above the
+  absolute `loss_explosion_floor` (actor: the policy-gradient loss, critic: the value loss) → `rollback`, as for the
+  KL. The floor: a policy loss of whitened advantages is ≈ 0 ± 0.01–0.1, so ten times its median is noise.
 - KL bump: the update's KL above `kl_bump_threshold` → `kl_bump`: every active β × `kl_bump_factor`, within the
   controllers' clamps.
 - Watch: each `watch` rule logs an event when its metric rises above its `max` (once per crossing) and does its
@@ -155,9 +156,10 @@ class Guards:
                 continue
             if config.loss_explosion_factor is not None and len(history) >= max(2, config.grad_norm_window // 2):
                 median = statistics.median(history[-config.grad_norm_window :])
-                if loss > config.loss_explosion_factor * median > 0:
+                if loss > max(config.loss_explosion_factor * median, config.loss_explosion_floor):
                     fired = fired or (role, loss, f"|{key}| {loss:.3g} > guards.loss_explosion_factor="
-                                      f"{config.loss_explosion_factor} × median {median:.3g}")  # fmt: skip
+                                      f"{config.loss_explosion_factor} × median {median:.3g} and > "
+                                      f"guards.loss_explosion_floor={config.loss_explosion_floor}")  # fmt: skip
             history.append(loss)
             del history[: -config.grad_norm_window]
         if fired is None:

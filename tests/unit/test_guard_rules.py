@@ -74,6 +74,22 @@ def test_loss_explosion_against_running_median_and_non_finite_loss() -> None:
     assert "after a skipped step" in action.message
 
 
+def test_a_loss_near_zero_is_judged_against_the_absolute_floor() -> None:
+    """A policy loss of whitened advantages: ±0.003 a step, then 0.08 — 27 × its median, and healthy (the default
+    guards rolled such runs back until `guards.max_rollbacks` stopped them, exit 3, within 11 steps of a tiny
+    Qwen2-shaped model); above `loss_explosion_floor` the factor judges again."""
+    guards = Guards(GuardsConfig(loss_explosion_factor=10.0, grad_norm_window=4, **QUIET))
+    for loss in [0.003, -0.002, 0.004, -0.003]:
+        assert guards.observe({"actor/pg_loss": loss}, False) == []
+    assert guards.observe({"actor/pg_loss": 0.08}, False) == [], "under the floor of 1.0"
+    (action,) = guards.observe({"actor/pg_loss": -1.5}, False)
+    assert action.guard == "loss_explosion" and "guards.loss_explosion_floor=1.0" in action.message, action.message
+    strict = Guards(GuardsConfig(loss_explosion_factor=10.0, loss_explosion_floor=0.0, grad_norm_window=4, **QUIET))
+    for loss in [0.003, -0.002, 0.004, -0.003]:
+        strict.observe({"actor/pg_loss": loss}, False)
+    assert [a.guard for a in strict.observe({"actor/pg_loss": 0.08}, False)] == ["loss_explosion"], "floor 0: as before"
+
+
 def test_kl_bump_multiplies_beta_within_the_controller_clamps() -> None:
     guards = Guards(GuardsConfig(kl_bump_threshold=0.1, kl_bump_factor=1.2, kl_explosion_threshold=1.0, **QUIET))
     assert guards.observe({"kl/mean": 0.1}, False) == []
