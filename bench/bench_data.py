@@ -6,7 +6,8 @@ Prints, for token-id rows: preparation tokens/s; the seconds from a fresh proces
 rows once prepared (the key's file hashing included), its resident memory (all of it, and above the same process's
 imports) and the bytes per token on disk, source and prepared; a second preparation (nothing to do). For text rows:
 preparation tokens/s with the apart/together check (data.tokenization_check=warn, the default) and without (off),
-and `encode_batch` over prompts and responses on all cores, with the ratios.
+and `encode_batch` over prompts and responses on all cores, with the ratios — for rows of the issue's shape (≈ 300 +
+900 tokens) and for short ones (≈ 80 + 240), where what the check costs a row weighs more.
 
 Run: python -m bench.bench_data [--rows N] [--text-rows N]   (or `make bench-data`; `make bench` runs it too)
 Writes under outputs/bench/data (≈ 17 GB at 10⁶ token-id rows; removed at the end unless --keep).
@@ -30,9 +31,11 @@ from bench.common import current_rss_mib
 
 SCRATCH = Path("outputs/bench/data")
 PROMPT, RESPONSE = 300, 900  # mean tokens of a token-id row
-TEXT_PROMPT_WORDS, TEXT_RESPONSE_WORDS = 60, 180  # a text row's words (≈ 1.3 tokens a word)
+TEXT_SHAPES = {"≈ 300 + 900 tokens, the issue's": (230, 690), "≈ 80 + 240 tokens, short": (60, 180)}  # a text row's
+# prompt and response words (≈ 1.3 tokens a word); the short rows' fixed costs a row weigh more
 VOCAB = 32000
 ROW_GROUP = 16384
+LIBRARY_CHUNK = 2048  # texts a call of the library's own `encode_batch` (as many as the preparation's calls take)
 
 
 def _arguments(argv) -> argparse.Namespace:
@@ -85,9 +88,9 @@ def _words() -> np.ndarray:
     return np.array(["".join(syllables[picks[i, : counts[i]]]) for i in range(20000)])
 
 
-def write_text_rows(path: Path, rows: int, seed: int = 0) -> tuple[list[str], list[str]]:
-    """`rows` text rows (Zipf-distributed words of a 20,000-word vocabulary, some punctuation) in Parquet; returns
-    (prompts, responses)."""
+def write_text_rows(path: Path, rows: int, words_each: tuple[int, int], seed: int = 0) -> tuple[list[str], list[str]]:
+    """`rows` text rows of about `words_each` (prompt, response) words (Zipf-distributed words of a 20,000-word
+    vocabulary, some punctuation) in Parquet; returns (prompts, responses)."""
     generator = np.random.default_rng(seed)
     words = _words()
     weights = 1.0 / np.arange(1, len(words) + 1)
@@ -97,8 +100,9 @@ def write_text_rows(path: Path, rows: int, seed: int = 0) -> tuple[list[str], li
         chosen = words[generator.choice(len(words), count, p=weights)]
         return " ".join(w + ("." if i % 13 == 12 else ",") if i % 7 == 6 else w for i, w in enumerate(chosen))
 
-    prompts = [text(int(generator.integers(TEXT_PROMPT_WORDS // 2, TEXT_PROMPT_WORDS * 3 // 2))) for _ in range(rows)]
-    responses = [" " + text(int(generator.integers(TEXT_RESPONSE_WORDS // 2, TEXT_RESPONSE_WORDS * 3 // 2)))
+    prompt_words, response_words = words_each
+    prompts = [text(int(generator.integers(prompt_words // 2, prompt_words * 3 // 2))) for _ in range(rows)]
+    responses = [" " + text(int(generator.integers(response_words // 2, response_words * 3 // 2)))
                  for _ in range(rows)]  # fmt: skip
     pq.write_table(pa.table({"prompt": prompts, "response": responses, "reward": generator.normal(size=rows)}), path)
     return prompts, responses
@@ -207,27 +211,39 @@ def token_id_part(rows: int) -> None:
         )
 
 
-def text_part(rows: int) -> None:
+def text_part(rows: int, shape: str) -> None:
+    """Text rows of `TEXT_SHAPES[shape]` prepared with the check and without, beside `encode_batch` over the same
+    texts, `LIBRARY_CHUNK` a call: its Encodings alone (the ids left in Rust), and with each text's ids read into a
+    Python list (`.ids`), which any use of them from Python pays — the floor for a preparation in Python."""
     from megatron_ppo.data.prepare import prepared_rows
     from megatron_ppo.data.tokenizer import load_tokenizer
 
     source = SCRATCH / "text.parquet"
-    prompts, responses = write_text_rows(source, rows, seed=1)
+    prompts, responses = write_text_rows(source, rows, TEXT_SHAPES[shape], seed=1)
     tokenizer = load_tokenizer(SCRATCH / "tokenizer")
     texts = prompts + responses
-    started = time.perf_counter()
-    encoded = tokenizer.tokenizer.encode_batch(texts, add_special_tokens=False)
-    library_s = time.perf_counter() - started
-    tokens = sum(len(e.ids) for e in encoded) + rows  # + the eos each response gets
-    print(f"text rows: {rows:,} rows, {tokens / 1e6:.1f}M tokens, byte-level BPE of {tokenizer.vocab_size} pieces, "
-          f"{os.cpu_count()} cores")  # fmt: skip
-    print(f"  tokenizers' encode_batch        : {library_s:8.1f} s, {tokens / library_s / 1e6:6.2f}M tokens/s")
-    for check in ("warn", "off"):
+    library_s = with_ids_s = 0.0
+    tokens = rows  # + the eos each response gets
+    for first in range(0, len(texts), LIBRARY_CHUNK):  # a call at a time: 10⁵ texts' Encodings at once need ~9 GB
         started = time.perf_counter()
-        prepared_rows([source], tokenizer, _config([source], check), SCRATCH / f"prepared-{check}", say=lambda _: None)
+        encoded = tokenizer.tokenizer.encode_batch(texts[first : first + LIBRARY_CHUNK], add_special_tokens=False)
+        library_s += time.perf_counter() - started
+        ids = [encoding.ids for encoding in encoded]
+        with_ids_s += time.perf_counter() - started
+        tokens += sum(map(len, ids))
+    print(f"text rows ({shape}): {rows:,} rows, {tokens / 1e6:.1f}M tokens, byte-level BPE of "
+          f"{tokenizer.vocab_size} pieces, {os.cpu_count()} cores")  # fmt: skip
+    print(f"  tokenizers' encode_batch        : {library_s:8.1f} s, {tokens / library_s / 1e6:6.2f}M tokens/s "
+          f"({with_ids_s:.1f} s with the ids read out)")  # fmt: skip
+    for check in ("warn", "off"):
+        shutil.rmtree(SCRATCH / "prepared", ignore_errors=True)
+        started = time.perf_counter()
+        prepared_rows([source], tokenizer, _config([source], check), SCRATCH / "prepared", say=lambda _: None)
         elapsed = time.perf_counter() - started
-        print(f"  prepare, tokenization_check={check:4s}: {elapsed:8.1f} s, {tokens / elapsed / 1e6:6.2f}M tokens/s, "
-              f"{library_s / elapsed:.2f}× encode_batch")  # fmt: skip
+        print(
+            f"  prepare, tokenization_check={check:4s}: {elapsed:8.1f} s, {tokens / elapsed / 1e6:6.2f}M tokens/s, "
+            f"{library_s / elapsed:.2f}× encode_batch ({with_ids_s / elapsed:.2f}× with the ids read out)"
+        )
 
 
 def main(argv=None) -> None:
@@ -237,11 +253,12 @@ def main(argv=None) -> None:
         return
     shutil.rmtree(SCRATCH, ignore_errors=True)
     SCRATCH.mkdir(parents=True)
-    prompts, responses = write_text_rows(SCRATCH / "sample.parquet", 4000, seed=2)
+    prompts, responses = write_text_rows(SCRATCH / "sample.parquet", 4000, TEXT_SHAPES["≈ 80 + 240 tokens, short"], 2)
     byte_level_bpe(SCRATCH / "tokenizer", prompts + responses)
     try:
         token_id_part(arguments.rows)
-        text_part(arguments.text_rows)
+        for shape in TEXT_SHAPES:
+            text_part(arguments.text_rows, shape)
     finally:
         if not arguments.keep:
             shutil.rmtree(SCRATCH, ignore_errors=True)
