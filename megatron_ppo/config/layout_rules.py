@@ -168,6 +168,11 @@ def _context_parallel_problems(c: PPOConfig) -> list[str]:
                  "not installed here: install the gpu extra, or use 1")  # fmt: skip
     if c.model.transformer_impl == "local":
         p.append(f"{setting} needs model.transformer_impl='transformer_engine' or 'auto', not 'local'")
+    for role in TRAINED_ROLES:
+        if (lora := getattr(c, role).lora).enabled:  # its layers are the local spec's (`uses_transformer_engine`)
+            p.append(f"{setting} with {role}.lora.rank={lora.rank}: LoRA's adapters sit on Megatron's local layers, "
+                     "whose attention sees only this rank's chunks of each row; train the role in full "
+                     f"({role}.lora.rank=0) or use CP 1")  # fmt: skip
     if c.model.pack_sequences:
         p.append(f"model.pack_sequences=true with {setting} is not built: each packed sequence would need its own "
                  "load-balanced split over the CP ranks (2·CP chunks per sequence); set model.pack_sequences=false "

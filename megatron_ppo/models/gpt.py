@@ -23,7 +23,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_ppo.config.errors import ConfigError
 from megatron_ppo.config.schema import ROLES, LoraSettings, MegatronConfig, ModelConfig
 from megatron_ppo.models.attention import with_sdpa_attention
-from megatron_ppo.models.kernels import transformer_engine_importable, transformer_engine_usable
+from megatron_ppo.models.kernels import (
+    transformer_engine_importable,
+    transformer_engine_usable,
+    uses_transformer_engine,
+)
 from megatron_ppo.models.lora import adapters_disabled, freeze_base, with_lora
 from megatron_ppo.models.norms import LocalNorm, with_local_norms
 from megatron_ppo.models.packing import pack_multiple
@@ -127,9 +131,7 @@ def select_layer_spec(model: ModelConfig, lora: LoraSettings | None = None) -> t
             f"{transformer_engine_importable()}); install the 'gpu' extra on a CUDA "
             "machine or set model.transformer_impl=local"
         )
-    use_te = model.transformer_impl == "transformer_engine" or (
-        model.transformer_impl == "auto" and transformer_engine_usable() and not (lora and lora.enabled)
-    )
+    use_te = uses_transformer_engine(model, lora)
     num_experts = model.num_experts or None  # MoE layers: the router, the token dispatcher and the experts
     spec = (
         get_gpt_layer_with_transformer_engine_spec(

@@ -33,7 +33,7 @@ import importlib.util
 
 import torch
 
-from megatron_ppo.config.schema import ModelConfig, PPOConfig
+from megatron_ppo.config.schema import LoraSettings, ModelConfig, PPOConfig
 from megatron_ppo.parallel.device import on_cuda
 
 FUSIONS = (
@@ -92,9 +92,33 @@ def optimizer_implementation() -> str:
     return f"FusedAdam ({optimizer.Adam.__module__.split('.')[0]})"
 
 
-def uses_transformer_engine(model: ModelConfig) -> bool:
-    """Transformer Engine's layer spec: on CUDA when it imports (`auto`), or when demanded."""
-    return model.transformer_impl != "local" and transformer_engine_usable()
+def uses_transformer_engine(model: ModelConfig, lora: LoraSettings | None = None) -> bool:
+    """Whether a role is built with Transformer Engine's layer spec: when demanded, or under `auto` on CUDA where TE
+    imports — but not for a role with LoRA adapters (`lora` enabled), which sit on Megatron's local linear layers."""
+    if model.transformer_impl == "local" or not transformer_engine_usable():
+        return False
+    return model.transformer_impl == "transformer_engine" or not (lora is not None and lora.enabled)
+
+
+def role_specs(config: PPOConfig) -> dict[str, bool]:
+    """Which roles the run builds with Transformer Engine's spec (`uses_transformer_engine`): the actor, the reference
+    (a LoRA actor's is its own base model, adapters off: the actor's spec) and the critic, where the run builds
+    them."""
+    actor = uses_transformer_engine(config.model, config.actor.lora)
+    specs = {"actor": actor}
+    if config.needs_reference:
+        specs["reference"] = actor if config.actor.lora.enabled else uses_transformer_engine(config.model)
+    if config.needs_critic:
+        specs["critic"] = uses_transformer_engine(config.model, config.critic.lora)
+    return specs
+
+
+def _spec_names(specs: dict[str, bool]) -> str:
+    """The spec every role runs ("Transformer Engine" or "Megatron local"), else each role's."""
+    name = {True: "Transformer Engine", False: "Megatron local"}
+    if len(set(specs.values())) == 1:
+        return name[next(iter(specs.values()))]
+    return ", ".join(f"{role} {name[te]}" for role, te in specs.items()) + " (LoRA builds Megatron's local spec)"
 
 
 SDPA_BACKENDS = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "memory-efficient", "CUDNN_ATTENTION": "cuDNN",
@@ -149,15 +173,16 @@ def transformer_engine_attention() -> str:
 
 
 def describe_kernels(config: PPOConfig) -> str:
-    """One line for the start of a run: layer spec, attention kernel (the backend SDPA really picks), fusions on
+    """One line for the start of a run: layer spec (each role's where they differ: a LoRA actor is local beside a TE
+    critic), the actor's attention kernel (the backend SDPA really picks), fusions on
     (those compiled with torch.compile marked), optimizer, dtype, and how sequences enter the model (packed THD
     with `model.pack_sequences`, else padded rows)."""
-    te = uses_transformer_engine(config.model)
+    specs = role_specs(config)
+    spec, te = _spec_names(specs), specs["actor"]  # the attention and layout named: the actor's
     if te:
-        spec, attention = "Transformer Engine", transformer_engine_attention()
+        attention = transformer_engine_attention()
     else:
         where = "" if on_cuda() else ", CPU kernel"
-        spec = "Megatron local"
         attention = (f"torch scaled_dot_product_attention ({sdpa_backend(config)}{where}; with a mask "
                      f"{sdpa_backend(config, masked=True)})")  # fmt: skip
     compiled = ("bias_activation_fusion", "bias_dropout_fusion")  # megatron.core.jit.jit_fuser: torch.compile

@@ -188,3 +188,23 @@ def test_a_batch_off_the_run_device_is_refused_before_it_reaches_algo() -> None:
     with pytest.raises(ValueError, match=r"compute_advantages: tensors \{'old_log_prob': 'meta'\}"):
         compute_advantages(PPOConfig(), {"loss_mask": torch.ones(2, 3)}, {"old_log_prob": torch.zeros(2, 3,
                            device="meta")}, None, None)  # fmt: skip
+
+
+def test_the_start_line_names_each_roles_spec_where_lora_makes_them_differ(monkeypatch) -> None:
+    """Where Transformer Engine runs (`auto` on CUDA with TE), a LoRA actor and its reference (its own base) are built
+    with the local spec and the critic with TE's: the line says so, the actor's attention named (it said "Transformer
+    Engine" for every role)."""
+    from megatron_ppo.models import kernels
+
+    monkeypatch.setattr(kernels, "transformer_engine_usable", lambda: True)
+    from megatron_ppo.config import load_config
+
+    config = load_config("recipes/qwen2.5-32b-lora.yaml", ["critic.lora.rank=0"])
+    assert kernels.role_specs(config) == {"actor": False, "reference": False, "critic": True}
+    line = describe_kernels(config)
+    assert "spec actor Megatron local, reference Megatron local, critic Transformer Engine (LoRA" in line, line
+    assert "scaled_dot_product_attention" in line, "the actor's attention"
+    assert "spec Megatron local;" in describe_kernels(load_config("recipes/qwen2.5-32b-lora.yaml")), "both LoRA"
+    full = load_config("recipes/qwen2.5-32b.yaml")
+    assert set(kernels.role_specs(full).values()) == {True}
+    assert "spec Transformer Engine; attention TEDotProductAttention" in describe_kernels(full)

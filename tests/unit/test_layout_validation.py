@@ -52,3 +52,14 @@ def test_the_reference_offloads_only_its_weights() -> None:
     assert problems == [
         "ref.megatron.grad_offload=true: the reference has no gradients; use ref.megatron.param_offload for its weights"
     ]
+
+
+def test_lora_with_context_parallelism_is_refused_with_its_fix() -> None:
+    """LoRA builds the local spec (its adapters sit on Megatron's linear layers), whose attention cannot exchange
+    keys and values around the CP ring: refused by `validate` with the fix, where it used to pass and raise when the
+    attention was built."""
+    lora = _problems(REPO / "recipes" / "qwen2.5-32b-lora.yaml", CP2)
+    for role in ("actor", "critic"):
+        assert any(f"with {role}.lora.rank=64" in p and f"({role}.lora.rank=0)" in p and "CP 1" in p for p in lora), lora
+    actor_only = _problems(REPO / "recipes" / "qwen2.5-32b-lora.yaml", [*CP2, "critic.lora.rank=0"])
+    assert not any("critic.lora" in p for p in actor_only), actor_only
