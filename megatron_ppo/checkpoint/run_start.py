@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ppo.checkpoint import directory, lock
+from megatron_ppo.checkpoint.proof import help_prove, proving_together
 from megatron_ppo.checkpoint.run_identity import RunIdentity, UnreadableIdentity, config_differences, new_run_id
 from megatron_ppo.checkpoint.verify import CheckpointError
 from megatron_ppo.config.errors import ConfigError, UserError
@@ -49,18 +50,22 @@ class RunStart:
 
 def start_run(config: PPOConfig) -> RunStart:
     """Decide on rank 0 which run this is and prepare `trainer.default_local_dir` for it (see the module docstring):
-    its lock taken (`lock.py`), the checkpoint to continue verified. A refusal (another run's checkpoints, a damaged
+    its lock taken (`lock.py`), the checkpoint to continue verified (its bytes read by every rank, a share each:
+    `proof.py`). A refusal (another run's checkpoints, a damaged
     `trainer.resume_from_path`, another job holding the directory) is raised on every rank: rank 0 raises its own
     `UserError`, the others a `UserError` with its message."""
     outcome: Any = None
     failure: Exception | None = None
     if global_rank() == 0:
         try:
-            outcome = _start(config)
+            with proving_together():  # the checkpoint to continue read by every rank, a share each
+                outcome = _start(config)
         except UserError as refusal:  # the other ranks are waiting for a decision: send them the refusal...
             failure, outcome = refusal, ("refused", str(refusal))
         except Exception as error:  # ... or the failure
             failure, outcome = error, ("failed", f"rank 0 could not prepare the run's directories: {error!r}")
+    else:
+        help_prove()
     outcome = broadcast_from_rank0(outcome)
     if failure is not None:
         raise failure

@@ -12,8 +12,9 @@ Two checks read it. `damage(path)` compares sizes: a file missing or of another 
 filled up, a file removed by hand) makes the checkpoint damaged, with the first differences named; resuming,
 rollbacks, pruning and export all go through `directory.is_complete`, which asks this. `corruption(path)` reads every
 file and compares its digest (a shard overwritten in place, bit rot, a bad copy between filesystems keep the size):
-asked once, by one process, of a checkpoint about to be loaded (`directory.unproven`: the one a run resumes from,
-on rank 0; the one a rollback returns to, on rank 0; the one exported). A checkpoint saved before manifests existed
+asked once of a checkpoint about to be loaded (`directory.unproven`: the one a run resumes from and the one a
+rollback returns to, decided on rank 0 with every rank of the job reading a share of the bytes — `proof.py`; the one
+exported, by its one process). A checkpoint saved before manifests existed
 is judged by its files alone (the older rule), one saved before digests by its sizes. Reading a checkpoint's files
 that still fails (`reading`) ends in a `CheckpointError` naming it, not in the unpickler's or Megatron's internal error.
 """
@@ -25,9 +26,10 @@ import json
 import os
 import pickle
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import xxhash
@@ -103,26 +105,53 @@ def recorded(checkpoint: Path) -> tuple[int, int, bool]:
 
 def corruption(checkpoint: Path) -> str | None:
     """Which of `checkpoint`'s files hold other bytes than the digest its save recorded (None: none do, or its save
-    recorded no digests). Reads every file: asked of a checkpoint about to be loaded, after `damage`."""
+    recorded no digests). Reads every file — here, or a share on each rank of the job inside `checkpoint/proof.py`'s
+    `proving_together`: asked of a checkpoint about to be loaded, after `damage`."""
     try:
-        digests = json.loads((checkpoint / MANIFEST).read_text()).get("xxh3_64", {})
-    except (OSError, ValueError, AttributeError):
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+        digests, sizes = manifest.get("xxh3_64", {}), manifest["files"]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None  # `damage` names an unreadable manifest
-    names = sorted(digests)
     try:
-        found = _hashed(checkpoint, names)
+        differ = (SHARED_READING.get() or differing)(checkpoint, digests, sizes)
     except OSError as error:
         return f"a file cannot be read ({error})"
-    differ = [name for name, digest in zip(names, found, strict=True) if digest != digests[name]]
     if not differ:
         return None
     more = f" and {len(differ) - _SHOWN} more" if len(differ) > _SHOWN else ""
     return (
-        f"{len(differ)} of its {len(names)} files hold other bytes than when saved (their xxh3-64 digest differs "
+        f"{len(differ)} of its {len(digests)} files hold other bytes than when saved (their xxh3-64 digest differs "
         f"from {MANIFEST}; same size: overwritten in place, or damaged on disk or in a copy): "
         + ", ".join(differ[:_SHOWN])
         + more
     )
+
+
+def differing(checkpoint: Path, digests: dict[str, str], sizes: dict[str, int]) -> list[str]:
+    """The files of `digests` (name → recorded digest) under `checkpoint` whose bytes hash otherwise, sorted; an
+    `OSError` when one cannot be read. `sizes` (name → bytes): unused here, the shares' weights where the job reads
+    together."""
+    names = sorted(digests)
+    found = _hashed(checkpoint, names)
+    return [name for name, digest in zip(names, found, strict=True) if digest != digests[name]]
+
+
+def shares(sizes: dict[str, int], parts: int) -> list[list[str]]:
+    """The files (name → bytes) in `parts` shares of about equal bytes — each, largest first, to the lightest share
+    (ties: the lowest-numbered) — the same on every rank; each share sorted."""
+    loads, out = [0] * parts, [[] for _ in range(parts)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        lightest = loads.index(min(loads))
+        loads[lightest] += sizes[name]
+        out[lightest].append(name)
+    return [sorted(share) for share in out]
+
+
+# How `corruption` reads a checkpoint's files: unset, all here (`differing`); inside `proof.proving_together`, a share
+# on each rank of the job.
+SHARED_READING: ContextVar[Callable[[Path, dict[str, str], dict[str, int]], list[str]] | None] = ContextVar(
+    "SHARED_READING", default=None
+)
 
 
 def damage(checkpoint: Path) -> str | None:

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from megatron_ppo.checkpoint import directory, store
 from megatron_ppo.checkpoint.async_save import AsyncSaves, SaveTiming
+from megatron_ppo.checkpoint.proof import help_prove, proving_together
 from megatron_ppo.checkpoint.run_identity import RunIdentity
 from megatron_ppo.config.schema import TrainerConfig
 from megatron_ppo.models.gpt import RoleModel, sync_parameters
@@ -173,13 +174,16 @@ class CheckpointKeeper:
         return self.loadable(self.good, "the good checkpoint")
 
     def loadable(self, checkpoint: str | None, what: str) -> Path | None:
-        """`checkpoint` while it proves its bytes on disk (`directory.unproven`, judged on rank 0: it reads every
-        file) and is this run's (another run may reuse its step's name); else None, with a warning naming `what`
-        and why. A collective."""
+        """`checkpoint` while it proves its bytes on disk (`directory.unproven`, judged on rank 0, every rank reading
+        a share of its files: `proof.py`) and is this run's (another run may reuse its step's name); else None, with
+        a warning naming `what` and why. A collective."""
         path = None if checkpoint is None else Path(checkpoint)
         why = None
-        if global_rank() == 0 and path is not None:
-            why = directory.unproven(path)
+        if path is not None and global_rank() != 0:
+            help_prove()
+        elif path is not None:
+            with proving_together():  # its bytes read by every rank, a share each
+                why = directory.unproven(path)
             if why is None and directory.run_of(path) != self.run.run_id:
                 why = "another run's checkpoint has taken its name"
             if why is not None:

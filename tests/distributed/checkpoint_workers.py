@@ -405,3 +405,43 @@ def corrupted_in_place(rank: int, world_size: int, root: str) -> dict[str, Any]:
         barrier()
     report["after_repair"] = directory.unproven(step_6)
     return report
+
+
+def proven_together(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Files of several sizes with a manifest (rank 0 writes them), one overwritten in place; rank 0 asks
+    `verify.corruption` inside `proving_together` while the others help: the message, and the files each rank
+    hashed."""
+    import torch.distributed as dist
+
+    from megatron_ppo.checkpoint import proof, verify
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    checkpoint = Path(root) / "step_1"
+    if rank == 0:
+        checkpoint.mkdir(parents=True)
+        for i, size in enumerate([9000, 7000, 5000, 3000, 1000, 800]):
+            (checkpoint / f"__{i}_0.distcp").write_bytes(bytes([i]) * size)
+        verify.write_manifest(checkpoint)
+        with (checkpoint / "__3_0.distcp").open("r+b") as shard:
+            shard.seek(100)
+            shard.write(b"\xff" * 16)
+    barrier()
+    hashed: list[str] = []
+    differing = verify.differing
+
+    def counted(path, digests, sizes):
+        hashed.extend(digests)
+        return differing(path, digests, sizes)
+
+    verify.differing = counted
+    try:
+        if rank == 0:
+            with proof.proving_together():
+                message = verify.corruption(checkpoint)
+                clean = verify.corruption(Path(root) / "missing")  # no manifest: nothing asked of the others
+        else:
+            proof.help_prove()
+            message = clean = None
+    finally:
+        verify.differing = differing
+    return {"message": message, "clean": clean, "hashed": sorted(hashed)}

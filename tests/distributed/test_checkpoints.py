@@ -169,3 +169,14 @@ def test_a_file_overwritten_in_place_is_refused_by_its_digest_and_the_run_resume
         assert "skipped step_6, which latest named: 1 of its" in messages, (kind, messages)
         assert f"): {name}" in messages, (kind, messages)  # the file named
         assert f"checkpoint {tmp_path / 'ckpt'}/step_6 is damaged: 1 of its" in refusal and name in refusal, refusal
+
+
+def test_a_checkpoints_bytes_are_read_by_every_rank_a_share_each(tmp_path) -> None:
+    """Rank 0 decides, but each file is hashed by one rank of the job, the bytes shared out (9000 + 3000 + 1000 and
+    7000 + 5000 + 800 bytes here): at 16 nodes a 235B checkpoint is read at the nodes' bandwidth, not rank 0's
+    alone; the file overwritten in place is named whichever rank read it."""
+    ranks = run_distributed(checkpoint_workers.proven_together, 2, str(tmp_path))
+    assert ranks[0]["hashed"] == ["__0_0.distcp", "__3_0.distcp", "__4_0.distcp"], ranks
+    assert ranks[1]["hashed"] == ["__1_0.distcp", "__2_0.distcp", "__5_0.distcp"], ranks
+    assert "1 of its 6 files hold other bytes than when saved" in ranks[0]["message"], ranks[0]["message"]
+    assert ranks[0]["message"].endswith("__3_0.distcp") and ranks[0]["clean"] is None
