@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import tokenizers
 
 from bench.common import current_rss_mib
 
@@ -45,6 +46,7 @@ def _arguments(argv) -> argparse.Namespace:
     parser.add_argument("--text-rows", type=int, default=50_000, help="text rows (default 50,000)")
     parser.add_argument("--keep", action="store_true", help="keep outputs/bench/data")
     parser.add_argument("--first-batch", metavar="ROOT", help=argparse.SUPPRESS)  # the fresh process's part
+    parser.add_argument("--text-run", choices=("library", "warn", "off"), help=argparse.SUPPRESS)  # the same
     arguments = parser.parse_args(argv)
     if arguments.smallest:
         arguments.rows, arguments.text_rows = 3000, 2000
@@ -214,42 +216,67 @@ def token_id_part(rows: int) -> None:
 def text_part(rows: int, shape: str) -> None:
     """Text rows of `TEXT_SHAPES[shape]` prepared with the check and without, beside `encode_batch` over the same
     texts, `LIBRARY_CHUNK` a call: its Encodings alone (the ids left in Rust), and with each text's ids read into a
-    Python list (`.ids`), which any use of them from Python pays — the floor for a preparation in Python."""
-    from megatron_ppo.data.prepare import prepared_rows
-    from megatron_ppo.data.tokenizer import load_tokenizer
-
-    source = SCRATCH / "text.parquet"
-    prompts, responses = write_text_rows(source, rows, TEXT_SHAPES[shape], seed=1)
-    tokenizer = load_tokenizer(SCRATCH / "tokenizer")
-    texts = prompts + responses
-    library_s = with_ids_s = 0.0
-    tokens = rows  # + the eos each response gets
-    for first in range(0, len(texts), LIBRARY_CHUNK):  # a call at a time: 10⁵ texts' Encodings at once need ~9 GB
-        started = time.perf_counter()
-        encoded = tokenizer.tokenizer.encode_batch(texts[first : first + LIBRARY_CHUNK], add_special_tokens=False)
-        library_s += time.perf_counter() - started
-        ids = [encoding.ids for encoding in encoded]
-        with_ids_s += time.perf_counter() - started
-        tokens += sum(map(len, ids))
-    print(f"text rows ({shape}): {rows:,} rows, {tokens / 1e6:.1f}M tokens, byte-level BPE of "
-          f"{tokenizer.vocab_size} pieces, {os.cpu_count()} cores")  # fmt: skip
+    Python list (`.ids`), which any use of them from Python pays — the floor for a preparation in Python. Each in a
+    fresh process, as `megatron-ppo prepare` runs (in one process, a preparation after the library's calls took up
+    to twice its time)."""
+    write_text_rows(SCRATCH / "text.parquet", rows, TEXT_SHAPES[shape], seed=1)
+    library_s, with_ids_s, tokens = _text_run("library")
+    pieces = tokenizers.Tokenizer.from_file(str(SCRATCH / "tokenizer" / "tokenizer.json")).get_vocab_size()
+    print(f"text rows ({shape}): {rows:,} rows, {tokens / 1e6:.1f}M tokens, byte-level BPE of {pieces} pieces, "
+          f"{os.cpu_count()} cores")  # fmt: skip
     print(f"  tokenizers' encode_batch        : {library_s:8.1f} s, {tokens / library_s / 1e6:6.2f}M tokens/s "
           f"({with_ids_s:.1f} s with the ids read out)")  # fmt: skip
     for check in ("warn", "off"):
         shutil.rmtree(SCRATCH / "prepared", ignore_errors=True)
-        started = time.perf_counter()
-        prepared_rows([source], tokenizer, _config([source], check), SCRATCH / "prepared", say=lambda _: None)
-        elapsed = time.perf_counter() - started
+        elapsed = _text_run(check)[0]
         print(
             f"  prepare, tokenization_check={check:4s}: {elapsed:8.1f} s, {tokens / elapsed / 1e6:6.2f}M tokens/s, "
             f"{library_s / elapsed:.2f}× encode_batch ({with_ids_s / elapsed:.2f}× with the ids read out)"
         )
 
 
+def _text_run(kind: str) -> tuple[float, float, int]:
+    out = subprocess.run([sys.executable, "-m", "bench.bench_data", "--text-run", kind], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    line = next(line for line in out.stdout.splitlines() if line.startswith("TEXT_RUN"))
+    _, seconds, with_ids, tokens = line.split("\t")
+    return float(seconds), float(with_ids), int(tokens)
+
+
+def text_run(kind: str) -> None:
+    """In a fresh process: "library" — `encode_batch` over the texts of the scratch `text.parquet` (read first, not
+    timed), `LIBRARY_CHUNK` a call, the ids read out or not; "warn" / "off" — the file prepared with that check.
+    Prints the seconds (and for the library, with the ids read out, and the tokens with each response's eos)."""
+    from megatron_ppo.data.prepare import prepared_rows
+    from megatron_ppo.data.tokenizer import load_tokenizer
+
+    source, tokenizer = SCRATCH / "text.parquet", load_tokenizer(SCRATCH / "tokenizer")
+    if kind != "library":
+        started = time.perf_counter()
+        prepared_rows([source], tokenizer, _config([source], kind), SCRATCH / "prepared", say=lambda _: None)
+        print(f"TEXT_RUN\t{time.perf_counter() - started}\t0\t0")
+        return
+    table = pq.read_table(source)
+    texts = table.column("prompt").to_pylist() + table.column("response").to_pylist()
+    library_s = with_ids_s = 0.0
+    tokens = table.num_rows  # + the eos each response gets
+    for first in range(0, len(texts), LIBRARY_CHUNK):
+        started = time.perf_counter()
+        encoded = tokenizer.tokenizer.encode_batch(texts[first : first + LIBRARY_CHUNK], add_special_tokens=False)
+        library_s += time.perf_counter() - started
+        ids = [encoding.ids for encoding in encoded]
+        with_ids_s += time.perf_counter() - started
+        tokens += sum(map(len, ids))
+    print(f"TEXT_RUN\t{library_s}\t{with_ids_s}\t{tokens}")
+
+
 def main(argv=None) -> None:
     arguments = _arguments(argv)
     if arguments.first_batch:
         first_batch(arguments.first_batch)
+        return
+    if arguments.text_run:
+        text_run(arguments.text_run)
         return
     shutil.rmtree(SCRATCH, ignore_errors=True)
     SCRATCH.mkdir(parents=True)
