@@ -5,8 +5,11 @@ bucket. Six launches share one task cache, and the first run is the uninterrupte
 from __future__ import annotations
 
 import math
+import os
 import re
+import shutil
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,7 +174,9 @@ def test_a_run_killed_preempted_and_resumed_at_tp1_and_back_at_tp2_reproduces_th
     assert "resumed from" in log and f"step_{killed_step}" in log, log[-3000:]
     saved_step = int((ckpt / "latest").read_text().strip().removeprefix("step_"))
     said = [line for line in log.splitlines() if line.startswith("interrupted:")]
-    relaunch = "torchrun --standalone --nproc_per_node 2 -m megatron_ppo"  # as launched, --standalone kept
+    torchrun, found = Path(sys.executable).with_name("torchrun"), shutil.which("torchrun")  # the job's, as found
+    program = "torchrun" if found is not None and os.path.samefile(found, torchrun) else str(torchrun)
+    relaunch = f"{program} --standalone --nproc_per_node 2 -m megatron_ppo"  # as launched, --standalone kept
     resume = f"interrupted: saved {ckpt}/step_{saved_step}; resume with: {relaunch}"
     assert len(said) == 1 and said[0].startswith(resume) and "trainer.save_freq=0" in said[0], said
     exits = re.findall(r"exitcode\s*:\s*(-?\d+)", log)  # torchrun's report of each rank that had ended
