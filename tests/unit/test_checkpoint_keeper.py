@@ -19,4 +19,3 @@ def test_the_good_and_best_checkpoints_are_read_in_the_runs_directory_as_it_is_n
     keeper.load_state_dict({"best_checkpoint": None})  # a checkpoint from before the good one was kept
     assert (keeper.best, keeper.good) == (None, None)
     assert keeper.state_dict() == {"best_checkpoint": None, "good_checkpoint": None}
-
