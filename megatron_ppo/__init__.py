@@ -2,11 +2,11 @@
 
 import sys
 
-from megatron_ppo import early_signals
+from megatron_ppo.startup import early_signals
 
 early_signals.hold(sys.argv)  # first: a stop signal while `train` still imports (seconds) is answered, not lost
 
-from megatron_ppo import deferred_compile, lazy_modules  # noqa: E402 — after the signals are held
+from megatron_ppo.startup import deferred_compile, lazy_modules  # noqa: E402 — after the signals are held
 
 __version__ = "0.1.0"
 

@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 from megatron_ppo.checkpoint.verify import CheckpointError
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.errors import UserError
-from megatron_ppo.import_gc import imports_without_gc
-from megatron_ppo.launcher import NPROC, OUTCOME_DIR, tell_user
+from megatron_ppo.launcher import NPROC, tell_user
+from megatron_ppo.startup.early_signals import OUTCOME_DIR, stopped_by_plain_torchrun
+from megatron_ppo.startup.import_gc import imports_without_gc
 
 if TYPE_CHECKING:
     from megatron_ppo.config.schema import PPOConfig
@@ -52,11 +53,11 @@ def _train(args: argparse.Namespace) -> int:
         from megatron_ppo.tasks import addition
         from megatron_ppo.train.guards import GuardStopped
         from megatron_ppo.train.preemption import (
-            MARKER_ENV,
             Interrupted,
             JobStopped,
             Preempted,
             StoppedBeforeTraining,
+            stopped_by_the_launcher,
             watching,
         )
         from megatron_ppo.train.run import train
@@ -77,10 +78,9 @@ def _train(args: argparse.Namespace) -> int:
         return tell_user(_end_as_interrupted(), f"interrupted: nothing new saved ({_kept(config)}); resume with: "
                                                 f"{resume_command(args.recipe, args.overrides, config)}")  # fmt: skip
     except StoppedBeforeTraining as stop:
-        if _under_plain_torchrun() and MARKER_ENV not in os.environ:  # most likely torchrun ending the others
-            return tell_user(128 + signal.Signals[str(stop)].value,
-                             f"stopped by {stop} from the launcher before training (another rank failed first? its "
-                             f"error is above, or in its log): nothing new to save ({_kept(config)})")  # fmt: skip
+        if stopped_by_plain_torchrun():  # most likely torchrun ending the others
+            said = f"{stopped_by_the_launcher(str(stop))}: nothing new to save ({_kept(config)})"
+            return tell_user(128 + signal.Signals[str(stop)].value, said)
         return tell_user(stop.exit_status, f"stopped early by {stop} before training: nothing new to save "
                                            f"({_kept(config)}); exiting with {stop.exit_status}, requeued unless it "
                                            "was cancelled")  # fmt: skip

@@ -35,10 +35,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ppo.early_signals import PREEMPTED_EXIT, SIGNALS, write_marker
-from megatron_ppo.import_gc import imports_without_gc
+from megatron_ppo.startup.early_signals import OUTCOME_DIR, PREEMPTED_EXIT, SIGNALS, write_marker
+from megatron_ppo.startup.import_gc import imports_without_gc
 
-OUTCOME_DIR = "MEGATRON_PPO_OUTCOME_DIR"
 NPROC = "MEGATRON_PPO_NPROC"  # set for the workers: the resume command a worker prints launches as they were
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
 

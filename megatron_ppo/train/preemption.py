@@ -31,9 +31,9 @@ from types import FrameType
 
 import psutil
 
-from megatron_ppo import early_signals
-from megatron_ppo.early_signals import MARKER_ENV, PREEMPTED_EXIT, SIGNALS  # noqa: F401 — MARKER_ENV: said here too
 from megatron_ppo.parallel.collectives import any_rank, global_rank
+from megatron_ppo.startup import early_signals
+from megatron_ppo.startup.early_signals import MARKER_ENV, PREEMPTED_EXIT, SIGNALS  # noqa: F401 — MARKER_ENV: said here too
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT: what a shell reports for a Ctrl-C
 
@@ -100,7 +100,8 @@ class PreemptionWatch:
         whoever asks first: the handler, or `_hear`)."""
         with self._ending_lock:
             if self.ending is None and not self.restored:
-                mark_preempted()
+                if not early_signals.stopped_by_plain_torchrun():  # a preemption, not torchrun ending the others
+                    mark_preempted()
                 self.ending = end_within(SET_UP_STOP_GRACE_S, signal.Signals(signum).name, self.say)
 
     def _hear(self) -> None:
@@ -167,6 +168,12 @@ class PreemptionWatch:
 SET_UP_STOP_GRACE_S = 3.0
 
 
+def stopped_by_the_launcher(name: str) -> str:
+    """What a worker of plain `torchrun` stopped by `name` before training says (`stopped_by_plain_torchrun`)."""
+    return (f"stopped by {name} from the launcher before training (another rank failed first? its error is above, or "
+            "in its log)")  # fmt: skip
+
+
 def end_within(grace_s: float, name: str, say: Callable[[int, str], object]) -> threading.Timer:
     """A daemon timer (started, returned): this process, unless the timer is cancelled (the watch's end: the
     unwinding got out), says `grace_s` after a stop signal before training that it was stopped (`say`: exit status,
@@ -174,9 +181,14 @@ def end_within(grace_s: float, name: str, say: Callable[[int, str], object]) -> 
     the process's end does anyway — sockets closed, locks released)."""
 
     def end() -> None:
-        say(PREEMPTED_EXIT, f"stopped early by {name} before training: nothing new to save; its set-up did not end "
-                            f"within {grace_s:g} s of the signal (waiting for a process already stopped), so it ended "
-                            f"at once; exiting with {PREEMPTED_EXIT}, requeued unless it was cancelled")  # fmt: skip
+        stuck = (f"its set-up did not end within {grace_s:g} s of the signal (waiting for a process already stopped), "
+                 "so it ended at once")  # fmt: skip
+        if early_signals.stopped_by_plain_torchrun():
+            status = 128 + signal.Signals[name].value
+            say(status, f"{stopped_by_the_launcher(name)}: nothing new to save; {stuck}")
+            os._exit(status)
+        say(PREEMPTED_EXIT, f"stopped early by {name} before training: nothing new to save; {stuck}; exiting with "
+                            f"{PREEMPTED_EXIT}, requeued unless it was cancelled")  # fmt: skip
         os._exit(PREEMPTED_EXIT)
 
     timer = threading.Timer(grace_s, end)

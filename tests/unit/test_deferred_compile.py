@@ -1,11 +1,11 @@
-"""`megatron_ppo.deferred_compile`: Megatron-Core's `torch.compile` decorations set up at their first call — the
+"""`megatron_ppo.startup.deferred_compile`: Megatron-Core's `torch.compile` decorations set up at their first call — the
 same compilation, with the same options, by dynamo itself (a counting backend here) — and not at import."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron_ppo.deferred_compile import compile_megatron_on_first_call
+from megatron_ppo.startup.deferred_compile import compile_megatron_on_first_call
 from tests.support.fresh_process import assert_in_a_fresh_process
 
 
@@ -57,7 +57,7 @@ def test_importing_megatron_core_through_the_package_sets_up_no_compiler() -> No
     module (it imports dynamo's compiler; `models.attention` asks for it only on CUDA) is imported."""
     assert_in_a_fresh_process(
         "import sys, megatron_ppo.train.run, megatron.core.jit as jit, megatron.core.fusions.fused_bias_geglu as g",
-        "from megatron_ppo.deferred_compile import compile_megatron_on_first_call as deferred",
+        "from megatron_ppo.startup.deferred_compile import compile_megatron_on_first_call as deferred",
         "assert jit.jit_fuser is deferred, jit.jit_fuser",
         "assert g.geglu.__code__.co_name == 'compiled_at_first_call', g.geglu",
         "assert 'torch._inductor.compile_fx' not in sys.modules, 'inductor was imported'",

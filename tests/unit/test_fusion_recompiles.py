@@ -12,12 +12,12 @@ from megatron.core import jit
 from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu
 from torch._dynamo.testing import CompileCounter
 
-from megatron_ppo.deferred_compile import TORCH_COMPILE, compile_megatron_on_first_call
+from megatron_ppo.startup.deferred_compile import TORCH_COMPILE, compile_megatron_on_first_call
 
 
 def test_the_compiled_fusions_compile_at_most_twice_over_many_pack_widths() -> None:
-    # torch.compile, or the same deferred to the first call (`megatron_ppo.deferred_compile`, when the package was
-    # imported before Megatron)
+    # torch.compile, or the same deferred to the first call (`megatron_ppo.startup.deferred_compile`, when the package
+    # was imported before Megatron)
     assert jit.jit_fuser in (TORCH_COMPILE, compile_megatron_on_first_call), "the fusions are no longer torch.compile"
     hidden = 16
     for name, fused, inputs in (

@@ -1,5 +1,5 @@
-"""`megatron_ppo.import_gc`: a process's heavy imports run with the cyclic garbage collector paused, and what they
-built is frozen after (never walked by a later collection); the collector is back on whatever the body does, and a
+"""`megatron_ppo.startup.import_gc`: a process's heavy imports run with the cyclic garbage collector paused, and what
+they built is frozen after (never walked by a later collection); the collector is back on whatever the body does, and a
 collector the program had turned off stays off."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ppo.import_gc import imports_without_gc
+from megatron_ppo.startup.import_gc import imports_without_gc
 from tests.support.fresh_process import assert_in_a_fresh_process
 
 

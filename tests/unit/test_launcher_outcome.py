@@ -97,6 +97,28 @@ def test_a_stop_before_training_that_cannot_unwind_ends_at_once_with_75_and_says
     assert outcome.status == 75 and "did not end within 0.5 s of the signal" in outcome.text, outcome.text
 
 
+def test_under_plain_torchrun_a_stuck_stop_before_training_is_the_launchers_not_a_preemption(tmp_path) -> None:
+    """Started by plain `torchrun` (no `train --nproc`, no Slurm marker), blocked in C++ when torchrun SIGTERMs it
+    because a peer failed: after the grace it says it was stopped by the launcher (another rank failed first?) and
+    ends 143, no marker — the watch's own thread used to say "requeued" and end 75."""
+    blocked = ("import datetime\nfrom torch.distributed import TCPStore\n"
+               "from megatron_ppo.train.preemption import watching\n"
+               "store = TCPStore('127.0.0.1', 0, 1, True, timeout=datetime.timedelta(seconds=60))\n"
+               "with watching():\n    print('waiting', flush=True)\n"
+               "    store.wait(['never'], datetime.timedelta(seconds=60))\n")  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key not in (OUTCOME_DIR, MARKER_ENV)}
+    env |= {"TORCHELASTIC_RUN_ID": "plain", "RANK": "0", "WORLD_SIZE": "1"}
+    process = subprocess.Popen([sys.executable, "-c", blocked], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert process.stdout.readline() == "waiting\n"
+    time.sleep(0.5)  # in the store's wait
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=40) == 128 + signal.SIGTERM
+    said = process.stderr.read()
+    assert "stopped by SIGTERM from the launcher before training (another rank failed first?" in said, said
+    assert "requeued" not in said and not list(tmp_path.iterdir()), said
+
+
 def test_a_signal_before_training_is_heard_while_the_main_thread_is_blocked_in_cpp(tmp_path) -> None:
     """The signal comes while the main thread waits in C++ for a peer the same signal stopped (here a TCP store's
     wait for a key no one sets): the Python handler cannot run until that returns, so the watch's own thread hears

@@ -18,10 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_ppo"
 
 # Lower layers never import higher ones; modules of one layer may import each other.
 LAYERS: dict[str, int] = {
-    "deferred_compile": 0,  # installed by the package's __init__, before anything imports Megatron; imports only torch
-    "lazy_modules": 0,  # installed by the package's __init__ too; imports only the standard library
-    "import_gc": 0,  # the command line's and the launcher's heavy imports; imports only the standard library
-    "early_signals": 0,  # held by the package's __init__ before anything else is imported; standard library only
+    "startup": 0,  # run by the package's __init__ before anything else of it: the standard library and torch only
     "algo": 0,
     "config": 1,
     "data": 2,

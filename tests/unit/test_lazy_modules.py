@@ -1,5 +1,6 @@
-"""`megatron_ppo.lazy_modules`: W&B, which Megatron-Core imports with its timers, bound at once and executed at its
-first use — in place, so Megatron's reference is the real module then — and not at all in a run that never uses it."""
+"""`megatron_ppo.startup.lazy_modules`: W&B, which Megatron-Core imports with its timers, bound at once and executed at
+its first use — in place, so Megatron's reference is the real module then — and not at all in a run that never uses
+it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ppo import lazy_modules
+from megatron_ppo.startup import lazy_modules
 from tests.support.fresh_process import assert_in_a_fresh_process
 
 

@@ -23,6 +23,16 @@ from types import FrameType
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later"
 MARKER_ENV = "MEGATRON_PPO_PREEMPTED_MARKER"  # the file the batch script requeues on (`slurm/ppo.sbatch`)
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+OUTCOME_DIR = "MEGATRON_PPO_OUTCOME_DIR"  # set by `train --nproc`'s launcher for its workers (`launcher.py`)
+
+
+def stopped_by_plain_torchrun() -> bool:
+    """Whether a stop signal before training most likely came from plain `torchrun` ending the others because one
+    rank failed (started by torchrun, not by `train --nproc`, and no requeue marker to write: no Slurm job's) — not a
+    preemption."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and OUTCOME_DIR not in os.environ and MARKER_ENV not in os.environ
+
+
 _received: list[int] = []
 
 
