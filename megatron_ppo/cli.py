@@ -21,7 +21,7 @@ from megatron_ppo.checkpoint.verify import CheckpointError
 from megatron_ppo.config import ConfigError, load_config
 from megatron_ppo.config.errors import UserError
 from megatron_ppo.launcher import NPROC, tell_user
-from megatron_ppo.startup.early_signals import OUTCOME_DIR, stopped_by_plain_torchrun
+from megatron_ppo.startup.early_signals import started_by_plain_torchrun, stopped_by_plain_torchrun
 from megatron_ppo.startup.import_gc import imports_without_gc
 
 if TYPE_CHECKING:
@@ -531,11 +531,6 @@ BUG = "this is a bug in megatron-ppo, not in your config or data: please report 
 RANK_0_SAYS_WITHIN_S = 10.0
 
 
-def _under_plain_torchrun() -> bool:
-    """Started by `torchrun` itself, not by `train --nproc` (whose workers tell it their outcome)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and OUTCOME_DIR not in os.environ
-
-
 def _say_error(text: str) -> int:
     """A user error's `error:` block, said once, and exit 2. Plain torchrun SIGTERMs every other rank as soon as one
     exits: a rank other than 0 that met the error first would leave rank 0 — the one that says it — stopped in its
@@ -544,7 +539,7 @@ def _say_error(text: str) -> int:
     that says it ignores SIGTERM from then on: it finishes its exit."""
     from megatron_ppo.parallel import dist_env_from_environment
 
-    if not _under_plain_torchrun() or dist_env_from_environment().rank == 0:
+    if not started_by_plain_torchrun() or dist_env_from_environment().rank == 0:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return tell_user(2, text)

@@ -57,7 +57,7 @@ def _share_read(checkpoint: Path, digests: dict[str, str], sizes: dict[str, int]
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = verify.shares({name: sizes.get(name, 0) for name in digests}, world)[rank]
     try:
-        found: tuple[list[str], str | None] = (verify.differing(checkpoint, {n: digests[n] for n in mine}, sizes), None)
+        found: tuple[list[str], str | None] = (verify.differing(checkpoint, {n: digests[n] for n in mine}), None)
     except OSError as error:
         found = ([], str(error))
     everyone: list = [found] if world == 1 else [None] * world

@@ -113,7 +113,8 @@ def corruption(checkpoint: Path) -> str | None:
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None  # `damage` names an unreadable manifest
     try:
-        differ = (SHARED_READING.get() or differing)(checkpoint, digests, sizes)
+        shared = SHARED_READING.get()
+        differ = differing(checkpoint, digests) if shared is None else shared(checkpoint, digests, sizes)
     except OSError as error:
         return f"a file cannot be read ({error})"
     if not differ:
@@ -127,10 +128,9 @@ def corruption(checkpoint: Path) -> str | None:
     )
 
 
-def differing(checkpoint: Path, digests: dict[str, str], sizes: dict[str, int]) -> list[str]:
+def differing(checkpoint: Path, digests: dict[str, str]) -> list[str]:
     """The files of `digests` (name → recorded digest) under `checkpoint` whose bytes hash otherwise, sorted; an
-    `OSError` when one cannot be read. `sizes` (name → bytes): unused here, the shares' weights where the job reads
-    together."""
+    `OSError` when one cannot be read."""
     names = sorted(digests)
     found = _hashed(checkpoint, names)
     return [name for name, digest in zip(names, found, strict=True) if digest != digests[name]]
@@ -148,7 +148,7 @@ def shares(sizes: dict[str, int], parts: int) -> list[list[str]]:
 
 
 # How `corruption` reads a checkpoint's files: unset, all here (`differing`); inside `proof.proving_together`, a share
-# on each rank of the job.
+# on each rank of the job, weighed by the files' sizes (name → bytes).
 SHARED_READING: ContextVar[Callable[[Path, dict[str, str], dict[str, int]], list[str]] | None] = ContextVar(
     "SHARED_READING", default=None
 )

@@ -26,11 +26,15 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 OUTCOME_DIR = "MEGATRON_PPO_OUTCOME_DIR"  # set by `train --nproc`'s launcher for its workers (`launcher.py`)
 
 
+def started_by_plain_torchrun() -> bool:
+    """Started by `torchrun` itself, not by `train --nproc` (whose workers tell it their outcome)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and OUTCOME_DIR not in os.environ
+
+
 def stopped_by_plain_torchrun() -> bool:
     """Whether a stop signal before training most likely came from plain `torchrun` ending the others because one
-    rank failed (started by torchrun, not by `train --nproc`, and no requeue marker to write: no Slurm job's) — not a
-    preemption."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and OUTCOME_DIR not in os.environ and MARKER_ENV not in os.environ
+    rank failed (`started_by_plain_torchrun`, and no requeue marker to write: no Slurm job's) — not a preemption."""
+    return started_by_plain_torchrun() and MARKER_ENV not in os.environ
 
 
 _received: list[int] = []

@@ -429,9 +429,9 @@ def proven_together(rank: int, world_size: int, root: str) -> dict[str, Any]:
     hashed: list[str] = []
     differing = verify.differing
 
-    def counted(path, digests, sizes):
+    def counted(path, digests):
         hashed.extend(digests)
-        return differing(path, digests, sizes)
+        return differing(path, digests)
 
     verify.differing = counted
     try:

@@ -101,11 +101,14 @@ def test_under_plain_torchrun_a_stuck_stop_before_training_is_the_launchers_not_
     """Started by plain `torchrun` (no `train --nproc`, no Slurm marker), blocked in C++ when torchrun SIGTERMs it
     because a peer failed: after the grace it says it was stopped by the launcher (another rank failed first?) and
     ends 143, no marker — the watch's own thread used to say "requeued" and end 75."""
-    blocked = ("import datetime\nfrom torch.distributed import TCPStore\n"
-               "from megatron_ppo.train.preemption import watching\n"
-               "store = TCPStore('127.0.0.1', 0, 1, True, timeout=datetime.timedelta(seconds=60))\n"
-               "with watching():\n    print('waiting', flush=True)\n"
-               "    store.wait(['never'], datetime.timedelta(seconds=60))\n")  # fmt: skip
+    blocked = (
+        "import datetime\nfrom torch.distributed import TCPStore\n"
+        "from megatron_ppo.train.preemption import watching\n"
+        "store = TCPStore('127.0.0.1', 0, 1, True, timeout=datetime.timedelta(seconds=60))\n"
+        "import time\ntry:\n    with watching():\n        print('waiting', flush=True)\n"
+        "        store.wait(['never'], datetime.timedelta(seconds=60))\n"
+        "except BaseException:\n    time.sleep(30)\n"
+    )  # on a loaded machine the signal may come before the wait: the process is then stuck in the sleep
     env = {key: value for key, value in os.environ.items() if key not in (OUTCOME_DIR, MARKER_ENV)}
     env |= {"TORCHELASTIC_RUN_ID": "plain", "RANK": "0", "WORLD_SIZE": "1"}
     process = subprocess.Popen([sys.executable, "-c", blocked], env=env, stdout=subprocess.PIPE,
